@@ -1,0 +1,31 @@
+# The two commands that matter: `make demo` (the main job) and `make test`.
+# Both build the environment on first use (scripts/setup_env.sh).
+PROFILE ?= cpu
+PY := .venv/bin/python
+PYTEST_ARGS ?=
+DEMO_ARGS ?=
+
+.PHONY: setup demo test test-fast lock patches-check clean
+
+setup:
+	@scripts/setup_env.sh $(PROFILE)
+
+demo: setup
+	$(PY) scripts/demo.py $(DEMO_ARGS)
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Pure-logic tests only: no SGLang servers.
+test-fast: setup
+	$(PY) -m pytest -m "not integration" $(PYTEST_ARGS)
+
+patches-check: setup
+	$(PY) scripts/apply_patches.py --check
+
+# Re-resolve requirements/cpu.lock from requirements/cpu.in (needs network access to the index).
+lock:
+	scripts/lock_cpu.sh
+
+clean:
+	rm -rf out .pytest_cache

@@ -1,0 +1,34 @@
+"""State that PDD adds to SGLang's ``/server_info`` (``internal_states[i]["pdd"]``).
+
+Tests and benchmarks read it from outside the server process: KV pool occupancy and radix-tree
+locks (to assert that nothing leaks), and the sender-side transfer ledger.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdd_sglang.transfer_accounting import LEDGER
+
+
+def pool_state(scheduler: Any) -> dict:
+    tree = scheduler.tree_cache
+    allocator = scheduler.token_to_kv_pool_allocator
+    available = int(allocator.available_size())
+    evictable = int(tree.evictable_size())
+    total = int(scheduler.max_total_num_tokens)
+    return {
+        "max_total_num_tokens": total,
+        "available_tokens": available,
+        # Held by the radix tree but free to evict: a cache, not a leak.
+        "evictable_tokens": evictable,
+        # Held by a lock_ref > 0 on a tree node: must be 0 when the server is idle.
+        "locked_tokens": int(tree.protected_size()),
+        # Neither free nor cached: held by live requests. Must be 0 when idle.
+        "in_use_tokens": total - available - evictable,
+        "free_request_slots": int(scheduler.req_to_token_pool.available_size()),
+    }
+
+
+def add_pdd_state(scheduler: Any, state: dict) -> None:
+    state["pdd"] = {"pool": pool_state(scheduler), "transfers": LEDGER.snapshot()}

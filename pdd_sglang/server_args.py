@@ -1,0 +1,129 @@
+"""PDD's server flags, declared as a typed namespace of SGLang's own argument groups.
+
+``patches/0001`` appends :class:`PddArgs` to SGLang's input namespaces, so ``--pdd-role`` and the
+other PDD flags appear in ``python -m sglang.launch_server --help`` beside the PD flags, and are
+resolved in SGLang's ``handle_pd_disaggregation`` step by :func:`resolve_pdd_server_args`.
+
+A role is a deployment position, and each maps onto SGLang's own disaggregation mode:
+
+=========  ======================  ==================================================
+role       disaggregation mode     what it implies
+=========  ======================  ==================================================
+prefill    prefill                 fans KV out to relay and main
+relay      decode                  no decode radix cache: a relay hides latency, it is not a cache
+main       decode                  decode radix cache on (only the unmatched suffix crosses the WAN)
+=========  ======================  ==================================================
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+import msgspec
+from sglang.srt.arg_groups.arg_utils import A
+
+ROLE_TO_DISAGGREGATION_MODE = {"prefill": "prefill", "relay": "decode", "main": "decode"}
+# Mooncake is the transport PDD's dual-path transfer is built on (an RDMA engine beside P, a TCP
+# engine across the WAN); other backends have no per-destination engine to configure.
+PDD_TRANSFER_BACKENDS = ("mooncake", "mooncake_tcp")
+
+
+class PddArgs(msgspec.Struct):
+    """Namespace ``disagg.pdd``: cross-datacenter Prefill / Relay-decode / Main-decode."""
+
+    _NS_PATH = "disagg.pdd"
+
+    pdd_role: A[
+        Optional[Literal["prefill", "relay", "main"]],
+        "PDD (cross-datacenter PD) role of this server. 'prefill' runs as a PD prefill server; "
+        "'relay' as a decode server beside prefill that decodes eagerly and hands off to main; "
+        "'main' as a decode server across the WAN with the decode radix cache on. "
+        "Implies --disaggregation-mode. Default: not a PDD server.",
+    ] = None
+
+
+class PddConfigError(ValueError):
+    """A PDD flag contradicts another flag; the message names both."""
+
+
+def resolve_pdd_server_args(server_args: Any) -> None:
+    """Map ``--pdd-role`` onto SGLang's PD flags, or refuse contradictions.
+
+    Runs first in SGLang's ``handle_pd_disaggregation`` step, before anything reads
+    ``disaggregation_mode``. Only decisions are declared (SGLang's ``declare_resolution``); the
+    user's raw inputs are left as given, so ``/server_info`` shows both.
+    """
+    from sglang.srt.arg_groups.overrides import declare_resolution, resolving_view
+
+    cfg = resolving_view(server_args)
+    role = cfg.pdd_role
+    if role is None:
+        return
+    decisions = _decide(
+        role=role,
+        disaggregation_mode=cfg.disaggregation_mode,
+        transfer_backend=cfg.disaggregation_transfer_backend,
+        decode_radix_cache=cfg.disaggregation_decode_enable_radix_cache,
+    )
+    check_transfer_engine()
+    if decisions:
+        declare_resolution(server_args, "resolve_pdd_server_args", **decisions)
+
+
+def check_transfer_engine(import_engine=None) -> None:
+    """Fail at start, in one line, if Mooncake's transfer engine cannot load.
+
+    Without this, a missing shared library surfaces minutes later as a traceback deep inside the
+    scheduler's KV manager.
+    """
+    if import_engine is None:
+        def import_engine():
+            import mooncake.engine  # noqa: F401
+    try:
+        import_engine()
+    except ImportError as err:
+        if "libibverbs" in str(err):
+            raise PddConfigError(
+                "Mooncake's transfer engine needs libibverbs.so.1, even over TCP; install the "
+                "Debian package libibverbs1 (make setup does it)."
+            ) from err
+        raise PddConfigError(
+            f"Mooncake's transfer engine could not be imported ({err}). Install the CPU profile "
+            "(mooncake-transfer-engine-non-cuda) or the GPU one (mooncake-transfer-engine) with "
+            "make setup."
+        ) from err
+
+
+def _decide(
+    *, role: str, disaggregation_mode: str, transfer_backend: str, decode_radix_cache: bool
+) -> dict:
+    """Pure decision table behind :func:`resolve_pdd_server_args` (unit-tested directly)."""
+    if role not in ROLE_TO_DISAGGREGATION_MODE:
+        raise PddConfigError(
+            f"--pdd-role {role!r} is unknown; choose one of {sorted(ROLE_TO_DISAGGREGATION_MODE)}"
+        )
+    mode = ROLE_TO_DISAGGREGATION_MODE[role]
+    decisions: dict = {}
+    if disaggregation_mode == "null":
+        decisions["disaggregation_mode"] = mode
+    elif disaggregation_mode != mode:
+        raise PddConfigError(
+            f"--pdd-role {role} runs as a PD {mode} server, but --disaggregation-mode "
+            f"{disaggregation_mode} was given. Drop --disaggregation-mode (the role implies it) "
+            f"or set it to {mode}."
+        )
+    if transfer_backend not in PDD_TRANSFER_BACKENDS:
+        raise PddConfigError(
+            f"--pdd-role {role} needs a Mooncake transfer backend, but "
+            f"--disaggregation-transfer-backend {transfer_backend} was given. Use "
+            f"{' or '.join(PDD_TRANSFER_BACKENDS)}."
+        )
+    if role == "relay" and decode_radix_cache:
+        raise PddConfigError(
+            "--pdd-role relay keeps no long-lived cache (it only hides WAN latency), but "
+            "--disaggregation-decode-enable-radix-cache was given. Drop that flag on the relay; "
+            "the decode radix cache belongs on --pdd-role main."
+        )
+    if role == "main" and not decode_radix_cache:
+        decisions["disaggregation_decode_enable_radix_cache"] = True
+    return decisions

@@ -1,0 +1,222 @@
+"""Real SGLang servers for tests and demos: start on free ports, wait, read state, always stop.
+
+Each server is a ``python -m sglang.launch_server`` process in its own process group, logging to a
+file. ``Cluster`` starts several at once (startup dominates on 2 cores) and stops every one of
+them on every exit path: normal exit, an exception, a failed start, or interpreter exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Optional
+
+# The CPU profile's serving settings: SGLang's CPU engine with the torch-native attention backend
+# and float32, so greedy tokens are reproducible across processes and batch shapes.
+CPU_SERVER_ARGS = (
+    "--device", "cpu",
+    "--attention-backend", "torch_native",
+    "--dtype", "float32",
+    "--skip-server-warmup",
+    "--disable-cuda-graph",
+    # Idle schedulers otherwise busy-poll; several servers share 2 cores here.
+    "--sleep-on-idle",
+)
+CPU_SERVER_ENV = {
+    "SGLANG_USE_CPU_ENGINE": "1",
+    # SGLang's own idle-time leak check: a leaked KV slot raises instead of warning.
+    "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1",
+}
+_LIVE: set["SGLangServer"] = set()
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerStartError(RuntimeError):
+    pass
+
+
+@dataclass(eq=False)
+class SGLangServer:
+    name: str
+    model_path: Path
+    log_dir: Path
+    extra_args: tuple = ()
+    host: str = "127.0.0.1"
+    max_total_tokens: int = 20000
+    env: dict = field(default_factory=dict)
+    # Command prefix to run the server elsewhere, e.g. inside a network namespace.
+    exec_prefix: tuple = ()
+    port: int = field(default_factory=free_port)
+    process: Optional[subprocess.Popen] = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.log_dir / f"{self.name}.log"
+
+    def command(self) -> list[str]:
+        return [
+            *self.exec_prefix,
+            sys.executable, "-m", "sglang.launch_server",
+            "--model-path", str(self.model_path),
+            "--host", self.host,
+            "--port", str(self.port),
+            "--max-total-tokens", str(self.max_total_tokens),
+            *CPU_SERVER_ARGS,
+            *self.extra_args,
+        ]
+
+    def start(self) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **CPU_SERVER_ENV, **self.env}
+        log = open(self.log_path, "ab")
+        try:
+            log.write(f"$ {' '.join(self.command())}\n".encode())
+            log.flush()
+            self.process = subprocess.Popen(
+                self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
+                start_new_session=True,
+            )
+        finally:
+            log.close()
+        _LIVE.add(self)
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                raise ServerStartError(
+                    f"{self.name} exited with code {self.process.returncode} during start-up; "
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            time.sleep(1.0)
+        raise ServerStartError(
+            f"{self.name} not ready after {timeout_s:.0f} s; log {self.log_path}:\n{self.log_tail()}"
+        )
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        proc, self.process = self.process, None
+        _LIVE.discard(self)
+        if proc is None or proc.poll() is not None:
+            return
+        # SGLang forks a scheduler and a detokenizer; signal the whole group.
+        _signal_group(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        _signal_group(proc.pid, signal.SIGKILL)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            return "(no log)"
+        # SGLang prints the whole server_args dict on one line: useless in a failure tail.
+        text = [line for line in text if "server_args=" not in line]
+        return "\n".join(text[-lines:])
+
+    # ---- HTTP helpers -------------------------------------------------------------------
+    def get_json(self, path: str, timeout_s: float = 30.0):
+        with urllib.request.urlopen(self.url + path, timeout=timeout_s) as resp:
+            return json.loads(resp.read())
+
+    def post_json(self, path: str, body: dict, timeout_s: float = 300.0):
+        request = urllib.request.Request(
+            self.url + path, data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+            return json.loads(resp.read())
+
+    def pdd_state(self) -> dict:
+        """PDD's part of /server_info (patch 0004): pool occupancy and transfer ledger."""
+        states = self.get_json("/server_info")["internal_states"]
+        return states[0]["pdd"]
+
+    def wait_idle(self, timeout_s: float = 60.0) -> dict:
+        """Wait until no request holds KV or tree locks; return the pool state seen last."""
+        deadline = time.monotonic() + timeout_s
+        pool = self.pdd_state()["pool"]
+        while time.monotonic() < deadline:
+            if pool["in_use_tokens"] == 0 and pool["locked_tokens"] == 0:
+                return pool
+            time.sleep(0.5)
+            pool = self.pdd_state()["pool"]
+        return pool
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class Cluster:
+    """Start servers together and stop them all, whatever happens."""
+
+    def __init__(self, servers: Iterable[SGLangServer], ready_timeout_s: float = 420.0):
+        self.servers = {server.name: server for server in servers}
+        self.ready_timeout_s = ready_timeout_s
+
+    def __getitem__(self, name: str) -> SGLangServer:
+        return self.servers[name]
+
+    def __enter__(self) -> "Cluster":
+        try:
+            for server in self.servers.values():
+                server.start()
+            for server in self.servers.values():
+                server.wait_ready(self.ready_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        for server in self.servers.values():
+            server.stop()
+
+    def dead_servers(self) -> list[str]:
+        return [name for name, server in self.servers.items() if not server.alive()]
+
+
+@atexit.register
+def _stop_leftovers() -> None:
+    for server in list(_LIVE):
+        server.stop(grace_s=5.0)

@@ -1,0 +1,89 @@
+"""Bytes and pages that a prefill server hands to Mooncake, per destination and per request.
+
+Measured at the sender, on the lengths passed to Mooncake's batch transfer, so the figures that
+benchmarks and the paper's plots read are what crossed the wire, not a count inferred from token
+totals. The transfer worker opens a scope (room, destination session) before it sends a request's
+chunk, and SGLang's aux path (the first output token and its metadata) opens an aux scope; every
+batch written inside a scope is charged to it, KV and aux apart. Batches written in another thread
+(Mooncake's custom-memory-pool path fans layers out to an executor) are charged to the destination
+alone.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+
+# Enough for every request of a test or benchmark run; old rooms fall out first.
+MAX_TRACKED_REQUESTS = 8192
+
+
+@dataclass
+class TransferCount:
+    bytes: int = 0  # KV pages only
+    pages: int = 0
+    batches: int = 0
+    aux_bytes: int = 0  # SGLang's per-request metadata (first token, logprobs)
+
+    def charge(self, kind: str, nbytes: int) -> None:
+        if kind == "aux":
+            self.aux_bytes += nbytes
+        else:
+            self.bytes += nbytes
+            self.batches += 1
+
+
+class TransferLedger:
+    def __init__(self, max_tracked_requests: int = MAX_TRACKED_REQUESTS):
+        self._lock = threading.Lock()
+        self._scope = threading.local()
+        self._max_tracked = max_tracked_requests
+        self._by_destination: dict[str, TransferCount] = {}
+        self._by_request: OrderedDict[tuple[int, str], TransferCount] = OrderedDict()
+
+    def begin(self, room: int, destination: str, pages: int) -> None:
+        """Open the scope of one chunk of one request to one destination."""
+        self._scope.key = (int(room), str(destination))
+        self._scope.kind = "kv"
+        with self._lock:
+            self._request(self._scope.key).pages += int(pages)
+            self._destination(str(destination)).pages += int(pages)
+
+    def begin_aux(self, room: int, destination: str) -> None:
+        """Open the scope of one request's aux metadata to one destination."""
+        self._scope.key = (int(room), str(destination))
+        self._scope.kind = "aux"
+
+    def record_batch(self, destination: str, lengths) -> None:
+        nbytes = int(sum(lengths))
+        key = getattr(self._scope, "key", None)
+        kind = getattr(self._scope, "kind", "kv")
+        with self._lock:
+            self._destination(str(destination)).charge(kind, nbytes)
+            if key is not None and key[1] == str(destination):
+                self._request(key).charge(kind, nbytes)
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {
+                "by_destination": {k: asdict(v) for k, v in self._by_destination.items()},
+                "by_request": [
+                    {"room": room, "destination": dest, **asdict(count)}
+                    for (room, dest), count in self._by_request.items()
+                ],
+            }
+
+    def _destination(self, destination: str) -> TransferCount:
+        return self._by_destination.setdefault(destination, TransferCount())
+
+    def _request(self, key: tuple[int, str]) -> TransferCount:
+        count = self._by_request.get(key)
+        if count is None:
+            count = self._by_request[key] = TransferCount()
+            while len(self._by_request) > self._max_tracked:
+                self._by_request.popitem(last=False)
+        return count
+
+
+LEDGER = TransferLedger()

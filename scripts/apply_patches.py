@@ -1,0 +1,262 @@
+#!/usr/bin/env python3
+"""Apply pdd-sglang's patch series to the installed sglang, check it, or revert it.
+
+    python scripts/apply_patches.py            # apply (idempotent)
+    python scripts/apply_patches.py --check    # verify only; exit 1 unless fully applied
+    python scripts/apply_patches.py --revert   # restore the installed files
+
+Each file that the series touches is in one of three states, decided from the hashes that pip
+recorded when it installed the wheel (the dist-info RECORD):
+
+* pristine: its hash equals RECORD's;
+* patched: reverse-applying the series' hunks for it gives RECORD's hash back;
+* foreign: neither (edited by hand, or another version): we refuse and change nothing.
+
+All work happens on copies in a temporary directory; the installed files are replaced (one atomic
+rename each) only after every hunk of the series has applied cleanly, so no run leaves the tree
+half-patched. GNU patch does the patching, with fuzz 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import hashlib
+import importlib.metadata
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PATCH_DIR = REPO / "patches"
+
+
+class PatchError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class FileHunks:
+    patch_name: str
+    path: str  # relative to site-packages, e.g. sglang/srt/server_args.py
+    text: str  # one file's section of a unified diff
+
+
+def read_upstream(patch_dir: Path = PATCH_DIR) -> dict:
+    fields = {}
+    for line in (patch_dir / "UPSTREAM").read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            fields[key.strip()] = value.strip()
+    return fields
+
+
+def read_series(patch_dir: Path = PATCH_DIR) -> list[str]:
+    names = [
+        line.strip()
+        for line in (patch_dir / "series").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    for name in names:
+        if not (patch_dir / name).is_file():
+            raise PatchError(f"patches/series names {name}, which is not in patches/")
+    return names
+
+
+def split_patch(name: str, text: str) -> list[FileHunks]:
+    """One patch file into per-file sections (the DEP-3 header before the first diff is skipped)."""
+    sections = re.split(r"(?m)^(?=--- a/)", text)
+    hunks = []
+    for section in sections[1:]:
+        match = re.search(r"(?m)^\+\+\+ b/(\S+)", section)
+        if not match:
+            raise PatchError(f"{name}: a '--- a/' line without its '+++ b/' line")
+        hunks.append(FileHunks(name, match.group(1), section))
+    if not hunks:
+        raise PatchError(f"{name} contains no unified diff")
+    return hunks
+
+
+def dep3_header(text: str) -> dict:
+    header = text.split("\n---\n", 1)[0]
+    return dict(
+        (key.strip(), value.strip())
+        for key, _, value in (line.partition(":") for line in header.splitlines())
+        if value
+    )
+
+
+def record_hashes(dist: importlib.metadata.Distribution) -> dict[str, str]:
+    """sha256 (hex) of each installed file, as pip recorded it from the wheel."""
+    hashes = {}
+    for entry in dist.files or []:
+        if entry.hash is not None and entry.hash.mode == "sha256":
+            raw = base64.urlsafe_b64decode(entry.hash.value + "=" * (-len(entry.hash.value) % 4))
+            hashes[str(entry).replace(os.sep, "/")] = raw.hex()
+    return hashes
+
+
+def sha256_hex(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def run_patch(workdir: Path, hunks: FileHunks, reverse: bool) -> None:
+    cmd = ["patch", "-p1", "--batch", "--fuzz=0", "--no-backup-if-mismatch", "--quiet"]
+    if reverse:
+        cmd.append("--reverse")
+    try:
+        proc = subprocess.run(cmd, cwd=workdir, input=hunks.text, text=True, capture_output=True)
+    except FileNotFoundError:
+        raise PatchError("GNU patch is not installed (Debian package 'patch'); run make setup")
+    if proc.returncode != 0:
+        action = "reverse" if reverse else "apply"
+        raise PatchError(
+            f"{hunks.patch_name}: could not {action} its hunks for {hunks.path}:\n"
+            f"{(proc.stdout + proc.stderr).strip()}"
+        )
+
+
+class Installation:
+    def __init__(self, patch_dir: Path = PATCH_DIR, site_packages: Path | None = None):
+        self.upstream = read_upstream(patch_dir)
+        self.package = self.upstream["package"]
+        if site_packages is None:
+            spec = importlib.util.find_spec(self.package)
+            if spec is None or not spec.submodule_search_locations:
+                raise PatchError(f"{self.package} is not installed in {sys.executable}")
+            site_packages = Path(list(spec.submodule_search_locations)[0]).parent
+        self.site_packages = Path(site_packages)
+        dists = list(importlib.metadata.distributions(name=self.package, path=[str(site_packages)]))
+        if not dists:
+            raise PatchError(f"no {self.package} distribution metadata in {site_packages}")
+        installed = dists[0].version
+        if installed != self.upstream["version"]:
+            raise PatchError(
+                f"patches/ is for {self.package} {self.upstream['version']}, but "
+                f"{self.package} {installed} is installed at {self.site_packages}. Nothing was "
+                "changed. To port the series to another release, see CONTRIBUTING.md."
+            )
+        self.series = read_series(patch_dir)
+        self.hunks = [h for name in self.series for h in split_patch(name, (patch_dir / name).read_text())]
+        self.recorded = record_hashes(dists[0])
+        self.paths = list(dict.fromkeys(h.path for h in self.hunks))
+        for path in self.paths:
+            if path not in self.recorded:
+                raise PatchError(f"{path} is not a file of {self.package} {installed}")
+
+    def hunks_for(self, path: str) -> list[FileHunks]:
+        return [h for h in self.hunks if h.path == path]
+
+    def states(self, workdir: Path) -> dict[str, str]:
+        """pristine / patched / foreign for every touched file (works on copies in workdir)."""
+        states = {}
+        for path in self.paths:
+            copy = workdir / "probe" / path
+            copy.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(self.site_packages / path, copy)
+            if sha256_hex(copy) == self.recorded[path]:
+                states[path] = "pristine"
+                continue
+            try:
+                for hunks in reversed(self.hunks_for(path)):
+                    run_patch(workdir / "probe", hunks, reverse=True)
+                states[path] = "patched" if sha256_hex(copy) == self.recorded[path] else "foreign"
+            except PatchError:
+                states[path] = "foreign"
+        return states
+
+    def transform(self, workdir: Path, paths: list[str], reverse: bool) -> dict[str, Path]:
+        """Patched (or reverted) copies of ``paths``, built wholly before anything is installed."""
+        out = {}
+        for path in paths:
+            copy = workdir / "build" / path
+            copy.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(self.site_packages / path, copy)
+            out[path] = copy
+        order = list(reversed(self.hunks)) if reverse else self.hunks
+        for hunks in order:
+            if hunks.path in out:
+                run_patch(workdir / "build", hunks, reverse=reverse)
+        if reverse:
+            for path, copy in out.items():
+                if sha256_hex(copy) != self.recorded[path]:
+                    raise PatchError(f"reverting {path} did not restore the wheel's file")
+        return out
+
+    def install(self, built: dict[str, Path]) -> None:
+        for path, copy in built.items():
+            target = self.site_packages / path
+            staged = target.with_name(target.name + ".pdd-new")
+            shutil.copyfile(copy, staged)
+            shutil.copymode(target, staged)
+            os.replace(staged, target)
+
+
+def refuse_foreign(states: dict[str, str]) -> None:
+    foreign = [p for p, s in states.items() if s == "foreign"]
+    if foreign:
+        raise PatchError(
+            "these installed files match neither the wheel nor the patched result, so they were "
+            "modified by something else; nothing was changed: " + ", ".join(foreign)
+            + ". Reinstall sglang (make setup) and apply again."
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--check", action="store_true", help="verify only; exit 1 unless applied")
+    mode.add_argument("--revert", action="store_true", help="restore the installed files")
+    parser.add_argument("--patch-dir", type=Path, default=PATCH_DIR, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--site-packages", type=Path, default=None,
+        help="patch the sglang under this directory instead of the importable one",
+    )
+    args = parser.parse_args(argv)
+    try:
+        inst = Installation(args.patch_dir, args.site_packages)
+        with tempfile.TemporaryDirectory(prefix="pdd-patches-") as tmp:
+            workdir = Path(tmp)
+            states = inst.states(workdir)
+            refuse_foreign(states)
+            if args.check:
+                return report_check(inst, states)
+            if args.revert:
+                todo = [p for p, s in states.items() if s == "patched"]
+                inst.install(inst.transform(workdir, todo, reverse=True))
+                print(f"reverted {len(todo)} file(s); {inst.package} is as the wheel installed it")
+                return 0
+            todo = [p for p, s in states.items() if s == "pristine"]
+            inst.install(inst.transform(workdir, todo, reverse=False))
+            print(
+                f"applied {len(inst.series)} patch(es) to {inst.package} "
+                f"{inst.upstream['version']} at {inst.site_packages} "
+                f"({len(todo)} file(s) changed, {len(states) - len(todo)} already patched)"
+            )
+            return 0
+    except PatchError as err:
+        print(f"apply_patches: {err}", file=sys.stderr)
+        return 2
+
+
+def report_check(inst: Installation, states: dict[str, str]) -> int:
+    for name in inst.series:
+        paths = sorted({h.path for h in inst.hunks if h.patch_name == name})
+        status = "applied" if all(states[p] == "patched" for p in paths) else "NOT applied"
+        print(f"{name}: {status}")
+    if all(s == "patched" for s in states.values()):
+        print(f"all {len(inst.series)} patches applied to {inst.package} {inst.upstream['version']}")
+        return 0
+    print("the series is not applied; run scripts/apply_patches.py", file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""Every SGLang symbol that our patches hook or pdd_sglang calls still exists in the pinned release.
+
+Checked on the source of the installed sglang with ``ast`` (no import, so no GPU is needed and
+nothing heavy loads). When an upstream refactor moves one of these, this test names it before a
+server fails at run time.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import re
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SRT = Path(importlib.metadata.distribution("sglang").locate_file("sglang/srt"))
+
+# (file under sglang/srt, dotted name: Class.method, Class.attr, function or module constant)
+HOOKED_SYMBOLS = [
+    # 0001: the flag namespace and its resolution
+    ("server_args.py", "_INPUT_NAMESPACES"),
+    ("arg_groups/pd_disaggregation_hook.py", "handle_pd_disaggregation"),
+    ("arg_groups/arg_utils.py", "A"),
+    ("arg_groups/overrides.py", "declare_resolution"),
+    ("arg_groups/overrides.py", "resolving_view"),
+    ("arg_groups/fields/disagg.py", "Disagg.disaggregation_mode"),
+    ("arg_groups/fields/disagg.py", "Disagg.disaggregation_transfer_backend"),
+    ("arg_groups/fields/disagg.py", "Disagg.disaggregation_decode_enable_radix_cache"),
+    # 0002: the Mooncake sender's host-index path
+    ("disaggregation/mooncake/conn.py", "MooncakeKVSender.supports_host_tensor_indices"),
+    ("disaggregation/prefill.py", "SchedulerDisaggregationPrefillMixin.send_kv_chunk"),
+    # 0003: the transfer ledger
+    ("disaggregation/mooncake/conn.py", "MooncakeKVManager._transfer_data"),
+    ("disaggregation/mooncake/conn.py", "MooncakeKVManager.transfer_worker"),
+    ("disaggregation/mooncake/conn.py", "MooncakeKVManager.send_aux"),
+    ("disaggregation/mooncake/conn.py", "TransferInfo.room"),
+    ("disaggregation/mooncake/conn.py", "TransferInfo.mooncake_session_id"),
+    ("disaggregation/mooncake/conn.py", "TransferInfo.is_dummy"),
+    # 0004 and pdd_sglang.observability: pool and tree state
+    ("managers/scheduler_components/internal_state.py",
+     "SchedulerInternalStateController.get_internal_state"),
+    ("mem_cache/unified_radix_cache.py", "UnifiedRadixCache.evictable_size"),
+    ("mem_cache/unified_radix_cache.py", "UnifiedRadixCache.protected_size"),
+    ("mem_cache/radix_cache.py", "RadixCache.evictable_size"),
+    ("mem_cache/radix_cache.py", "RadixCache.protected_size"),
+    ("mem_cache/allocator/token.py", "TokenToKVPoolAllocator.available_size"),
+    ("mem_cache/memory_pool.py", "ReqToTokenPool.available_size"),
+    # Environment switches that the CPU profile and the tests set
+    ("environ.py", "Envs.SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE"),
+]
+
+
+@lru_cache(maxsize=None)
+def definitions(rel: str) -> set[str]:
+    tree = ast.parse((SRT / rel).read_text())
+    names: set[str] = set()
+
+    def visit(body, prefix=""):
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                names.add(prefix + node.name)
+            elif isinstance(node, ast.ClassDef):
+                names.add(prefix + node.name)
+                visit(node.body, prefix + node.name + ".")
+            elif isinstance(node, ast.Assign):
+                for target in node.targets:
+                    if isinstance(target, ast.Name):
+                        names.add(prefix + target.id)
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                names.add(prefix + node.target.id)
+            elif isinstance(node, (ast.ImportFrom, ast.Import)):
+                names.update(prefix + (a.asname or a.name) for a in node.names)
+
+    visit(tree.body)
+    return names
+
+
+@pytest.mark.parametrize("rel, symbol", HOOKED_SYMBOLS, ids=[s for _, s in HOOKED_SYMBOLS])
+def test_hooked_symbol_exists(rel, symbol):
+    assert symbol in definitions(rel), f"sglang/srt/{rel} no longer defines {symbol}"
+
+
+def test_cpu_engine_switch_is_still_read():
+    source = (SRT / "platforms" / "__init__.py").read_text()
+    assert 'os.getenv("SGLANG_USE_CPU_ENGINE"' in source
+
+
+def test_pinned_version_and_hash_agree():
+    upstream = dict(
+        (k.strip(), v.strip())
+        for k, _, v in (
+            line.partition("=") for line in (REPO / "patches" / "UPSTREAM").read_text().splitlines()
+            if line.strip() and not line.startswith("#")
+        )
+    )
+    requirement = (REPO / "requirements" / "sglang.txt").read_text()
+    assert f"sglang=={upstream['version']} --hash=sha256:{upstream['sha256']}" in requirement
+    assert importlib.metadata.version("sglang") == upstream["version"]
+
+
+def test_every_patch_calls_only_the_hooks_module():
+    calls = set()
+    for patch in (REPO / "patches").glob("*.patch"):
+        calls.update(re.findall(r"^\+.*_pdd_hooks\.(\w+)\(", patch.read_text(), flags=re.M))
+    hooks = ast.parse((REPO / "pdd_sglang" / "hooks.py").read_text())
+    defined = {n.name for n in hooks.body if isinstance(n, ast.FunctionDef)}
+    assert calls, "no patch calls pdd_sglang.hooks"
+    assert calls <= defined, f"patches call undefined hooks: {calls - defined}"
