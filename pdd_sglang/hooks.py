@@ -50,3 +50,50 @@ def add_internal_state(scheduler: Any, state: dict) -> None:
     from pdd_sglang.observability import add_pdd_state
 
     add_pdd_state(scheduler, state)
+
+
+# ---- decode side (relay, main): patch 0005 ------------------------------------------------
+def attach_route(receiver: Any, req: Any) -> None:
+    """Keep the request's PDD route (from ``kv_hints``) on its new KV receiver."""
+    from pdd_sglang.decode_destination import attach_route as attach
+
+    attach(receiver, req)
+
+
+def receiver_metadata(receiver: Any, decode_prefix_len) -> tuple:
+    """``(required_dst_info_num, extra_frames)`` for a receiver's transfer metadata."""
+    from pdd_sglang.decode_destination import receiver_metadata as metadata
+
+    return metadata(receiver, decode_prefix_len)
+
+
+# ---- prefill side: patch 0006 -----------------------------------------------------------
+def start_prefill_fanout(kv_mgr: Any) -> None:
+    """Start the WAN transfer path of a prefill KV manager."""
+    from pdd_sglang.prefill_fanout import start_wan_path
+
+    start_wan_path(kv_mgr)
+
+
+def on_destination_registered(kv_mgr: Any, room: int, session: str, frames: list) -> None:
+    kv_mgr.pdd_fanout.on_destination_registered(room, session, frames)
+
+
+def room_send_start(kv_mgr: Any, room: int, transfer_infos: dict) -> int:
+    return kv_mgr.pdd_fanout.room_send_start(room, transfer_infos)
+
+
+def destinations_on_this_path(kv_mgr: Any, kv_chunk: Any, reqs) -> list:
+    return kv_mgr.pdd_fanout.destinations_on_this_path(kv_chunk, list(reqs))
+
+
+def chunk_for_destination(kv_mgr: Any, room_chunk: Any, req: Any) -> Any:
+    return kv_mgr.pdd_fanout.chunk_for_destination(room_chunk, req)
+
+
+def is_pdd_room(kv_mgr: Any, room: int) -> bool:
+    return kv_mgr.pdd_fanout.is_pdd_room(room)
+
+
+def destination_sent(kv_mgr: Any, req: Any, ok: bool) -> None:
+    kv_mgr.pdd_fanout.destination_sent(req, ok)

@@ -41,6 +41,12 @@ class TransferLedger:
         self._max_tracked = max_tracked_requests
         self._by_destination: dict[str, TransferCount] = {}
         self._by_request: OrderedDict[tuple[int, str], TransferCount] = OrderedDict()
+        self._roles: dict[str, str] = {}
+
+    def set_role(self, destination: str, role: str) -> None:
+        """Name a destination session by its PDD role (relay or main) in the figures."""
+        with self._lock:
+            self._roles[str(destination)] = role
 
     def begin(self, room: int, destination: str, pages: int) -> None:
         """Open the scope of one chunk of one request to one destination."""
@@ -66,10 +72,22 @@ class TransferLedger:
 
     def snapshot(self) -> dict:
         with self._lock:
+            by_role: dict[str, TransferCount] = {}
+            for dest, count in self._by_destination.items():
+                total = by_role.setdefault(self._roles.get(dest, "decode"), TransferCount())
+                total.bytes += count.bytes
+                total.pages += count.pages
+                total.batches += count.batches
+                total.aux_bytes += count.aux_bytes
             return {
-                "by_destination": {k: asdict(v) for k, v in self._by_destination.items()},
+                "by_destination": {
+                    k: {"role": self._roles.get(k, "decode"), **asdict(v)}
+                    for k, v in self._by_destination.items()
+                },
+                "by_role": {k: asdict(v) for k, v in by_role.items()},
                 "by_request": [
-                    {"room": room, "destination": dest, **asdict(count)}
+                    {"room": room, "destination": dest, "role": self._roles.get(dest, "decode"),
+                     **asdict(count)}
                     for (room, dest), count in self._by_request.items()
                 ],
             }

@@ -9,8 +9,10 @@ Each file that the series touches is in one of three states, decided from the ha
 recorded when it installed the wheel (the dist-info RECORD):
 
 * pristine: its hash equals RECORD's;
-* patched: reverse-applying the series' hunks for it gives RECORD's hash back;
-* foreign: neither (edited by hand, or another version): we refuse and change nothing.
+* patched, wholly or by the first k of its hunks (an older, shorter series): reverse-applying
+  those hunks gives RECORD's hash back;
+* foreign: neither (edited by hand, another version, or a patch since changed): we refuse and
+  change nothing.
 
 All work happens on copies in a temporary directory; the installed files are replaced (one atomic
 rename each) only after every hunk of the series has applied cleanly, so no run leaves the tree
@@ -154,40 +156,46 @@ class Installation:
     def hunks_for(self, path: str) -> list[FileHunks]:
         return [h for h in self.hunks if h.path == path]
 
-    def states(self, workdir: Path) -> dict[str, str]:
-        """pristine / patched / foreign for every touched file (works on copies in workdir)."""
-        states = {}
+    def states(self, workdir: Path) -> dict[str, int | str]:
+        """For every touched file: how many of its hunks (in series order) are applied, or
+        ``"foreign"``. A file with only the first k of its hunks applied comes from an older,
+        shorter series; applying finishes the chain."""
+        states: dict[str, int | str] = {}
         for path in self.paths:
-            copy = workdir / "probe" / path
-            copy.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(self.site_packages / path, copy)
-            if sha256_hex(copy) == self.recorded[path]:
-                states[path] = "pristine"
-                continue
-            try:
-                for hunks in reversed(self.hunks_for(path)):
-                    run_patch(workdir / "probe", hunks, reverse=True)
-                states[path] = "patched" if sha256_hex(copy) == self.recorded[path] else "foreign"
-            except PatchError:
-                states[path] = "foreign"
+            chain = self.hunks_for(path)
+            states[path] = "foreign"
+            for applied in range(len(chain), -1, -1):
+                probe = workdir / f"probe{applied}"
+                copy = probe / path
+                copy.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(self.site_packages / path, copy)
+                try:
+                    for hunks in reversed(chain[:applied]):
+                        run_patch(probe, hunks, reverse=True)
+                except PatchError:
+                    continue
+                if sha256_hex(copy) == self.recorded[path]:
+                    states[path] = applied
+                    break
         return states
 
-    def transform(self, workdir: Path, paths: list[str], reverse: bool) -> dict[str, Path]:
-        """Patched (or reverted) copies of ``paths``, built wholly before anything is installed."""
+    def transform(self, workdir: Path, states: dict, reverse: bool) -> dict[str, Path]:
+        """Fully patched (or reverted) copies of the files that need it, built wholly before
+        anything is installed."""
         out = {}
-        for path in paths:
+        for path, applied in states.items():
+            chain = self.hunks_for(path)
+            todo = list(reversed(chain[:applied])) if reverse else chain[applied:]
+            if not todo:
+                continue
             copy = workdir / "build" / path
             copy.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(self.site_packages / path, copy)
-            out[path] = copy
-        order = list(reversed(self.hunks)) if reverse else self.hunks
-        for hunks in order:
-            if hunks.path in out:
+            for hunks in todo:
                 run_patch(workdir / "build", hunks, reverse=reverse)
-        if reverse:
-            for path, copy in out.items():
-                if sha256_hex(copy) != self.recorded[path]:
-                    raise PatchError(f"reverting {path} did not restore the wheel's file")
+            if reverse and sha256_hex(copy) != self.recorded[path]:
+                raise PatchError(f"reverting {path} did not restore the wheel's file")
+            out[path] = copy
         return out
 
     def install(self, built: dict[str, Path]) -> None:
@@ -229,16 +237,16 @@ def main(argv: list[str] | None = None) -> int:
             if args.check:
                 return report_check(inst, states)
             if args.revert:
-                todo = [p for p, s in states.items() if s == "patched"]
-                inst.install(inst.transform(workdir, todo, reverse=True))
-                print(f"reverted {len(todo)} file(s); {inst.package} is as the wheel installed it")
+                built = inst.transform(workdir, states, reverse=True)
+                inst.install(built)
+                print(f"reverted {len(built)} file(s); {inst.package} is as the wheel installed it")
                 return 0
-            todo = [p for p, s in states.items() if s == "pristine"]
-            inst.install(inst.transform(workdir, todo, reverse=False))
+            built = inst.transform(workdir, states, reverse=False)
+            inst.install(built)
             print(
                 f"applied {len(inst.series)} patch(es) to {inst.package} "
                 f"{inst.upstream['version']} at {inst.site_packages} "
-                f"({len(todo)} file(s) changed, {len(states) - len(todo)} already patched)"
+                f"({len(built)} file(s) changed, {len(states) - len(built)} already patched)"
             )
             return 0
     except PatchError as err:
@@ -246,12 +254,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def report_check(inst: Installation, states: dict[str, str]) -> int:
+def fully_applied(inst: Installation, states: dict, path: str) -> bool:
+    return states[path] == len(inst.hunks_for(path))
+
+
+def report_check(inst: Installation, states: dict) -> int:
     for name in inst.series:
-        paths = sorted({h.path for h in inst.hunks if h.patch_name == name})
-        status = "applied" if all(states[p] == "patched" for p in paths) else "NOT applied"
-        print(f"{name}: {status}")
-    if all(s == "patched" for s in states.values()):
+        applied = all(
+            not isinstance(states[h.path], str)
+            and inst.hunks_for(h.path).index(h) < states[h.path]
+            for h in inst.hunks if h.patch_name == name
+        )
+        print(f"{name}: {'applied' if applied else 'NOT applied'}")
+    if all(fully_applied(inst, states, p) for p in states):
         print(f"all {len(inst.series)} patches applied to {inst.package} {inst.upstream['version']}")
         return 0
     print("the series is not applied; run scripts/apply_patches.py", file=sys.stderr)

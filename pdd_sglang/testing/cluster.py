@@ -32,6 +32,9 @@ CPU_SERVER_ARGS = (
     # Idle schedulers otherwise busy-poll; several servers share 2 cores here.
     "--sleep-on-idle",
 )
+# A decode server without a radix cache backs retracted requests up in a host pool by default,
+# which pins memory through CUDA; on the CPU engine per-request CPU tensors do the same job.
+RELAY_CPU_ARGS = ("--disaggregation-decode-retraction-backup", "cpu_tensor")
 CPU_SERVER_ENV = {
     "SGLANG_USE_CPU_ENGINE": "1",
     # SGLang's own idle-time leak check: a leaked KV slot raises instead of warning.
@@ -48,6 +51,10 @@ def free_port() -> int:
 
 class ServerStartError(RuntimeError):
     pass
+
+
+class PortTaken(ServerStartError):
+    """Another process took the free port between our probe and the server's bind."""
 
 
 @dataclass(eq=False)
@@ -102,6 +109,8 @@ class SGLangServer:
     def wait_ready(self, timeout_s: float = 300.0) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
+            if self._port_taken():
+                raise PortTaken(f"{self.name}: port {self.port} was taken before the server bound it")
             if self.process is not None and self.process.poll() is not None:
                 raise ServerStartError(
                     f"{self.name} exited with code {self.process.returncode} during start-up; "
@@ -117,6 +126,18 @@ class SGLangServer:
         raise ServerStartError(
             f"{self.name} not ready after {timeout_s:.0f} s; log {self.log_path}:\n{self.log_tail()}"
         )
+
+    def _port_taken(self) -> bool:
+        try:
+            with open(self.log_path, errors="replace") as log:
+                return f"('{self.host}', {self.port}): address already in use" in log.read()
+        except FileNotFoundError:
+            return False
+
+    def restart_on_new_port(self) -> None:
+        self.stop(grace_s=5.0)
+        self.port = free_port()
+        self.start()
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
@@ -199,7 +220,14 @@ class Cluster:
             for server in self.servers.values():
                 server.start()
             for server in self.servers.values():
-                server.wait_ready(self.ready_timeout_s)
+                for attempt in range(3):
+                    try:
+                        server.wait_ready(self.ready_timeout_s)
+                        break
+                    except PortTaken:
+                        if attempt == 2:
+                            raise
+                        server.restart_on_new_port()
         except BaseException:
             self.stop()
             raise

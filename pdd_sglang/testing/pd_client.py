@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 import threading
 
+from pdd_sglang.route import route_kv_hints
 from pdd_sglang.testing.cluster import SGLangServer
 
 _rooms = random.Random()
@@ -27,6 +28,24 @@ def generate_pd(
     room: int | None = None,
     timeout_s: float = 300.0,
 ) -> dict:
+    """Plain SGLang PD: the decode server's answer, with the room used."""
+    answers = generate_fanout(prefill, [decode], body, bootstrap_port, None, room, timeout_s)
+    return answers[decode.name]
+
+
+def generate_fanout(
+    prefill: SGLangServer,
+    decoders: list[SGLangServer],
+    body: dict,
+    bootstrap_port: int,
+    pipeline: str | None,
+    room: int | None = None,
+    timeout_s: float = 300.0,
+) -> dict:
+    """One request to a prefill and its decode servers at once; every decode server's answer.
+
+    With ``pipeline`` set, the request carries PDD's route in ``kv_hints`` (what the router does).
+    """
     room = new_room() if room is None else room
     body = {
         **body,
@@ -34,6 +53,8 @@ def generate_pd(
         "bootstrap_port": bootstrap_port,
         "bootstrap_room": room,
     }
+    if pipeline is not None:
+        body["kv_hints"] = route_kv_hints(pipeline)
     results: dict = {}
 
     def call(server: SGLangServer) -> None:
@@ -42,15 +63,14 @@ def generate_pd(
         except Exception as err:  # surfaced below, with which side failed
             results[server.name] = err
 
-    threads = [threading.Thread(target=call, args=(s,)) for s in (prefill, decode)]
+    servers = [prefill, *decoders]
+    threads = [threading.Thread(target=call, args=(s,)) for s in servers]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(timeout_s + 10)
-    for server in (prefill, decode):
+    for server in servers:
         outcome = results.get(server.name)
         if outcome is None or isinstance(outcome, Exception):
             raise RuntimeError(f"PD request room={room} failed on {server.name}: {outcome!r}")
-    answer = dict(results[decode.name])
-    answer["bootstrap_room"] = room
-    return answer
+    return {s.name: {**results[s.name], "bootstrap_room": room} for s in decoders}

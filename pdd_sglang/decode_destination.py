@@ -1,0 +1,54 @@
+"""A relay or main decode server introduces itself to prefill for each PDD room.
+
+Life cycle of a request on a PDD decode server (relay or main), up to its KV arriving:
+
+1. SGLang's decode scheduler creates the request's KV receiver; :func:`attach_route` reads the
+   request's PDD route from its ``kv_hints`` and keeps it on the receiver.
+2. When the receiver sends its transfer metadata (after matching its radix cache and allocating
+   the rest), :func:`receiver_metadata` multiplies SGLang's required destination count by the
+   number of decode servers on the route, and appends a ``DestinationHello`` naming this
+   server's role and its prefix, so prefill waits for both and sends each only what it lacks.
+3. Prefill reports "transfer done" to each destination as its own part lands
+   (``prefill_fanout``); from there SGLang's decode path takes over.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pdd_sglang.messages import DestinationHello, encode
+from pdd_sglang.route import RouteError, route_of
+
+logger = logging.getLogger(__name__)
+
+
+def this_server_role() -> str | None:
+    from sglang.srt.runtime_context import get_server_args
+
+    return getattr(get_server_args(), "pdd_role", None)
+
+
+def attach_route(receiver: Any, req: Any) -> None:
+    try:
+        receiver.pdd_route = route_of(getattr(req, "kv_hints", None))
+    except RouteError as err:
+        # A malformed route must not silently become plain PD on one side only.
+        logger.error("PDD: request %s has a bad route (%s); aborting it", req.rid, err)
+        receiver.pdd_route = None
+        req.set_finish_with_abort(f"PDD route refused: {err}")
+
+
+def receiver_metadata(receiver: Any, decode_prefix_len: int | None) -> tuple[int, list]:
+    """``(required_dst_info_num, extra_frames)`` for this receiver's metadata message."""
+    route = getattr(receiver, "pdd_route", None)
+    role = this_server_role()
+    if route is None or role not in ("relay", "main"):
+        return receiver.required_dst_info_num, []
+    hello = DestinationHello(
+        room=int(receiver.bootstrap_room),
+        role=role,
+        destinations=route.destinations,
+        prefix_tokens=int(decode_prefix_len or 0),
+    )
+    return receiver.required_dst_info_num * route.destinations, [encode(hello)]

@@ -1,0 +1,206 @@
+"""Prefill fans one request's KV out to two destinations, each past its own prefix.
+
+Life cycle of a request on a PDD prefill (P->RLD->MD):
+
+1. The relay and the main each register for the room with their transfer metadata, plus one
+   :class:`~pdd_sglang.messages.DestinationHello` frame: role, how many destinations the room has
+   (so SGLang waits for both), and the prefix that destination already holds (0 on the relay; on
+   the main, what its decode radix cache matched).
+2. SGLang's scheduler starts sending from the smallest of those prefixes
+   (:meth:`PrefillFanout.room_send_start`), chunk by chunk, as prefill computes them.
+3. A local transfer worker takes each chunk. It sends the relay's part itself and hands the same
+   chunk to the WAN path (:meth:`PrefillFanout.destinations_on_this_path`), whose own workers
+   send the main's part, so a multi-second WAN copy never holds up a relay transfer behind it.
+4. Each destination gets only the pages past its own prefix (:meth:`chunk_for_destination`).
+5. Each destination is told "transfer done" as soon as its own last chunk lands
+   (:meth:`destination_sent`): the relay starts decoding while the WAN copy is in flight. The room
+   concludes (and prefill frees its KV) when every destination is done.
+
+Rooms without hellos (plain SGLang PD, or P->MD) take SGLang's own path unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections import OrderedDict
+from typing import Any, Optional
+
+from pdd_sglang.messages import DestinationHello, MessageError, decode
+from pdd_sglang.transfer_accounting import LEDGER
+
+logger = logging.getLogger(__name__)
+
+# Mooncake's metadata message has 10 positional frames; a PDD destination appends its hello.
+HELLO_FRAME_INDEX = 10
+WAN_WORKERS = 4
+MAX_TRACKED_ROOMS = 65536
+_on_wan_path = threading.local()
+
+
+@dataclasses.dataclass
+class RoomFanout:
+    hellos: dict = dataclasses.field(default_factory=dict)  # session -> DestinationHello
+    done: dict = dataclasses.field(default_factory=dict)  # session -> ok
+
+
+class PrefillFanout:
+    """Per-KV-manager state of the fan-out; created by :func:`start_prefill_fanout`."""
+
+    def __init__(self, kv_mgr: Any):
+        self.kv_mgr = kv_mgr
+        self._lock = threading.Lock()
+        self._rooms: OrderedDict[int, RoomFanout] = OrderedDict()
+        self.refused_hellos = 0
+        self.wan_queues: list = []
+
+    # ---- 1. registration (bootstrap thread) --------------------------------------------
+    def on_destination_registered(self, room: int, session: str, frames: list) -> None:
+        if len(frames) <= HELLO_FRAME_INDEX:
+            return
+        try:
+            hello = decode(frames[HELLO_FRAME_INDEX], expect=DestinationHello)
+            if hello.room != room:
+                raise MessageError("room_mismatch", f"hello for {hello.room} on room {room}")
+        except MessageError as err:
+            self.refused_hellos += 1
+            logger.warning("PDD: refused destination hello from %s for room %s: %s", session, room, err)
+            return
+        with self._lock:
+            fanout = self._room(room)
+            if session in fanout.hellos:
+                logger.warning("PDD: %s registered twice for room %s; keeping the first", session, room)
+                return
+            fanout.hellos[session] = hello
+        LEDGER.set_role(session, hello.role)
+
+    def is_pdd_room(self, room: int) -> bool:
+        with self._lock:
+            return room in self._rooms and bool(self._rooms[room].hellos)
+
+    # ---- 2. where sending starts -------------------------------------------------------
+    def room_send_start(self, room: int, transfer_infos: dict) -> int:
+        prefixes = [info.decode_prefix_len for info in transfer_infos.values()]
+        if not self.is_pdd_room(room):
+            # SGLang's own rule: every destination of a room holds the same prefix.
+            return next((p for p in prefixes if p is not None), 0)
+        return min(p or 0 for p in prefixes)
+
+    # ---- 3. which destinations this worker sends to -------------------------------------
+    def destinations_on_this_path(self, kv_chunk: Any, reqs: list) -> list:
+        with self._lock:
+            fanout = self._rooms.get(kv_chunk.room)
+            hellos = dict(fanout.hellos) if fanout else {}
+        if not hellos or not self.wan_queues:
+            return list(reqs)
+        wan = [r for r in reqs if _is_wan(hellos.get(r.mooncake_session_id))]
+        if getattr(_on_wan_path, "active", False):
+            return wan
+        if wan:
+            self.wan_queues[kv_chunk.room % len(self.wan_queues)].put(kv_chunk)
+        return [r for r in reqs if r not in wan]
+
+    # ---- 4. pages past each destination's own prefix -----------------------------------
+    def chunk_for_destination(self, room_chunk: Any, req: Any) -> Any:
+        infos = self.kv_mgr.transfer_infos.get(room_chunk.room)
+        if not infos or not self.is_pdd_room(room_chunk.room):
+            return room_chunk
+        start = min(info.decode_prefix_len or 0 for info in infos.values())
+        return skip_prefix_pages(
+            room_chunk, (req.decode_prefix_len or 0) - start, self.kv_mgr.kv_args.page_size
+        )
+
+    # ---- 5. per-destination completion --------------------------------------------------
+    def destination_sent(self, req: Any, ok: bool) -> None:
+        from sglang.srt.disaggregation.base.conn import KVPoll
+
+        room = req.room
+        with self._lock:
+            fanout = self._room(room)
+            fanout.done[req.mooncake_session_id] = ok
+            expected = max((h.destinations for h in fanout.hellos.values()), default=1)
+            complete = len(fanout.done) >= expected
+            all_ok = all(fanout.done.values())
+            if complete:
+                self._rooms.pop(room, None)
+        if not ok:
+            return  # SGLang's failure path has already concluded the room as Failed
+        if not complete:
+            # This destination has all its KV: let it start (the relay decodes eagerly) while
+            # the others' copies are still in flight. Prefill keeps its KV until all are done.
+            self.kv_mgr.send_kv_status_message(
+                targets=[(req.endpoint, req.dst_port)], bootstrap_room=room, status=KVPoll.Success
+            )
+            return
+        self.kv_mgr.conclude_transfer(
+            bootstrap_room=room,
+            status=KVPoll.Success if all_ok else KVPoll.Failed,
+            targets=[(req.endpoint, req.dst_port)],
+            failure_reason=None if all_ok else f"PDD fan-out of room {room} failed",
+        )
+
+    def _room(self, room: int) -> RoomFanout:
+        fanout = self._rooms.get(room)
+        if fanout is None:
+            fanout = self._rooms[room] = RoomFanout()
+            while len(self._rooms) > MAX_TRACKED_ROOMS:
+                self._rooms.popitem(last=False)
+        return fanout
+
+
+def _is_wan(hello: Optional[DestinationHello]) -> bool:
+    return hello is not None and hello.role == "main"
+
+
+def skip_prefix_pages(chunk: Any, skip_tokens: int, page_size: int) -> Any:
+    """The part of ``chunk`` past the first ``skip_tokens`` of the room's sent range.
+
+    ``chunk.index_slice`` counts pages from where the room's sending started; a destination that
+    holds ``skip_tokens`` more than that gets only the pages after them, renumbered from its own
+    start, which is how its ``dst_kv_indices`` are numbered.
+    """
+    if skip_tokens == 0:
+        return chunk
+    if skip_tokens < 0 or skip_tokens % page_size:
+        raise ValueError(
+            f"destination prefix offset {skip_tokens} is not a non-negative multiple of the "
+            f"page size {page_size}"
+        )
+    skip_pages = skip_tokens // page_size
+    start, stop = chunk.index_slice.start or 0, chunk.index_slice.stop
+    drop = min(max(skip_pages - start, 0), len(chunk.prefill_kv_indices))
+    tokens = chunk.num_kv_tokens
+    return dataclasses.replace(
+        chunk,
+        prefill_kv_indices=chunk.prefill_kv_indices[drop:],
+        index_slice=slice(max(start - skip_pages, 0), max(stop - skip_pages, 0)),
+        num_kv_tokens=None if tokens is None else max(tokens - drop * page_size, 0),
+    )
+
+
+def start_wan_path(kv_mgr: Any) -> PrefillFanout:
+    """Attach a fan-out to a prefill KV manager and start its WAN transfer workers."""
+    from sglang.srt.disaggregation.common.utils import FastQueue
+
+    fanout = PrefillFanout(kv_mgr)
+    kv_mgr.pdd_fanout = fanout
+    for index in range(WAN_WORKERS):
+        queue = FastQueue()
+        fanout.wan_queues.append(queue)
+        thread = threading.Thread(
+            target=_run_wan_worker, args=(kv_mgr, queue, index), daemon=True,
+            name=f"pdd-wan-transfer-{index}",
+        )
+        thread.start()
+        kv_mgr._worker_threads.append(thread)
+    return fanout
+
+
+def _run_wan_worker(kv_mgr: Any, queue: Any, index: int) -> None:
+    import concurrent.futures
+
+    _on_wan_path.active = True
+    executor = concurrent.futures.ThreadPoolExecutor(1)
+    # SGLang's own transfer loop, fed by this path's queue: one implementation of sending.
+    kv_mgr.transfer_worker(queue, executor, None, 1000 + index)
