@@ -1,0 +1,313 @@
+"""The cluster: builds the servers and links of a setup and moves each request through it.
+
+Setups:
+  same_dc_pd   P and decode in one datacenter, KV over RDMA.
+  cross_dc_pd  naive cross-DC PD: decode behind the WAN (with its DRC), KV over the WAN.
+  pdd          P and relay in A, main in B; placement and handoff from pdd_sglang.policy.
+  prld_only    the excluded variant: requests that would need hiding finish at the relay.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field, replace
+
+from .. import policy
+from ..policy import Pipeline, PolicyConfig
+from .cache import BlockPrefixCache
+from .engine import Callback, Event, Simulator
+from .handoff import HandoffProtocol
+from .link import FairShareLink
+from .profiles import InstanceCost, load_hardware, load_link, load_model
+from .records import Job, summarise
+from .servers import ITL_BIN_S, DecodeServer, PrefillServer
+
+
+class Setup(enum.Enum):
+    SAME_DC_PD = "same_dc_pd"
+    CROSS_DC_PD = "cross_dc_pd"
+    PDD = "pdd"
+    RELAY_ONLY = "prld_only"
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """One simulated deployment. Decode servers of every setup use main_hardware, so setups
+    differ only in where they sit, unless a caller sets otherwise (the cost study does)."""
+
+    setup: Setup = Setup.PDD
+    model: str = "moe_1t_50kb"
+    prefill_hardware: str = "gpu_a"
+    relay_hardware: str = "gpu_a"
+    main_hardware: str = "gpu_b"
+    wan_link: str = "wan_10g"
+    rdma_link: str = "rdma_intra_dc"
+    wan_bandwidth_scale: float = 1.0
+    prefill_instances: int = 2
+    relay_instances: int = 1
+    main_instances: int = 1
+    relay_max_running: int = 32
+    main_max_running: int = 256
+    prefill_cache_tokens: int = 16_000_000    # HBM plus host-memory tier (HiCache), assumed
+    main_cache_tokens: int = 16_000_000
+    use_drc: bool = True
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    sample_interval_s: float = 5.0
+    drain_limit_s: float = 1800.0             # stop this long after the last arrival
+    seed: int = 0
+
+    def with_(self, **changes) -> "ClusterConfig":
+        return replace(self, **changes)
+
+
+class Arrival(Event):
+    __slots__ = ("cluster", "job")
+
+    def __init__(self, cluster, job):
+        self.cluster = cluster
+        self.job = job
+
+    def fire(self, sim):
+        self.cluster._on_arrival(self.job)
+
+
+class Sample(Event):
+    """Periodic snapshot of relay and main queues for the time-series figures."""
+
+    __slots__ = ("cluster",)
+
+    def __init__(self, cluster):
+        self.cluster = cluster
+
+    def fire(self, sim):
+        self.cluster._sample()
+
+
+class Cluster:
+    def __init__(self, cfg: ClusterConfig):
+        self.cfg = cfg
+        self.sim = Simulator(cfg.seed)
+        self.model = load_model(cfg.model)
+        self.kv_bytes_per_token = self.model.kv_bytes_per_token
+        wan_profile = load_link(cfg.wan_link)
+        if cfg.wan_bandwidth_scale != 1.0:
+            wan_profile = wan_profile.scaled(cfg.wan_bandwidth_scale)
+        self.wan = FairShareLink(self.sim, wan_profile, "wan")
+        rdma_profile = load_link(cfg.rdma_link)
+        prefill_cost = InstanceCost(load_hardware(cfg.prefill_hardware), self.model)
+        self.prefills = [PrefillServer(self.sim, i, prefill_cost,
+                                       BlockPrefixCache(cfg.prefill_cache_tokens),
+                                       self._on_prefill_done)
+                         for i in range(cfg.prefill_instances)]
+        self.rdma = [FairShareLink(self.sim, rdma_profile, f"rdma{i}")
+                     for i in range(cfg.prefill_instances)]
+        main_cost = InstanceCost(load_hardware(cfg.main_hardware), self.model)
+        behind_wan = cfg.setup is not Setup.SAME_DC_PD
+        main_cache = cfg.use_drc and behind_wan
+        self.mains = [DecodeServer(self.sim, "main", i, main_cost, cfg.main_max_running,
+                                   BlockPrefixCache(cfg.main_cache_tokens) if main_cache else None)
+                      for i in range(cfg.main_instances)]
+        for main in self.mains:
+            main.delivery_delay_s = self.wan.one_way_s if behind_wan else 0.0
+        self.relays = []
+        if cfg.setup in (Setup.PDD, Setup.RELAY_ONLY):
+            relay_cost = InstanceCost(load_hardware(cfg.relay_hardware), self.model)
+            self.relays = [DecodeServer(self.sim, "relay", i, relay_cost, cfg.relay_max_running,
+                                        None) for i in range(cfg.relay_instances)]
+        self.handoff = HandoffProtocol(self)
+        self.jobs: list = []
+        self.timeline: list = []
+        self.relay_busy_request_s = 0.0
+        self.unfinished = 0
+        self.last_arrival_s = 0.0
+
+    # --- running -------------------------------------------------------------------------
+    def run(self, requests, warmup=(), traced_ids=(), progress=None):
+        self._warm_caches(warmup)
+        traced = set(traced_ids)
+        for request in requests:
+            job = Job(request)
+            self.jobs.append(job)
+            if request.request_id in traced:
+                for server in self.mains + self.relays:
+                    server.traced.add(job)
+            self.sim.at(request.arrival_s, Arrival(self, job))
+            self.last_arrival_s = max(self.last_arrival_s, request.arrival_s)
+        self.unfinished = len(self.jobs)
+        self.sim.schedule(0.0, Sample(self))
+        self.sim.run(until_s=self.last_arrival_s + self.cfg.drain_limit_s, progress=progress)
+        return summarise(self.cfg.setup.value, self.jobs, self._itl_histogram(), ITL_BIN_S,
+                         self.wan.bytes_received, self.kv_bytes_per_token,
+                         self.relay_busy_request_s, self.timeline)
+
+    def _warm_caches(self, warmup) -> None:
+        """Pre-load the caches with the earlier turns of sessions running at time zero, on the
+        servers their later turns will pick (the one already holding the session)."""
+        for request in warmup:
+            session = max(request.conversation_id, 0)
+            self.prefills[session % len(self.prefills)].cache.insert(request.prompt_blocks)
+            main = self.mains[session % len(self.mains)]
+            if main.cache is not None:
+                main.cache.insert(request.context_blocks)
+
+    def _itl_histogram(self) -> dict:
+        merged: dict = {}
+        for server in self.mains + self.relays:
+            for key, count in server.itl_histogram.items():
+                merged[key] = merged.get(key, 0) + count
+        return merged
+
+    def _sample(self) -> None:
+        relay_queue = sum(len(r.admission) for r in self.relays)
+        relay_running = sum(len(r.reserved) for r in self.relays)
+        relay_util = max((r.load().utilisation for r in self.relays), default=0.0)
+        main_running = sum(len(m.reserved) for m in self.mains)
+        self.timeline.append((self.sim.now, relay_queue, relay_running, relay_util,
+                              main_running, sum(len(p.queue) for p in self.prefills)))
+        if self.unfinished > 0 or self.sim.now < self.last_arrival_s:
+            self.sim.schedule(self.cfg.sample_interval_s, Sample(self))
+
+    # --- request lifecycle ---------------------------------------------------------------
+    def _on_arrival(self, job: Job) -> None:
+        candidates = [p.candidate(job.request) for p in self.prefills]
+        self.prefills[policy.choose_main(candidates, self.cfg.policy)].submit(job)
+
+    def _on_prefill_done(self, job: Job) -> None:
+        setup = self.cfg.setup
+        request = job.request
+        if setup is Setup.SAME_DC_PD:
+            job.pipeline = Pipeline.PREFILL_MAIN
+            self._send_to_main(job, self._pick_main(job))
+            return
+        main = self._pick_main(job)
+        if setup is Setup.CROSS_DC_PD:
+            job.pipeline = Pipeline.PREFILL_MAIN
+            self._send_to_main(job, main)
+            return
+        uncached = request.input_tokens - (main.candidate(request).cached_prefix_tokens)
+        job.pipeline = policy.choose_pipeline(
+            uncached, request.output_tokens, self.kv_bytes_per_token, self.wan.rate,
+            self.wan.profile.rtt_s, self.cfg.policy)
+        if job.pipeline is Pipeline.PREFILL_MAIN:
+            self._send_to_main(job, main)
+        elif setup is Setup.RELAY_ONLY or job.pipeline is Pipeline.RELAY_SINGULAR:
+            self._send_to_relay(job, relay_only=True)
+        else:
+            self._send_to_relay(job, relay_only=False)
+            self._send_to_main(job, main)
+
+    def _pick_main(self, job: Job) -> DecodeServer:
+        candidates = [m.candidate(job.request) for m in self.mains]
+        return self.mains[policy.choose_main(candidates, self.cfg.policy)]
+
+    def _send_to_main(self, job: Job, main: DecodeServer) -> None:
+        job.main = main
+        request = job.request
+        main.reserve(job, request.input_tokens + request.output_tokens,
+                     lambda: self._main_reserved(job))
+
+    def _main_reserved(self, job: Job) -> None:
+        job.main_reserved = True
+        if job.cancelled_wan:
+            job.main.release(job)
+            return
+        request = job.request
+        main = job.main
+        if main.cache is not None:
+            job.main_cached_tokens = main.cache.cached_tokens(
+                request.prompt_blocks, request.input_tokens, touch=True)
+        size = (request.input_tokens - job.main_cached_tokens) * self.kv_bytes_per_token
+        behind_wan = self.cfg.setup is not Setup.SAME_DC_PD
+        link = self.wan if behind_wan else self.rdma[job.prefill_index]
+        job.wan_bytes = size if link is self.wan else 0.0
+        job.wan_flow = link.start_flow(size, lambda: self._main_has_kv(job))
+
+    def _main_has_kv(self, job: Job) -> None:
+        job.wan_flow = None
+        job.main_ready = True
+        if job.cancelled_wan:          # the relay finished first; the copy still lands
+            if job.main.cache is not None:
+                job.main.cache.insert(job.request.prompt_blocks)
+            return
+        if job.pipeline is Pipeline.PREFILL_RELAY_MAIN and not job.relay_abandoned:
+            self.handoff.main_ready(job)
+            return
+        self._main_decodes_from_start(job)
+
+    def _main_decodes_from_start(self, job: Job) -> None:
+        """P->MD: main emits the first token (computed by prefill) and decodes the rest."""
+        main = job.main
+        self._first_token(job, self.sim.now + main.delivery_delay_s)
+        steps = job.request.output_tokens - 1
+        if steps == 0:
+            self.finish_at_main(job)
+        else:
+            main.start_decoding(job, job.request.input_tokens, steps,
+                                lambda: self.finish_at_main(job))
+
+    def _send_to_relay(self, job: Job, relay_only: bool) -> None:
+        candidates = [r.candidate(job.request) for r in self.relays]
+        relay = self.relays[policy.choose_main(candidates, self.cfg.policy)]
+        job.relay = relay
+        request = job.request
+        relay.reserve(job, request.input_tokens + request.output_tokens,
+                      lambda: self._relay_reserved(job))
+
+    def _relay_reserved(self, job: Job) -> None:
+        if job.relay_abandoned:
+            job.relay.release(job)
+            return
+        job.relay_hold_since_s = self.sim.now
+        size = job.request.input_tokens * self.kv_bytes_per_token
+        self.rdma[job.prefill_index].start_flow(size, lambda: self._relay_has_kv(job))
+
+    def release_relay(self, job: Job) -> None:
+        if job.relay is not None and job in job.relay.reserved:
+            self.relay_busy_request_s += self.sim.now - job.relay_hold_since_s
+            job.relay.release(job)
+
+    def _relay_has_kv(self, job: Job) -> None:
+        if job.relay_abandoned:
+            self.release_relay(job)
+            return
+        job.relay_started = True
+        self._first_token(job, self.sim.now)
+        steps = job.request.output_tokens - 1
+        if steps == 0:
+            self.handoff.relay_finished(job)
+        else:
+            job.relay.start_decoding(job, job.request.input_tokens, steps,
+                                     lambda: self.handoff.relay_finished(job))
+
+    # --- completion ----------------------------------------------------------------------
+    def _first_token(self, job: Job, time_s: float) -> None:
+        if math.isnan(job.first_token_s):
+            job.first_token_s = time_s
+
+    def finish(self, job: Job, where: str, time_s: float) -> None:
+        job.completions += 1
+        if job.completions > 1:
+            raise AssertionError(f"request {job.request.request_id} finished twice")
+        job.finish_s = time_s
+        job.finished_at = where
+        job.user_done = True
+        self.unfinished -= 1
+
+    def finish_at_main(self, job: Job) -> None:
+        main = job.main
+        if main.cache is not None:
+            main.cache.insert(job.request.context_blocks)
+        main.release(job)
+        if not job.user_done:
+            self.finish(job, "main", self.sim.now + main.delivery_delay_s)
+
+    def schedule(self, delay_s: float, function, *args) -> None:
+        self.sim.schedule(delay_s, Callback(function, *args))
+
+
+def simulate(cfg: ClusterConfig, requests, warmup=(), traced_ids=(), progress=None):
+    """Run one setup over a workload; returns (summary, cluster)."""
+    cluster = Cluster(cfg)
+    summary = cluster.run(requests, warmup, traced_ids, progress)
+    return summary, cluster

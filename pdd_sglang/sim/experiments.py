@@ -1,0 +1,237 @@
+"""The computations behind figures F1-F9 (plots and the report live in scripts/)."""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from dataclasses import replace
+
+from ..policy import PolicyConfig
+from .cluster import ClusterConfig, Setup, simulate
+from .engine import Callback, Simulator
+from .handoff import CONTROL_MESSAGE_BYTES, TOKEN_ID_BYTES
+from .link import FairShareLink
+from .profiles import InstanceCost, load_hardware, load_link, load_model
+from .servers import DecodeServer
+from .workload import AgenticConfig, generate_agentic, ideal_prefix_hits, read_trace
+
+HIT_BINS = [(0.0, 0.10), (0.10, 0.50), (0.50, 0.80), (0.80, 0.90), (0.90, 0.95),
+            (0.95, 0.99), (0.99, 1.01)]
+HIT_BIN_LABELS = ["<10%", "10-50%", "50-80%", "80-90%", "90-95%", "95-99%", ">=99%"]
+SETUPS_F1 = (Setup.SAME_DC_PD, Setup.CROSS_DC_PD, Setup.PDD)
+
+
+def operating_point(quick: bool) -> tuple:
+    """F1's cluster and workload: 2 P + 1 RLD (GPU-A), 1 MD (GPU-B), the 10 Gb/s line."""
+    workload = AgenticConfig(rate_per_s=3.3, duration_s=600.0 if quick else 1800.0)
+    return ClusterConfig(), workload
+
+
+def f1_ttft(quick: bool) -> dict:
+    cfg, workload = operating_point(quick)
+    requests, warmup = generate_agentic(workload)
+    out = {}
+    for setup in SETUPS_F1:
+        summary, cluster = simulate(cfg.with_(setup=setup), requests, warmup)
+        out[setup.value] = (summary, cluster)
+    return out
+
+
+def load_sweep(quick: bool, rates=(1.5, 2.5, 3.3, 4.0)) -> dict:
+    """TTFT P90 against offered load for the three setups (F1's second panel)."""
+    cfg, workload = operating_point(True)
+    workload = replace(workload, duration_s=300.0 if quick else 900.0)
+    rows = {s.value: [] for s in SETUPS_F1}
+    for rate in rates:
+        requests, warmup = generate_agentic(replace(workload, rate_per_s=rate))
+        for setup in SETUPS_F1:
+            summary, _ = simulate(cfg.with_(setup=setup), requests, warmup)
+            rows[setup.value].append((rate, summary.ttft_p90_s, summary.ttft_p99_s))
+    return rows
+
+
+def hit_bins_over_time(jobs, window_s: float) -> list:
+    """Fraction of requests per prefix-hit bin (prefill's cache) in each time window."""
+    windows: dict = {}
+    for job in jobs:
+        hit = job.prefill_cached_tokens / job.request.input_tokens
+        index = next(i for i, (low, high) in enumerate(HIT_BINS) if low <= hit < high)
+        counts = windows.setdefault(int(job.request.arrival_s // window_s), [0] * len(HIT_BINS))
+        counts[index] += 1
+    rows = []
+    for key in sorted(windows):
+        total = sum(windows[key])
+        rows.append((key * window_s, [c / total for c in windows[key]]))
+    return rows
+
+
+def handoff_microbenchmark(trials: int = 200, seed: int = 3, tokens: int = 100,
+                           prefix_tokens: int = 65536, background_load: float = 0.5) -> dict:
+    """F3: hand `tokens` tokens to main as incremental KV vs as token ids plus recompute.
+
+    The WAN carries Poisson background flows at `background_load` of its rate (sizes of a
+    low-hit suffix, exponential), and main decodes a background batch of 64 requests at 64K,
+    so each trial meets a different queue, as a live service would.
+    """
+    model = load_model("moe_1t_50kb")
+    sim = Simulator(seed)
+    wan = FairShareLink(sim, load_link("wan_10g"), "wan")
+    cost = InstanceCost(load_hardware("gpu_b"), model)
+    main = DecodeServer(sim, "main", 0, cost, 512, None)
+
+    class Background:      # a stand-in job object for the background batch
+        def __init__(self, i):
+            self.request = type("R", (), {"request_id": -1 - i})()
+    for i in range(64):
+        main.start_decoding(Background(i), prefix_tokens, 10 ** 9, lambda: None)
+    mean_flow = 8000 * model.kv_bytes_per_token
+    flow_rate = background_load * wan.rate / mean_flow
+    rng = random.Random(seed)
+
+    def background_flow():
+        wan.start_flow(rng.expovariate(1 / mean_flow), lambda: None)
+        sim.schedule(rng.expovariate(flow_rate), Callback(background_flow))
+    sim.schedule(0.0, Callback(background_flow))
+    kv_bytes = tokens * model.kv_bytes_per_token
+    # Scattering the received KV into main's paged pool: one read and one write of the bytes.
+    copy_s = 2 * kv_bytes / (cost.hardware.hbm_bytes_per_s * cost.hardware.memory_efficiency
+                             * cost.hardware.gpus_per_instance)
+    kv_latencies, id_latencies = [], []
+
+    def trial(index):
+        start = sim.now
+        wan.start_flow(kv_bytes, lambda: kv_latencies.append(sim.now - start + copy_s))
+        delay = wan.message_delay(TOKEN_ID_BYTES * tokens + CONTROL_MESSAGE_BYTES)
+
+        def arrive():
+            main.extend(index, tokens, prefix_tokens,
+                        lambda: id_latencies.append(sim.now - start))
+        sim.schedule(delay, Callback(arrive))
+    for i in range(trials):
+        sim.at(5.0 + i * 1.0 + rng.random() * 0.5, Callback(trial, i))
+    sim.run(until_s=5.0 + trials * 1.0 + 60.0)
+
+    def stats(values, payload):
+        ms = [v * 1000 for v in values]
+        return {"payload_bytes": payload, "mean_ms": statistics.fmean(ms), "max_ms": max(ms),
+                "std_ms": statistics.pstdev(ms), "trials": len(ms)}
+    return {"kv": stats(kv_latencies, kv_bytes),
+            "token_ids": stats(id_latencies, TOKEN_ID_BYTES * tokens),
+            "kv_gpu_copy_ms": copy_s * 1000}
+
+
+def handoff_modes(quick: bool) -> dict:
+    """F5: the same run with every handoff forced ONE_SHOT, then forced CATCH_UP."""
+    cfg, workload = operating_point(True)
+    workload = replace(workload, duration_s=300.0 if quick else 900.0)
+    requests, warmup = generate_agentic(workload)
+    hits = ideal_prefix_hits(requests, warmup)
+    traced = [r.request_id for r, h in zip(requests, hits) if h < 0.5 and r.output_tokens > 800]
+    forced = {
+        "one-shot": PolicyConfig(catch_up_threshold_tokens=10 ** 9),
+        "catch-up": PolicyConfig(catch_up_threshold_tokens=0, relay_load_watermark=10.0),
+    }
+    out = {}
+    for name, policy_cfg in forced.items():
+        summary, cluster = simulate(cfg.with_(setup=Setup.PDD, policy=policy_cfg),
+                                    requests, warmup, traced_ids=traced)
+        tagged = [j for j in cluster.jobs if j.request.request_id in traced
+                  and not math.isnan(j.handoff_gap_s) and len(j.token_times) > 50]
+        out[name] = {"summary": summary, "tagged": tagged}
+    common = sorted(set(j.request.request_id for j in out["one-shot"]["tagged"])
+                    & set(j.request.request_id for j in out["catch-up"]["tagged"]))
+    out["example_request"] = common[0] if common else None
+    return out
+
+
+def collapse_study(quick: bool) -> dict:
+    """F6: the excluded P->RLD-only pipeline against PDD on the same cluster and workload."""
+    cfg, workload = operating_point(True)
+    workload = replace(workload, rate_per_s=3.0, duration_s=900.0 if quick else 1800.0)
+    requests, warmup = generate_agentic(workload)
+    out = {}
+    for setup in (Setup.PDD, Setup.RELAY_ONLY):
+        summary, cluster = simulate(cfg.with_(setup=setup), requests, warmup)
+        out[setup.value] = {"summary": summary, "collapsed": detect_collapse(cluster),
+                            "quarters": quarter_stats(cluster)}
+    return out
+
+
+def quarter_stats(cluster) -> list:
+    jobs = sorted(cluster.jobs, key=lambda j: j.request.arrival_s)
+    size = max(1, len(jobs) // 4)
+    rows = []
+    for i in range(4):
+        part = jobs[i * size:(i + 1) * size]
+        done = sorted(j.ttft_s for j in part if j.completions)
+        rows.append({"relay_share": sum(j.relay is not None and not j.relay_abandoned
+                                        for j in part) / len(part),
+                     "ttft_p50_s": done[len(done) // 2] if done else math.inf,
+                     "unfinished": sum(1 for j in part if not j.completions)})
+    return rows
+
+
+def detect_collapse(cluster) -> bool:
+    """Collapsed: the relay's admission queue at the last arrival exceeds its slot count and
+    keeps the last quarter's median TTFT at least 10x the first quarter's."""
+    if not cluster.relays:
+        return False
+    at_end = [row for row in cluster.timeline if row[0] <= cluster.last_arrival_s]
+    backlog = at_end[-1][1] if at_end else 0
+    quarters = quarter_stats(cluster)
+    slots = sum(r.max_running for r in cluster.relays)
+    return backlog > slots and quarters[3]["ttft_p50_s"] >= 10 * quarters[0]["ttft_p50_s"]
+
+
+def singular_filter_study(quick: bool) -> dict:
+    """F7: no singular filter, the reactive one (default), reactive plus predictive."""
+    cfg, workload = operating_point(True)
+    workload = replace(workload, duration_s=600.0 if quick else 1800.0)
+    requests, warmup = generate_agentic(workload)
+    variants = {
+        "off": PolicyConfig(singular_reactive=False),
+        "reactive": PolicyConfig(),
+        "reactive+predictive": PolicyConfig(singular_predictive=True),
+    }
+    return {name: simulate(cfg.with_(setup=Setup.PDD, policy=p), requests, warmup)[0]
+            for name, p in variants.items()}
+
+
+def drc_sweep(quick: bool) -> list:
+    """F8: WAN bytes of naive cross-DC PD with and without DRC across hit rates.
+
+    Without DRC every prompt crosses whole, so its bytes are the prompt sizes; with DRC they
+    are what the simulated link carried."""
+    cfg, workload = operating_point(True)
+    workload = replace(workload, rate_per_s=2.0, duration_s=300.0 if quick else 900.0)
+    shapes = [dict(turns_min=1, turns_max=3, big_delta_probability=0.9),
+              dict(turns_min=3, turns_max=8, big_delta_probability=0.6),
+              dict(turns_min=6, turns_max=15, big_delta_probability=0.4),
+              dict(turns_min=10, turns_max=30, big_delta_probability=0.3),
+              dict(),
+              dict(turns_min=30, turns_max=60, big_delta_probability=0.03, singular_fraction=0.01)]
+    rows = []
+    for shape in shapes:
+        requests, warmup = generate_agentic(replace(workload, **shape))
+        summary, _ = simulate(cfg.with_(setup=Setup.CROSS_DC_PD, wan_link="wan_100g"),
+                              requests, warmup)
+        seconds = max(summary.duration_s, 1.0)
+        rows.append({"prefill_hit": summary.prefill_hit, "main_hit": summary.main_hit,
+                     "with_drc_gbps": summary.wan_bytes * 8 / seconds / 1e9,
+                     "without_drc_gbps": summary.wan_bytes_without_drc * 8 / seconds / 1e9,
+                     "ratio": summary.wan_bytes_without_drc / max(summary.wan_bytes, 1.0)})
+    return rows
+
+
+def trace_study(quick: bool, progress=None) -> dict:
+    """F9: the public conversation trace (37% hit) on the F1 cluster, 10 and 100 Gb/s lines."""
+    requests = read_trace(max_duration_s=600.0 if quick else None)
+    cfg, _ = operating_point(True)
+    out = {}
+    for line in ("wan_10g", "wan_100g"):
+        for setup in SETUPS_F1:
+            summary, _ = simulate(cfg.with_(setup=setup, wan_link=line), requests,
+                                  progress=progress)
+            out[f"{setup.value}@{line}"] = summary
+    return out

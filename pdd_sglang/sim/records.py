@@ -1,0 +1,147 @@
+"""Per-request records and the run summary (percentiles, byte totals, time series)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..policy import HandoffMode, Pipeline
+
+
+class Job:
+    """Everything the simulator tracks about one request as it moves through the cluster."""
+
+    __slots__ = ("request", "pipeline", "prefill_cached_tokens", "prefill_start_s",
+                 "prefill_done_s", "main", "relay", "main_cached_tokens", "wan_flow",
+                 "wan_bytes", "first_token_s", "finish_s", "finished_at", "completions",
+                 "main_ready", "main_ready_at_relay", "relay_started", "user_done",
+                 "handoff_mode", "handed_tokens", "handoff_rounds", "handoff_gap_s",
+                 "relay_last_token_s", "token_times", "cancelled_wan", "relay_abandoned",
+                 "main_reserved", "prefill_index", "relay_hold_since_s")
+
+    def __init__(self, request):
+        self.request = request
+        self.pipeline = None
+        self.prefill_cached_tokens = 0
+        self.prefill_start_s = self.prefill_done_s = math.nan
+        self.main = None
+        self.relay = None
+        self.main_cached_tokens = 0
+        self.wan_flow = None
+        self.wan_bytes = 0.0
+        self.first_token_s = math.nan
+        self.finish_s = math.nan
+        self.finished_at = None
+        self.completions = 0
+        self.main_ready = False
+        self.main_ready_at_relay = False
+        self.relay_started = False
+        self.user_done = False
+        self.handoff_mode = None
+        self.handed_tokens = 0
+        self.handoff_rounds = 0
+        self.handoff_gap_s = math.nan
+        self.relay_last_token_s = math.nan
+        self.token_times = []
+        self.cancelled_wan = False
+        self.relay_abandoned = False
+        self.main_reserved = False
+        self.prefill_index = 0
+        self.relay_hold_since_s = math.nan
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_token_s - self.request.arrival_s
+
+
+def percentile(values, q: float) -> float:
+    """Linear-interpolated percentile (q in 0..100) of a list; NaN when empty."""
+    data = sorted(values)
+    if not data:
+        return math.nan
+    position = (len(data) - 1) * q / 100.0
+    low = int(position)
+    high = min(low + 1, len(data) - 1)
+    return data[low] + (data[high] - data[low]) * (position - low)
+
+
+def histogram_percentile(histogram: dict, bin_width: float, q: float) -> float:
+    total = sum(histogram.values())
+    if not total:
+        return math.nan
+    target = total * q / 100.0
+    running = 0
+    for key in sorted(histogram):
+        running += histogram[key]
+        if running >= target:
+            return (key + 0.5) * bin_width
+    return (max(histogram) + 0.5) * bin_width
+
+
+@dataclass
+class RunSummary:
+    setup: str
+    requests: int
+    finished: int
+    ttft_p50_s: float
+    ttft_p90_s: float
+    ttft_p99_s: float
+    ttft_mean_s: float
+    itl_p50_ms: float
+    itl_p90_ms: float
+    itl_p99_ms: float
+    handoff_gap_p50_ms: float
+    handoff_gap_p99_ms: float
+    wan_bytes: float
+    wan_bytes_without_drc: float
+    prefill_hit: float            # token-weighted prefix hit at prefill
+    main_hit: float               # token-weighted DRC hit of requests whose KV went to main
+    by_pipeline: dict
+    by_handoff_mode: dict
+    finished_at: dict
+    relay_busy_request_s: float   # sum over requests of seconds holding a relay slot
+    duration_s: float
+    goodput_rps: float = 0.0
+    timeline: list = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "timeline"}
+
+
+def summarise(setup: str, jobs: list, itl_histogram: dict, bin_width: float,
+              wan_bytes: float, kv_bytes_per_token: float, relay_busy_request_s: float,
+              timeline: list) -> RunSummary:
+    done = [j for j in jobs if j.completions]
+    ttfts = [j.ttft_s for j in done]
+    gaps = [j.handoff_gap_s for j in done if not math.isnan(j.handoff_gap_s)]
+    inputs = sum(j.request.input_tokens for j in jobs) or 1
+    to_main = [j for j in jobs if j.main is not None and not j.relay_abandoned
+               and j.pipeline is not Pipeline.RELAY_SINGULAR]
+    main_inputs = sum(j.request.input_tokens for j in to_main) or 1
+    by_pipeline, by_mode, finished_at = {}, {}, {}
+    for j in jobs:
+        key = j.pipeline.value if j.pipeline else "none"
+        by_pipeline[key] = by_pipeline.get(key, 0) + 1
+        if isinstance(j.handoff_mode, HandoffMode):
+            by_mode[j.handoff_mode.value] = by_mode.get(j.handoff_mode.value, 0) + 1
+        if j.finished_at:
+            finished_at[j.finished_at] = finished_at.get(j.finished_at, 0) + 1
+    start = min((j.request.arrival_s for j in jobs), default=0.0)
+    end = max((j.finish_s for j in done), default=start)
+    return RunSummary(
+        setup=setup, requests=len(jobs), finished=len(done),
+        ttft_p50_s=percentile(ttfts, 50), ttft_p90_s=percentile(ttfts, 90),
+        ttft_p99_s=percentile(ttfts, 99),
+        ttft_mean_s=sum(ttfts) / len(ttfts) if ttfts else math.nan,
+        itl_p50_ms=1000 * histogram_percentile(itl_histogram, bin_width, 50),
+        itl_p90_ms=1000 * histogram_percentile(itl_histogram, bin_width, 90),
+        itl_p99_ms=1000 * histogram_percentile(itl_histogram, bin_width, 99),
+        handoff_gap_p50_ms=1000 * percentile(gaps, 50),
+        handoff_gap_p99_ms=1000 * percentile(gaps, 99),
+        wan_bytes=wan_bytes,
+        wan_bytes_without_drc=sum(j.request.input_tokens for j in to_main) * kv_bytes_per_token,
+        prefill_hit=sum(j.prefill_cached_tokens for j in jobs) / inputs,
+        main_hit=sum(j.main_cached_tokens for j in to_main) / main_inputs,
+        by_pipeline=by_pipeline, by_handoff_mode=by_mode, finished_at=finished_at,
+        relay_busy_request_s=relay_busy_request_s, duration_s=end - start,
+        timeline=timeline)

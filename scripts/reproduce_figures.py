@@ -1,0 +1,195 @@
+"""Reproduce the PDD report's figures F1-F9 with the simulator.
+
+    python scripts/reproduce_figures.py --out out/figures [--quick] [--measured-handoff FILE]
+
+Writes DIR/report.md (each simulated number beside the report's, plus the assumptions),
+DIR/f1.png ... DIR/f9.png and DIR/results.json.  Every simulated number is computed by the
+simulator; the report's numbers appear only in the "paper" columns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pdd_sglang.sim import experiments as E  # noqa: E402
+from pdd_sglang.sim import plan  # noqa: E402
+from pdd_sglang.sim.cluster import ClusterConfig, Setup  # noqa: E402
+from pdd_sglang.sim.workload import AgenticConfig  # noqa: E402
+from pdd_sglang.sim.report import write_report  # noqa: E402
+
+PAPER = {
+    "ttft_s": {"same_dc_pd": {"p50": 4.2}, "cross_dc_pd": {"p50": 6.7, "p90": 18.3, "p99": 29.7}},
+    "ttft_reduction_pct": 51.5, "bcr_gain_pct": 37.5, "rps_gain_pct": 27.8,
+    "cost_saving_pct": (3.5, 7.1), "drc_ratio_at_90": 10.0,
+    "handoff": {"kv": {"payload_bytes": 4649e3, "mean_ms": 185.0, "max_ms": 512.6},
+                "token_ids": {"payload_bytes": 1.5e3, "mean_ms": 305.0, "max_ms": 321.4,
+                              "std_ms": 4.8}},
+    "cost_counts": {"baseline": {"gpu_a": 88}, "pdd": {"gpu_a": 43, "gpu_b": 32}},
+}
+
+
+def percentiles(summary) -> dict:
+    return {"p50": summary.ttft_p50_s, "p90": summary.ttft_p90_s, "p99": summary.ttft_p99_s}
+
+
+# --- tasks (run in worker processes; each returns plain data) -----------------------------
+def task_f1(quick):
+    runs = E.f1_ttft(quick)
+    out = {name: {"summary": s.as_dict(), "ttfts": sorted(j.ttft_s for j in c.jobs if j.completions)}
+           for name, (s, c) in runs.items()}
+    out["hit_bins"] = E.hit_bins_over_time(runs["pdd"][1].jobs, 60.0)
+    return out
+
+
+def task_sweep(quick):
+    return E.load_sweep(quick)
+
+
+def task_f3(quick):
+    return E.handoff_microbenchmark(trials=100 if quick else 500)
+
+
+def task_f5(quick):
+    runs = E.handoff_modes(quick)
+    example = runs.pop("example_request")
+    out = {"example_request": example}
+    for name, run in runs.items():
+        job = next((j for j in run["tagged"] if j.request.request_id == example), None)
+        out[name] = {"summary": run["summary"].as_dict(),
+                     "token_times": [job.first_token_s] + job.token_times if job else [],
+                     "handed_tokens": job.handed_tokens if job else 0}
+    return out
+
+
+def task_f6(quick):
+    runs = E.collapse_study(quick)
+    return {name: {"summary": r["summary"].as_dict(), "timeline": r["summary"].timeline,
+                   "collapsed": r["collapsed"], "quarters": r["quarters"]}
+            for name, r in runs.items()}
+
+
+def task_f7(quick):
+    return {name: s.as_dict() for name, s in E.singular_filter_study(quick).items()}
+
+
+def task_f8(quick):
+    return E.drc_sweep(quick)
+
+
+def task_f9(quick):
+    return {name: s.as_dict() for name, s in E.trace_study(quick).items()}
+
+
+def task_f4(quick):
+    sla = plan.Sla()
+    workload = AgenticConfig(duration_s=150.0 if quick else 300.0)
+    common = dict(wan_link="wan_100g")
+    baseline = ClusterConfig(setup=Setup.SAME_DC_PD, main_hardware="gpu_a", **common)
+    pdd = ClusterConfig(setup=Setup.PDD, main_hardware="gpu_b", **common)
+    if quick:
+        base = [plan.evaluate(baseline.with_(prefill_instances=1, main_instances=2), workload, sla)]
+        ours = [plan.evaluate(pdd.with_(prefill_instances=1, main_instances=1), workload, sla)]
+    else:
+        base = plan.search(baseline, workload, sla, range(1, 4), [0], range(1, 4))
+        ours = plan.search(pdd, workload, sla, range(1, 4), [1], range(1, 3))
+    return {"sla": sla.__dict__, "baseline": [r.__dict__ for r in base],
+            "pdd": [r.__dict__ for r in ours], "line_cost": plan.cost_per_hour(pdd)
+            - plan.cost_per_hour(pdd.with_(setup=Setup.SAME_DC_PD))}
+
+
+TASKS = {"f4": task_f4, "f6": task_f6, "f1": task_f1, "f9": task_f9, "sweep": task_sweep,
+         "f7": task_f7, "f5": task_f5, "f8": task_f8, "f3": task_f3}
+
+
+# --- results.json ---------------------------------------------------------------------------
+def paper_cost(counts: dict) -> float:
+    from pdd_sglang.sim.profiles import load_hardware, load_link
+    total = sum(load_hardware(name).cost_per_gpu_hour * n for name, n in counts.items())
+    return total + (load_link("wan_100g").cost_per_hour if "gpu_b" in counts else 0.0)
+
+
+def build_results(data: dict, measured_handoff: dict | None) -> dict:
+    f1 = data["f1"]
+    ttft = {name: percentiles_from(f1[name]["summary"]) for name in ("same_dc_pd", "cross_dc_pd", "pdd")}
+    reduction = {q: 100 * (1 - ttft["pdd"][q] / ttft["cross_dc_pd"][q]) for q in ("p50", "p90", "p99")}
+    f4 = data["f4"]
+    best_base, best_pdd = f4["baseline"][0], f4["pdd"][0]
+    gain = 100 * (best_pdd["bcr_requests_per_dollar"] / best_base["bcr_requests_per_dollar"] - 1)
+    ratios = {f"{row['prefill_hit']:.2f}": row["ratio"] for row in data["f8"]}
+    handoff = measured_handoff or {k: {m: data["f3"][k][m] for m in
+                                       ("payload_bytes", "mean_ms", "max_ms", "std_ms")}
+                                   for k in ("kv", "token_ids")}
+    return {
+        "ttft_s": ttft,
+        "ttft_reduction_pct": reduction,
+        "bcr": {"baseline": best_base["bcr_requests_per_dollar"],
+                "pdd": best_pdd["bcr_requests_per_dollar"], "gain_pct": gain,
+                "baseline_goodput_rps": best_base["goodput_rps"],
+                "pdd_goodput_rps": best_pdd["goodput_rps"]},
+        "cost": {"baseline": {"gpus": best_base["gpus"], "per_hour": best_base["cost_per_hour"]},
+                 "pdd": {"gpus": best_pdd["gpus"], "per_hour": best_pdd["cost_per_hour"]},
+                 "paper_counts_at_our_prices": {
+                     "baseline": {"gpus": PAPER["cost_counts"]["baseline"],
+                                  "per_hour": paper_cost(PAPER["cost_counts"]["baseline"])},
+                     "pdd": {"gpus": PAPER["cost_counts"]["pdd"],
+                             "per_hour": paper_cost(PAPER["cost_counts"]["pdd"])}}},
+        "wan_bytes_ratio_drc": ratios,
+        "handoff": handoff,
+        "handoff_source": "measured" if measured_handoff else "simulated",
+        "prld_only": {"collapsed": data["f6"]["prld_only"]["collapsed"],
+                      "pdd_collapsed": data["f6"]["pdd"]["collapsed"],
+                      "quarters": data["f6"]["prld_only"]["quarters"]},
+        "singular_filter": {name: {"wan_bytes": s["wan_bytes"],
+                                   "relay_busy_request_s": s["relay_busy_request_s"],
+                                   "finished_at": s["finished_at"], "main_hit": s["main_hit"],
+                                   "ttft_p99_s": s["ttft_p99_s"]}
+                            for name, s in data["f7"].items()},
+        "trace": {name: dict(percentiles_from(s), wan_bytes=s["wan_bytes"],
+                             finished_at=s["finished_at"], prefill_hit=s["prefill_hit"])
+                  for name, s in data["f9"].items()},
+    }
+
+
+def percentiles_from(summary: dict) -> dict:
+    return {"p50": summary["ttft_p50_s"], "p90": summary["ttft_p90_s"],
+            "p99": summary["ttft_p99_s"]}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--quick", action="store_true", help="shorter runs (< 2 min, 2 cores)")
+    parser.add_argument("--measured-handoff", type=Path,
+                        help="JSON from the real handoff microbenchmark: {kv: {...}, token_ids: "
+                             "{...}} with payload_bytes, mean_ms, max_ms, std_ms")
+    parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    measured = json.loads(args.measured_handoff.read_text()) if args.measured_handoff else None
+    started = time.time()
+    data = {}
+    with ProcessPoolExecutor(max_workers=args.workers) as pool:
+        futures = {name: pool.submit(task, args.quick) for name, task in TASKS.items()}
+        for name, future in futures.items():
+            data[name] = future.result()
+            print(f"  {name} done at {time.time() - started:.0f} s", flush=True)
+    results = build_results(data, measured)
+    (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    from pdd_sglang.sim.figures import draw_all
+    draw_all(args.out, data, results, PAPER, measured)
+    write_report(args.out, data, results, PAPER, args.quick, measured)
+    print(f"wrote {args.out}/report.md, results.json and f1-f9 PNGs in {time.time() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

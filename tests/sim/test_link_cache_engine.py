@@ -1,0 +1,74 @@
+"""Building blocks: the fair-share line, the prefix cache and event ordering, by hand."""
+
+import pytest
+
+from pdd_sglang.sim.cache import BlockPrefixCache
+from pdd_sglang.sim.engine import Callback, Simulator
+from pdd_sglang.sim.link import FairShareLink
+from pdd_sglang.sim.profiles import LinkProfile
+
+GB = 1e9
+
+
+def line(sim, rtt=0.0):
+    return FairShareLink(sim, LinkProfile("test", "test", 1 * GB, rtt, 0.0, 0.0))
+
+
+def test_two_flows_share_the_line_fairly():
+    sim = Simulator()
+    link = line(sim, rtt=0.02)
+    done = {}
+    link.start_flow(1 * GB, lambda: done.setdefault("small", sim.now))
+    link.start_flow(3 * GB, lambda: done.setdefault("large", sim.now))
+    sim.run()
+    # both at 0.5 GB/s until the small one ends at 2 s; the large one then has 2 GB left alone
+    assert done["small"] == pytest.approx(2.0 + 0.01)
+    assert done["large"] == pytest.approx(4.0 + 0.01)
+    assert link.bytes_sent == link.bytes_received == pytest.approx(4 * GB)
+
+
+def test_small_flow_slips_past_a_large_one():
+    sim = Simulator()
+    link = line(sim)
+    done = {}
+    link.start_flow(10 * GB, lambda: done.setdefault("large", sim.now))
+    sim.schedule(1.0, Callback(lambda: link.start_flow(0.01 * GB, lambda: done.setdefault("small", sim.now))))
+    sim.run()
+    assert done["small"] == pytest.approx(1.02)
+    assert done["large"] == pytest.approx(10.01)
+
+
+def test_cancel_counts_only_the_pushed_bytes():
+    sim = Simulator()
+    link = line(sim)
+    flow = link.start_flow(4 * GB, lambda: pytest.fail("cancelled flow delivered"))
+    pushed = []
+    sim.schedule(1.5, Callback(lambda: pushed.append(link.cancel_flow(flow))))
+    sim.run()
+    assert pushed == [pytest.approx(1.5 * GB)]
+    assert link.bytes_sent == link.bytes_received == pytest.approx(1.5 * GB)
+    assert link.active_flows == 0
+
+
+def test_prefix_cache_matches_leading_blocks_and_evicts_lru():
+    cache = BlockPrefixCache(capacity_tokens=3 * 512)
+    cache.insert([1, 2, 3])
+    assert cache.cached_tokens([1, 2, 3, 4], 2000) == 3 * 512
+    assert cache.cached_tokens([1, 9, 3], 2000) == 512
+    assert cache.cached_tokens([1, 2, 3], 1500) == 1499        # one token always left to compute
+    cache.cached_tokens([1], 600, touch=True)                   # 1 becomes most recent
+    cache.insert([7])                                           # evicts 2, the least recent
+    assert cache.cached_tokens([1, 2, 3], 2000) == 512
+    assert len(cache) == 3
+
+
+def test_events_at_the_same_time_fire_in_scheduling_order():
+    sim = Simulator()
+    order = []
+    for name in "abc":
+        sim.schedule(1.0, Callback(order.append, name))
+    sim.schedule(0.5, Callback(order.append, "first"))
+    sim.run()
+    assert order == ["first", "a", "b", "c"]
+    with pytest.raises(ValueError):
+        sim.schedule(-1, Callback(order.append, "x"))

@@ -1,0 +1,285 @@
+"""Checks of the WAN emulator against what it promises: rate, RTT, jitter, order, cleanup.
+
+Every figure is measured across a real line (namespaces + TUN + forwarder), never assumed.
+Needs root and /dev/net/tun; skips with the reason otherwise. About 40 s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from pdd_sglang.wan import WanLine, check_prerequisites, cleanup_stale, measure, netns
+
+
+def _unavailable_reason() -> str | None:
+    if os.geteuid() != 0:
+        return "WAN emulator tests need root (network namespaces, TUN devices)"
+    if not os.path.exists("/dev/net/tun"):
+        return "/dev/net/tun is missing: no TUN support here"
+    if shutil.which("ip") is None:
+        return "iproute2 'ip' is not installed (apt-get install -y iproute2)"
+    try:
+        check_prerequisites()
+    except OSError as exc:
+        return str(exc)
+    return None
+
+
+pytestmark = pytest.mark.skipif(_unavailable_reason() is not None,
+                                reason=_unavailable_reason() or "")
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RATE_MBIT = 100.0
+RTT_MS = 40.0
+# Forwarding adds about 0.5 ms per round trip on this kind of machine (two select() wake-ups
+# and Python hops per direction); allow a few ms, as the issue asks.
+RTT_TOLERANCE_MS = 3.0
+
+
+@pytest.fixture(scope="module")
+def steady_line():
+    with WanLine(RATE_MBIT, RTT_MS, 0.0, seed=1) as line:
+        yield line
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _assert_gone(line_namespaces: dict, pids: list[int]) -> None:
+    for name in line_namespaces.values():
+        assert not netns.exists(name), f"namespace {name} left behind"
+    for pid in pids:
+        assert not _process_alive(pid), f"process {pid} left running"
+    host_links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    assert "wan0" not in host_links, "a line device leaked into the host namespace"
+
+
+# (a) rate -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("src,dst,seconds", [("a", "b", 4.0), ("b", "a", 3.0)])
+def test_bulk_tcp_copy_runs_at_the_set_rate(steady_line, src, dst, seconds):
+    result = measure.bulk_rate(steady_line, seconds=seconds, warmup_s=1.0, src=src, dst=dst)
+    ratio = result["steady_goodput_mbit"] / RATE_MBIT
+    # Goodput excludes IP+TCP headers (~3.5% at MTU 1500), so about 0.965 is a perfect line;
+    # above 1.02 would mean the limiter leaks.
+    # If this fails low, the message says whether the forwarder was starved of CPU (its
+    # lateness) by other work on the machine: the line cannot keep its rate without a core.
+    assert 0.90 <= ratio <= 1.02, (f"{src}->{dst}: {result}; forwarder: {steady_line.stats()}; "
+                                   f"load average {os.getloadavg()}")
+
+
+def test_forwarder_reports_its_own_counters(steady_line):
+    before = steady_line.stats()
+    measure.round_trips(steady_line, count=5)
+    after = steady_line.stats()
+    assert after["a_to_b"]["packets"] > before["a_to_b"]["packets"]
+    assert after["b_to_a"]["packets"] > before["b_to_a"]["packets"]
+
+
+def test_the_line_counts_what_crossed_it(steady_line):
+    before_a, before_b = steady_line.counters("a"), steady_line.counters("b")
+    result = measure.bulk_rate(steady_line, seconds=1.0, warmup_s=0.2)
+    sent = steady_line.counters("a")["tx_bytes"] - before_a["tx_bytes"]
+    delivered = steady_line.counters("b")["rx_bytes"] - before_b["rx_bytes"]
+    # Headers make the wire bytes exceed the payload; the line's tail drops (TCP probing for
+    # bandwidth) make A's "sent" exceed B's "delivered".
+    assert result["bytes"] < delivered <= sent
+
+
+def test_cluster_b_has_no_path_but_the_line(steady_line):
+    b = steady_line.namespace("b")
+    links = subprocess.run(["ip", "-n", b, "-o", "link"], capture_output=True, text=True).stdout
+    assert sorted(l.split(":")[1].strip() for l in links.splitlines()) == ["lo", "wan0"]
+    routes = subprocess.run(["ip", "-n", b, "route"], capture_output=True, text=True).stdout
+    assert all("dev wan0" in r for r in routes.splitlines()), routes
+    outside = steady_line.socket("b")
+    with pytest.raises(OSError, match="unreachable"):
+        outside.connect(("192.0.2.1", 80))  # TEST-NET: nothing in B routes there
+    outside.close()
+
+
+def test_local_traffic_in_cluster_a_stays_off_the_line(steady_line):
+    before = steady_line.counters("a")
+    server, client = steady_line.socket("a"), steady_line.socket("a")
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    client.connect(server.getsockname())
+    conn, _ = server.accept()
+    client.sendall(b"k" * 1_000_000)
+    client.close()
+    got = 0
+    while chunk := conn.recv(65536):
+        got += len(chunk)
+    conn.close()
+    server.close()
+    after = steady_line.counters("a")
+    assert got == 1_000_000
+    assert after["tx_bytes"] - before["tx_bytes"] < 10_000  # P<->RLD-style loopback is local
+
+
+# (b) RTT --------------------------------------------------------------------------------------
+def test_small_message_round_trip_matches_the_set_rtt(steady_line):
+    rtts = measure.round_trips(steady_line, count=50, size=64)
+    stats = measure.summarize(rtts)
+    # A round trip can never beat the line; it can be stretched by the measuring threads
+    # being descheduled (other servers share the 2 cores), so the typical value is checked
+    # with the median and the mean only loosely.
+    assert stats["min"] >= RTT_MS - 0.2, f"faster than the line allows: {stats}"
+    assert abs(stats["p50"] - RTT_MS) <= RTT_TOLERANCE_MS, stats
+    assert stats["mean"] - RTT_MS <= 3 * RTT_TOLERANCE_MS, stats
+
+
+def test_round_trip_follows_the_setting_not_a_constant():
+    with WanLine(RATE_MBIT, 10.0, 0.0) as line:
+        stats = measure.summarize(measure.round_trips(line, count=20))
+    assert stats["min"] >= 9.8 and abs(stats["p50"] - 10.0) <= RTT_TOLERANCE_MS, stats
+
+
+# (c) jitter and order ---------------------------------------------------------------------------
+def test_jitter_stays_within_bounds_and_nothing_is_reordered():
+    jitter_ms = 10.0
+    line = WanLine(RATE_MBIT, RTT_MS, jitter_ms, seed=7)
+    with line:
+        sparse = measure.one_way_probes(line, count=300, burst=1, gap_s=0.002)
+        bursts = measure.one_way_probes(line, count=600, burst=30, gap_s=0.005)
+        rtts = measure.round_trips(line, count=40, interval_s=0.005)
+    low, high = RTT_MS / 2 - jitter_ms / 2, RTT_MS / 2 + jitter_ms / 2
+    for probes in (sparse, bursts):
+        assert probes["received"] == probes["sent"], probes["received"]
+        assert probes["reordered"] == 0
+        delays = sorted(probes["delays_ms"])
+        assert delays[0] >= low - 0.2, delays[0]  # never early: a hard bound
+        # Arrival is kernel-stamped, but the send stamp is taken in Python just before
+        # sendto(), and a sender descheduled in between (other servers share the 2 cores)
+        # stretches a whole burst; the upper bound is therefore checked on the 95th percentile
+        # here, and exactly below through the forwarder's own lateness account.
+        assert delays[int(len(delays) * 0.95)] <= high + 1.5, delays[-10:]
+    # The jitter must really be there: sparse probes spread over most of the window.
+    spread = max(sparse["delays_ms"]) - min(sparse["delays_ms"])
+    assert spread >= 0.6 * jitter_ms, spread
+    rtt_stats = measure.summarize(rtts)
+    assert rtt_stats["min"] >= RTT_MS - jitter_ms - 0.2, rtt_stats
+    assert abs(rtt_stats["p50"] - RTT_MS) <= jitter_ms, rtt_stats
+    # The forwarder's own account of packets that left over 1 ms after their due time. Not
+    # the maximum: on this shared VM even a real-time task is now and then held off the CPU
+    # for tens of ms (measured: a SCHED_RR 1 ms sleep loop overshot by up to 33 ms).
+    for direction in ("a_to_b", "b_to_a"):
+        counts = line.last_stats[direction]
+        assert counts["late_over_1ms"] <= 0.05 * counts["packets"], line.last_stats
+
+
+# (d) cleanup ------------------------------------------------------------------------------------
+def _start_sleeper(line: WanLine, side: str) -> subprocess.Popen:
+    return line.popen(side, ["sleep", "300"])
+
+
+def _reap(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_cleanup_after_normal_exit():
+    with WanLine(RATE_MBIT, 10.0) as line:
+        names, forwarder = dict(line.namespaces), line.forwarder_pid
+        sleepers = [_start_sleeper(line, "a"), _start_sleeper(line, "b")]
+        assert all(netns.exists(n) for n in names.values())
+    _reap(sleepers)
+    _assert_gone(names, [forwarder] + [p.pid for p in sleepers])
+
+
+def test_cleanup_after_an_exception():
+    with pytest.raises(RuntimeError, match="boom"):
+        with WanLine(RATE_MBIT, 10.0) as line:
+            names, forwarder = dict(line.namespaces), line.forwarder_pid
+            sleepers = [_start_sleeper(line, "b")]
+            raise RuntimeError("boom")
+    _reap(sleepers)
+    _assert_gone(names, [forwarder] + [p.pid for p in sleepers])
+
+
+def test_cleanup_when_the_forwarder_is_killed():
+    with WanLine(RATE_MBIT, 10.0) as line:
+        names, forwarder = dict(line.namespaces), line.forwarder_pid
+        sleepers = [_start_sleeper(line, "b")]
+        os.kill(forwarder, signal.SIGKILL)
+        line.proc.wait(timeout=5)
+        assert not line.is_up()
+    _reap(sleepers)
+    _assert_gone(names, [forwarder] + [p.pid for p in sleepers])
+
+
+def test_cleanup_when_the_owner_is_killed_with_sigkill():
+    owner_code = textwrap.dedent("""
+        import sys, time
+        from pdd_sglang.wan import WanLine
+        line = WanLine(100, 10).start()
+        sleeper = line.popen("b", ["sleep", "300"])
+        print(line.forwarder_pid, sleeper.pid, flush=True)
+        time.sleep(300)
+    """)
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT)
+    owner = subprocess.Popen([sys.executable, "-c", owner_code], stdout=subprocess.PIPE,
+                             text=True, env=env)
+    forwarder, sleeper = (int(x) for x in owner.stdout.readline().split())
+    names = {"a": f"pddA-{forwarder}", "b": f"pddB-{forwarder}"}
+    assert all(netns.exists(n) for n in names.values())
+    owner.kill()  # no atexit, no handlers: only the forwarder's lifeline can clean up
+    owner.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (
+            any(netns.exists(n) for n in names.values()) or _process_alive(forwarder)):
+        time.sleep(0.1)
+    _assert_gone(names, [forwarder, sleeper])
+
+
+def test_cleanup_stale_removes_leftovers_of_killed_runs():
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    leftover = f"pddB-{dead.pid}"
+    netns.create(leftover)
+    try:
+        assert leftover in cleanup_stale()
+        assert not netns.exists(leftover)
+    finally:
+        netns.destroy(leftover)
+
+
+def test_cli_up_then_down_leaves_nothing():
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT)
+    cli = [sys.executable, "-m", "pdd_sglang.wan"]
+    up = subprocess.run([*cli, "up", "--rate-mbit", "50", "--rtt-ms", "10"], capture_output=True,
+                        text=True, env=env, timeout=30)
+    assert up.returncode == 0, up.stderr
+    info = json.loads(up.stdout)
+    try:
+        # The detached line outlives the "up" command and carries traffic between the sides.
+        assert all(netns.exists(n) for n in info["namespaces"].values())
+        probe = subprocess.run(
+            [*info["exec_prefix"]["b"], sys.executable, "-c",
+             "import socket; s = socket.socket(); s.settimeout(5)\n"
+             f"try: s.connect(({info['addresses']['a']!r}, 9))\n"
+             "except ConnectionRefusedError: print('refused by A')"],
+            capture_output=True, text=True, timeout=30)
+        assert "refused by A" in probe.stdout, probe
+    finally:
+        down = subprocess.run([*cli, "down", "--pid", str(info["pid"])], capture_output=True,
+                              text=True, env=env, timeout=30)
+    assert down.returncode == 0, down.stderr
+    _assert_gone(info["namespaces"], [info["pid"]])
