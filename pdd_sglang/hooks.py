@@ -97,3 +97,9 @@ def is_pdd_room(kv_mgr: Any, room: int) -> bool:
 
 def destination_sent(kv_mgr: Any, req: Any, ok: bool) -> None:
     kv_mgr.pdd_fanout.destination_sent(req, ok)
+
+
+def engine_for_session(kv_mgr: Any, session: str) -> Any:
+    """The Mooncake engine for one destination: the WAN engine for a main (patch 0006)."""
+    fanout = getattr(kv_mgr, "pdd_fanout", None)
+    return kv_mgr.engine if fanout is None else fanout.engine_for(session)

@@ -54,6 +54,13 @@ class PrefillFanout:
         self._rooms: OrderedDict[int, RoomFanout] = OrderedDict()
         self.refused_hellos = 0
         self.wan_queues: list = []
+        self.wan_engine = None  # pdd_sglang.wan_engine.WanTransferEngine, set at start
+
+    def engine_for(self, session: str) -> Any:
+        """The engine that carries batches to ``session``: the WAN engine for mains."""
+        if self.wan_engine is not None and LEDGER.role_of(session) == "main":
+            return self.wan_engine
+        return self.kv_mgr.engine
 
     # ---- 1. registration (bootstrap thread) --------------------------------------------
     def on_destination_registered(self, room: int, session: str, frames: list) -> None:
@@ -183,8 +190,15 @@ def start_wan_path(kv_mgr: Any) -> PrefillFanout:
     """Attach a fan-out to a prefill KV manager and start its WAN transfer workers."""
     from sglang.srt.disaggregation.common.utils import FastQueue
 
+    from sglang.srt.runtime_context import get_server_args
+
+    from pdd_sglang.wan_engine import open_wan_engine
+
     fanout = PrefillFanout(kv_mgr)
     kv_mgr.pdd_fanout = fanout
+    args = get_server_args()
+    if getattr(args, "pdd_role", None) == "prefill":
+        fanout.wan_engine = open_wan_engine(kv_mgr, args.pdd_wan_transfer_protocol, args.pdd_wan_ib_device)
     for index in range(WAN_WORKERS):
         queue = FastQueue()
         fanout.wan_queues.append(queue)

@@ -17,6 +17,7 @@ main       decode                  decode radix cache on (only the unmatched suf
 
 from __future__ import annotations
 
+import os
 from typing import Any, Literal, Optional
 
 import msgspec
@@ -40,6 +41,22 @@ class PddArgs(msgspec.Struct):
         "'main' as a decode server across the WAN with the decode radix cache on. "
         "Implies --disaggregation-mode. Default: not a PDD server.",
     ] = None
+    pdd_wan_transfer_protocol: A[
+        Literal["tcp", "rdma"],
+        "PDD prefill: Mooncake transport of the WAN path to main servers. The relay path uses "
+        "SGLang's own engine (--disaggregation-transfer-backend, --disaggregation-ib-device). "
+        "Default: tcp.",
+    ] = "tcp"
+    pdd_wan_ib_device: A[
+        Optional[str],
+        "PDD prefill: device for the WAN path's Mooncake engine (RDMA only). Default: none.",
+    ] = None
+    pdd_wan_transfer_timeout: A[
+        int,
+        "PDD prefill: seconds a Mooncake transfer may take before it fails (MC_TRANSFER_TIMEOUT, "
+        "process-wide in Mooncake). Multi-second WAN copies need more than Mooncake's 30 s "
+        "default. Default: 120.",
+    ] = 120
 
 
 class PddConfigError(ValueError):
@@ -66,6 +83,13 @@ def resolve_pdd_server_args(server_args: Any) -> None:
         decode_radix_cache=cfg.disaggregation_decode_enable_radix_cache,
     )
     check_transfer_engine()
+    if cfg.pdd_wan_transfer_timeout <= 0:
+        raise PddConfigError(
+            f"--pdd-wan-transfer-timeout must be positive, got {cfg.pdd_wan_transfer_timeout}"
+        )
+    if role == "prefill":
+        # Mooncake reads this once per process, before its first engine starts.
+        os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(cfg.pdd_wan_transfer_timeout))
     if decisions:
         declare_resolution(server_args, "resolve_pdd_server_args", **decisions)
 

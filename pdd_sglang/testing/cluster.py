@@ -93,7 +93,9 @@ class SGLangServer:
 
     def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **CPU_SERVER_ENV, **self.env}
+        # Mooncake and the bootstrap server advertise this address; without it SGLang picks the
+        # NIC's address, and test traffic must stay on loopback or the emulated line.
+        env = {**os.environ, **CPU_SERVER_ENV, "SGLANG_HOST_IP": self.host, **self.env}
         log = open(self.log_path, "ab")
         try:
             log.write(f"$ {' '.join(self.command())}\n".encode())
