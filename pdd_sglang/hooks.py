@@ -103,3 +103,11 @@ def engine_for_session(kv_mgr: Any, session: str) -> Any:
     """The Mooncake engine for one destination: the WAN engine for a main (patch 0006)."""
     fanout = getattr(kv_mgr, "pdd_fanout", None)
     return kv_mgr.engine if fanout is None else fanout.engine_for(session)
+
+
+# ---- debug: patch 0007 -------------------------------------------------------------------
+def on_prompt_kv_complete(scheduler: Any, req: Any) -> None:
+    """A server holds a request's whole prompt KV (prefill: last chunk; decode: transfer done)."""
+    from pdd_sglang import kv_digest
+
+    kv_digest.record(scheduler, req)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pdd_sglang import kv_digest
 from pdd_sglang.transfer_accounting import LEDGER
 
 
@@ -31,4 +32,8 @@ def pool_state(scheduler: Any) -> dict:
 
 
 def add_pdd_state(scheduler: Any, state: dict) -> None:
-    state["pdd"] = {"pool": pool_state(scheduler), "transfers": LEDGER.snapshot()}
+    state["pdd"] = {
+        "pool": pool_state(scheduler),
+        "transfers": LEDGER.snapshot(),
+        "kv_digests": kv_digest.snapshot(),
+    }

@@ -57,6 +57,12 @@ class PddArgs(msgspec.Struct):
         "process-wide in Mooncake). Multi-second WAN copies need more than Mooncake's 30 s "
         "default. Default: 120.",
     ] = 120
+    pdd_debug_kv_digest: A[
+        bool,
+        "PDD debug: hash each request's prompt KV on every server (prefill after its last "
+        "chunk, relay and main once the transfer lands) and show the digests in /server_info. "
+        "Reads every layer's rows: for tests only.",
+    ] = False
 
 
 class PddConfigError(ValueError):

@@ -3,6 +3,8 @@ the sender, on real SGLang processes: P, RLD and MD on the tiny model over Moonc
 
 from __future__ import annotations
 
+import pytest
+
 from pdd_sglang.testing.conversation import FIRST_WORD_ID, WORDS
 from pdd_sglang.testing.pd_client import generate_fanout
 
@@ -37,9 +39,14 @@ def agentic_session(cluster, conversations: int, turns: int, system_len: int, us
     return requests
 
 
+def pages(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
+
+
 def test_relay_gets_full_prompt_main_gets_uncached_suffix(three_roles, tiny_model):
     spec, _ = tiny_model
     bytes_per_token = spec.kv_bytes_per_token
+    page = three_roles.page_size
     servers = [three_roles[n] for n in ("prefill", "relay", "main")]
     before = {s.name: s.wait_idle() for s in servers}
 
@@ -53,13 +60,32 @@ def test_relay_gets_full_prompt_main_gets_uncached_suffix(three_roles, tiny_mode
         assert relay["output_ids"] == main["output_ids"]
         rows = rows_by_role(state, relay["bootstrap_room"])
         assert set(rows) == {"relay", "main"}, rows
-        assert rows["relay"]["pages"] == len(prompt)
-        assert rows["relay"]["bytes"] == len(prompt) * bytes_per_token
-        uncached = len(prompt) - main["meta_info"]["cached_tokens"]
-        assert rows["main"]["pages"] == uncached, (rows["main"], uncached)
-        assert rows["main"]["bytes"] == uncached * bytes_per_token
+        # Whole pages cross the wire: the relay gets every page of the prompt, the main every
+        # page past the (page-aligned) prefix its radix cache matched.
+        main_hit = main["meta_info"]["cached_tokens"]
+        assert main_hit % page == 0
+        assert rows["relay"]["pages"] == pages(len(prompt), page)
+        assert rows["relay"]["bytes"] == pages(len(prompt), page) * page * bytes_per_token
+        uncached_pages = pages(len(prompt), page) - main_hit // page
+        assert rows["main"]["pages"] == uncached_pages, (rows["main"], main_hit)
+        assert rows["main"]["bytes"] == uncached_pages * page * bytes_per_token
         relay_total += rows["relay"]["bytes"]
         main_total += rows["main"]["bytes"]
+
+    # The KV each decode server holds for each prompt is prefill's, read from the pools. The
+    # relay's and whatever the main received for this request are bit-identical to prefill's
+    # rows. The main's cached prefix was computed earlier (by prefill on a previous turn, or by
+    # the main itself while decoding an answer), and prefill may have recomputed some of those
+    # positions now, in another batch shape: those agree to float rounding.
+    digests = {s.name: s.pdd_state()["kv_digests"] for s in servers}
+    for prompt, answers in requests:
+        room = str(answers["relay"]["bootstrap_room"])
+        prefill, relay, main = (digests[n][room] for n in ("prefill", "relay", "main"))
+        assert relay["hashes"] == prefill["hashes"], room
+        received_from = answers["main"]["meta_info"]["cached_tokens"]
+        assert main["hashes"][received_from:] == prefill["hashes"][received_from:], room
+        assert main["sums"][:received_from] == pytest.approx(
+            prefill["sums"][:received_from], rel=1e-4, abs=1e-4)
 
     hit = 1 - main_total / relay_total
     print(f"\nWAN bytes with DRC {main_total}, without (measured on the relay path) "
