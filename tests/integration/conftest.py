@@ -37,11 +37,99 @@ def pd_pair(tiny_model, tmp_path_factory):
         yield cluster
 
 
-@pytest.fixture(scope="module")
-def three_roles(tiny_model, tmp_path_factory):
-    """PDD prefill, relay and main on one machine (no WAN emulation), over Mooncake TCP."""
+@pytest.fixture(scope="module", params=[1, 16], ids=lambda p: f"page{p}")
+def three_roles(request, tiny_model, tmp_path_factory):
+    """PDD prefill, relay and main on one machine (no WAN emulation), over Mooncake TCP.
+
+    Two variants: page size 1, and page size 16 with chunked prefill of 64 tokens, so that a
+    prompt's KV reaches each destination in several chunks that do not fall on its prefix.
+    """
+    page_size = request.param
     _, model_path = tiny_model
-    log_dir = tmp_path_factory.mktemp("three-roles-logs")
+    log_dir = tmp_path_factory.mktemp(f"three-roles-page{page_size}-logs")
+    bootstrap_port = free_port()
+    common = ("--disaggregation-transfer-backend", "mooncake_tcp", "--page-size", str(page_size),
+              "--pdd-debug-kv-digest")
+    chunking = ("--chunked-prefill-size", "64") if page_size > 1 else ()
+    servers = [
+        SGLangServer("prefill", model_path, log_dir, extra_args=(
+            "--pdd-role", "prefill", "--disaggregation-bootstrap-port", str(bootstrap_port),
+            *common, *chunking)),
+        SGLangServer("relay", model_path, log_dir, extra_args=(
+            "--pdd-role", "relay", *common, *RELAY_CPU_ARGS)),
+        SGLangServer("main", model_path, log_dir, extra_args=("--pdd-role", "main", *common)),
+    ]
+    with Cluster(servers) as cluster:
+        cluster.bootstrap_port = bootstrap_port
+        cluster.log_dir = log_dir
+        cluster.page_size = page_size
+        yield cluster
+
+
+# ---- PDD router ------------------------------------------------------------------------------
+# Link parameters that put the P->MD / P->RLD->MD boundary at 100 uncached tokens of the tiny
+# model (512 KV bytes/token in float32): 100 tokens x 512 B at 102,400 B/s = 0.5 s, the policy's
+# default hide_wan_below_s; RTT 0 so the prompt length alone decides.
+ROUTER_RELAY_ABOVE_TOKENS = 100
+ROUTER_WAN_GBPS = ROUTER_RELAY_ABOVE_TOKENS * 512 / 0.5 * 8 / 1e9
+
+
+class RouterProcess:
+    """``python -m pdd_sglang.router`` on a free port, in its own process group, always stopped."""
+
+    def __init__(self, log_dir, args):
+        import sys
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_dir / "router.log"
+        self.command = [sys.executable, "-m", "pdd_sglang.router", "--host", "127.0.0.1",
+                        "--port", str(self.port), *args]
+        self.process = None
+
+    def start(self, timeout_s: float = 300.0) -> None:
+        import subprocess
+        import time
+        import urllib.request
+
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"router exited with {self.process.returncode}:\n"
+                                   f"{self.log_path.read_text()[-4000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
+                    if resp.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"router not ready:\n{self.log_path.read_text()[-4000:]}")
+
+    def stop(self) -> None:
+        import os
+        import signal
+        import subprocess
+
+        proc, self.process = self.process, None
+        if proc is None or proc.poll() is not None:
+            return
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def router_cluster(tiny_model, tmp_path_factory):
+    """P, RLD and MD behind the PDD router, plus a plain single server as the greedy reference."""
+    _, model_path = tiny_model
+    log_dir = tmp_path_factory.mktemp("router-logs")
     bootstrap_port = free_port()
     transport = ("--disaggregation-transfer-backend", "mooncake_tcp")
     servers = [
@@ -51,8 +139,20 @@ def three_roles(tiny_model, tmp_path_factory):
         SGLangServer("relay", model_path, log_dir, extra_args=(
             "--pdd-role", "relay", *transport, *RELAY_CPU_ARGS)),
         SGLangServer("main", model_path, log_dir, extra_args=("--pdd-role", "main", *transport)),
+        SGLangServer("plain", model_path, log_dir),
     ]
     with Cluster(servers) as cluster:
-        cluster.bootstrap_port = bootstrap_port
-        cluster.log_dir = log_dir
-        yield cluster
+        router = RouterProcess(log_dir, [
+            "--prefill", cluster["prefill"].url, str(bootstrap_port),
+            "--relay", cluster["relay"].url, "--main", cluster["main"].url,
+            "--wan-gbps", repr(ROUTER_WAN_GBPS), "--wan-rtt-ms", "0",
+            "--health-interval-s", "1"])
+        try:
+            router.start()
+            cluster.router = router
+            cluster.bootstrap_port = bootstrap_port
+            cluster.log_dir = log_dir
+            cluster.model_path = model_path
+            yield cluster
+        finally:
+            router.stop()

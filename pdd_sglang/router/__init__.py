@@ -1,0 +1,2 @@
+"""The PDD router: one front door that places each request on P->MD or P->RLD->MD, fans it out to
+its servers, and splices the relay's and main's streams (see README_SECTION.md)."""

@@ -1,0 +1,217 @@
+"""HTTP endpoints: SGLang's /generate, OpenAI's completions, chat and models, health, metrics.
+
+aiohttp rather than FastAPI: the router's job is relaying streams, and aiohttp cancels a handler
+when its client goes away (``handler_cancellation``), which is exactly the signal needed to abort
+the request on every server.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import orjson
+from aiohttp import web
+
+from pdd_sglang.router import errors
+from pdd_sglang.router.dispatch import StreamEndedEarly
+from pdd_sglang.router.openai_format import OpenAIStream
+from pdd_sglang.router.request_parsing import (GenerateJob, parse_chat, parse_completion,
+                                               parse_generate, parse_json_object)
+from pdd_sglang.router.service import RouterService
+from pdd_sglang.router.servers import MAIN, PREFILL, NoHealthyServer
+from pdd_sglang.router.splice import SplicedUpdate, SpliceError
+from pdd_sglang.router.upstream import UpstreamError
+
+logger = logging.getLogger("pdd_sglang.router")
+
+_SERVICE = web.AppKey("service", RouterService)
+_FAILURES = (UpstreamError, StreamEndedEarly, SpliceError)
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+def _sse(payload) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+def _failure_message(err: Exception) -> str:
+    if isinstance(err, UpstreamError):
+        return f"{err.upstream.role} server failed: {err.message}"
+    return str(err)
+
+
+class Handlers:
+    def __init__(self, service: RouterService):
+        self.service = service
+
+    # ---- request intake -----------------------------------------------------------------
+    async def _intake(self, request: web.Request, parse, api: str):
+        """Parse and place, or an error response; nothing reaches a server before this passes."""
+        started = time.perf_counter()
+        body = None
+        try:
+            body = parse_json_object(await request.read())
+            parsed = parse(body, self.service.model)
+            job = parsed[0] if isinstance(parsed, tuple) else parsed
+            placement = self.service.dispatcher.place(job)
+        except errors.RequestRejected as err:
+            self.service.metrics.errors.labels(err.cause).inc()
+            if api == "generate" and err.kind == "refused" and body.get("stream"):
+                return body, None, None, None, await self._stream_refusal(request, err)
+            return body, None, None, None, errors.rejection_response(err, api)
+        except NoHealthyServer as err:
+            self.service.metrics.errors.labels(f"no_healthy_{err.role}").inc()
+            return body, None, None, None, errors.upstream_failure_response(str(err), api)
+        return body, parsed, placement, started, None
+
+    async def _stream_refusal(self, request, err) -> web.StreamResponse:
+        """SGLang refuses a streamed /generate inside the stream: 200, one error chunk, DONE."""
+        response = web.StreamResponse(status=200, headers=_SSE_HEADERS)
+        await response.prepare(request)
+        await response.write(errors.generate_stream_error_chunk(err.message, err.status))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def _run(self, job: GenerateJob, placement, api: str, started: float):
+        updates = self.service.dispatcher.run(job, placement, api, started)
+        try:
+            async for update in updates:
+                yield update
+        finally:
+            await updates.aclose()  # on a disconnect too: runs the dispatcher's aborts
+
+    # ---- SGLang /generate ---------------------------------------------------------------
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        _, job, placement, started, refusal = await self._intake(request, parse_generate,
+                                                                 "generate")
+        if refusal is not None:
+            return refusal
+        if not job.stream:
+            final = None
+            try:
+                async for update in self._run(job, placement, "generate", started):
+                    final = update
+            except _FAILURES as err:
+                return errors.upstream_failure_response(_failure_message(err), "generate", 500)
+            return web.Response(body=orjson.dumps(_generate_body(final)),
+                                content_type="application/json")
+        response = web.StreamResponse(status=200, headers=_SSE_HEADERS)
+        await response.prepare(request)
+        incremental = self.service.config.incremental_streaming_output
+        sent_text, sent_ids = "", 0
+        try:
+            async for update in self._run(job, placement, "generate", started):
+                body = _generate_body(update)
+                if incremental:
+                    body["text"] = update.text[len(sent_text):]
+                    body["output_ids"] = update.output_ids[sent_ids:]
+                    sent_text, sent_ids = update.text, len(update.output_ids)
+                await response.write(_sse(body))
+        except _FAILURES as err:
+            await response.write(errors.generate_stream_error_chunk(_failure_message(err), 500))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    # ---- OpenAI -------------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._openai(request, parse_completion, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._openai(request, parse_chat, chat=True)
+
+    async def _openai(self, request: web.Request, parse, chat: bool) -> web.StreamResponse:
+        body, parsed, placement, started, refusal = await self._intake(request, parse, "openai")
+        if refusal is not None:
+            return refusal
+        job, model_name = parsed
+        api = "chat" if chat else "completions"
+        include_usage = job.stream and bool((body.get("stream_options") or {}).get("include_usage"))
+        formatter = OpenAIStream(chat, model_name, include_usage)
+        if not job.stream:
+            final = None
+            try:
+                async for update in self._run(job, placement, api, started):
+                    final = update
+            except _FAILURES as err:
+                return errors.openai_error(_failure_message(err), 500, "InternalServerError")
+            return web.json_response(formatter.response(final), dumps=_dumps)
+        response = web.StreamResponse(status=200, headers=_SSE_HEADERS)
+        await response.prepare(request)
+        try:
+            async for update in self._run(job, placement, api, started):
+                for chunk in formatter.chunks(update):
+                    await response.write(_sse(chunk))
+        except _FAILURES as err:
+            await response.write(_sse({"error": {"message": _failure_message(err),
+                                                 "type": "InternalServerError", "code": 500}}))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def models(self, request: web.Request) -> web.Response:
+        model = self.service.model
+        card = {"id": model.served_model_name, "object": "model", "created": int(time.time()),
+                "owned_by": "sglang", "root": model.model_path, "parent": None,
+                "max_model_len": model.context_length}
+        return web.json_response({"object": "list", "data": [card]}, dumps=_dumps)
+
+    # ---- operations ---------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        pool = self.service.pool
+        ok = bool(pool.healthy(PREFILL)) and bool(pool.healthy(MAIN))
+        return web.Response(status=200 if ok else 503)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        body = self.service.metrics.render(self.service.pool)
+        return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        model = self.service.model
+        return web.json_response({"model_path": model.model_path,
+                                  "served_model_name": model.served_model_name,
+                                  "tokenizer_path": model.model_path, "is_generation": True},
+                                 dumps=_dumps)
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        return web.json_response(await self.service.servers_info(), dumps=_dumps)
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        ok = await self.service.flush_cache()
+        return web.Response(status=200 if ok else 500, text="Cache flushed.\n" if ok else
+                            "Cache flush failed on some server.\n")
+
+
+def _generate_body(update: SplicedUpdate) -> dict:
+    return {"text": update.text, "output_ids": update.output_ids, "meta_info": update.meta}
+
+
+def _dumps(value) -> str:
+    return orjson.dumps(value).decode()
+
+
+def build_app(service: RouterService) -> web.Application:
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app[_SERVICE] = service
+    handlers = Handlers(service)
+    app.router.add_post("/generate", handlers.generate)
+    app.router.add_post("/v1/completions", handlers.completions)
+    app.router.add_post("/v1/chat/completions", handlers.chat_completions)
+    app.router.add_get("/v1/models", handlers.models)
+    app.router.add_get("/health", handlers.health)
+    app.router.add_get("/metrics", handlers.metrics)
+    app.router.add_get("/model_info", handlers.model_info)
+    app.router.add_get("/get_model_info", handlers.model_info)
+    app.router.add_get("/server_info", handlers.server_info)
+    app.router.add_post("/flush_cache", handlers.flush_cache)
+
+    async def on_startup(app: web.Application) -> None:
+        await service.start()
+
+    async def on_cleanup(app: web.Application) -> None:
+        await service.stop()
+
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+    return app

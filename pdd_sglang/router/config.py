@@ -1,0 +1,134 @@
+"""Router settings and the command line: servers by role, link parameters, policy knobs, timeouts."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from pdd_sglang.policy import PolicyConfig
+
+DEFAULT_BOOTSTRAP_PORT = 8998  # SGLang's default --disaggregation-bootstrap-port
+# Link defaults: a leased 10 Gbps inter-datacenter line with 20 ms RTT (the brief's range is
+# 10-100 Gbps and milliseconds to tens of milliseconds; the conservative end).
+DEFAULT_WAN_GBPS = 10.0
+DEFAULT_WAN_RTT_MS = 20.0
+
+
+@dataclass(frozen=True)
+class PrefillEndpoint:
+    url: str
+    bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT
+
+
+@dataclass(frozen=True)
+class LinkParams:
+    """What the placement predicts WAN time from (policy.predict_wan_seconds)."""
+
+    wan_bytes_per_s: float
+    rtt_s: float
+    # None: computed from the model's config once it is known (ModelInfo.kv_bytes_per_token).
+    kv_bytes_per_token: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    prefills: tuple[PrefillEndpoint, ...]
+    relays: tuple[str, ...]
+    mains: tuple[str, ...]
+    host: str = "127.0.0.1"
+    port: int = 30000
+    link: LinkParams = LinkParams(DEFAULT_WAN_GBPS * 1e9 / 8, DEFAULT_WAN_RTT_MS / 1e3)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    tokenizer_path: Optional[str] = None  # default: the servers' tokenizer path from /model_info
+    mirror_max_tokens: Optional[int] = None  # default: main's KV pool size
+    health_interval_s: float = 5.0
+    health_failures_to_remove: int = 2
+    connect_timeout_s: float = 10.0
+    # Longest silence tolerated on an upstream stream (a decode step, or the WAN copy before main's
+    # first token) before the request is failed and aborted everywhere.
+    read_timeout_s: float = 600.0
+    startup_timeout_s: float = 600.0
+    incremental_streaming_output: bool = False
+
+
+def _split_prefill_args(values: Sequence[str]) -> tuple[PrefillEndpoint, ...]:
+    """``--prefill URL [PORT] URL [PORT] ...`` as SGLang's router takes it."""
+    endpoints, index = [], 0
+    while index < len(values):
+        url = values[index]
+        if not url.startswith(("http://", "https://")):
+            raise argparse.ArgumentTypeError(f"--prefill expects a URL first, got {url!r}")
+        port = DEFAULT_BOOTSTRAP_PORT
+        if index + 1 < len(values) and values[index + 1].isdigit():
+            port = int(values[index + 1])
+            index += 1
+        endpoints.append(PrefillEndpoint(url.rstrip("/"), port))
+        index += 1
+    return tuple(endpoints)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m pdd_sglang.router",
+        description="PDD router: places each request on P->MD or P->RLD->MD and splices streams.")
+    parser.add_argument("--prefill", nargs="+", action="append", required=True, metavar="URL [PORT]",
+                        help="prefill server URL, optionally followed by its bootstrap port "
+                             f"(default {DEFAULT_BOOTSTRAP_PORT}); repeatable")
+    parser.add_argument("--relay", nargs="+", action="append", default=[], metavar="URL",
+                        help="relay decode server URL(s); none: every request is P->MD")
+    parser.add_argument("--main", nargs="+", action="append", required=True, metavar="URL",
+                        help="main decode server URL(s)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--wan-gbps", type=float, default=DEFAULT_WAN_GBPS,
+                        help="WAN bandwidth available to one request's KV copy, Gbit/s")
+    parser.add_argument("--wan-rtt-ms", type=float, default=DEFAULT_WAN_RTT_MS)
+    parser.add_argument("--kv-bytes-per-token", type=float, default=None,
+                        help="KV bytes one token costs on the wire (default: 2 x layers x KV "
+                             "heads x head dim x dtype size, from the model's config; set it "
+                             "for MLA or compressed KV)")
+    parser.add_argument("--hide-wan-below-s", type=float, default=PolicyConfig.hide_wan_below_s,
+                        help="P->MD when main's predicted WAN time is under this, else P->RLD->MD")
+    parser.add_argument("--main-load-penalty-tokens", type=int,
+                        default=PolicyConfig.main_load_penalty_tokens,
+                        help="a fully loaded main is worth this many cached tokens less")
+    parser.add_argument("--singular-predictive", action="store_true",
+                        help="send long-uncached, short-output requests to the relay alone")
+    parser.add_argument("--tokenizer-path", default=None)
+    parser.add_argument("--mirror-max-tokens", type=int, default=None,
+                        help="tokens per main's prefix mirror (default: main's KV pool size)")
+    parser.add_argument("--health-interval-s", type=float, default=5.0)
+    parser.add_argument("--health-failures-to-remove", type=int, default=2)
+    parser.add_argument("--connect-timeout-s", type=float, default=10.0)
+    parser.add_argument("--read-timeout-s", type=float, default=600.0)
+    parser.add_argument("--startup-timeout-s", type=float, default=600.0)
+    parser.add_argument("--incremental-streaming-output", action="store_true",
+                        help="stream only new text and ids per /generate chunk (as SGLang's flag)")
+    return parser
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> RouterConfig:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        prefills = _split_prefill_args([v for group in args.prefill for v in group])
+    except argparse.ArgumentTypeError as err:
+        parser.error(str(err))
+    flat = lambda groups: tuple(v.rstrip("/") for group in groups for v in group)  # noqa: E731
+    if args.wan_gbps <= 0:
+        parser.error("--wan-gbps must be > 0")
+    policy = PolicyConfig(hide_wan_below_s=args.hide_wan_below_s,
+                          main_load_penalty_tokens=args.main_load_penalty_tokens,
+                          singular_predictive=args.singular_predictive)
+    return RouterConfig(
+        prefills=prefills, relays=flat(args.relay), mains=flat(args.main),
+        host=args.host, port=args.port,
+        link=LinkParams(args.wan_gbps * 1e9 / 8, args.wan_rtt_ms / 1e3, args.kv_bytes_per_token),
+        policy=policy, tokenizer_path=args.tokenizer_path,
+        mirror_max_tokens=args.mirror_max_tokens, health_interval_s=args.health_interval_s,
+        health_failures_to_remove=args.health_failures_to_remove,
+        connect_timeout_s=args.connect_timeout_s, read_timeout_s=args.read_timeout_s,
+        startup_timeout_s=args.startup_timeout_s,
+        incremental_streaming_output=args.incremental_streaming_output,
+    )

@@ -1,0 +1,207 @@
+"""One request's life: place it, fan it out to its servers, splice their streams, clean up.
+
+Every server that may hold the request is told to drop it on any exit that is not a clean finish
+(client gone, server error, timeout, splice error): SGLang's /abort_request with the rid the router
+gave it, on top of closing the HTTP stream (which SGLang also treats as an abort).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+import uuid
+from typing import AsyncIterator
+
+from pdd_sglang.route import route_kv_hints
+from pdd_sglang.router.metrics import RouterMetrics, TokenClock
+from pdd_sglang.router.model import ModelInfo
+from pdd_sglang.router.placement import Placement, Placer
+from pdd_sglang.router.prefix_mirror import PrefixMirror
+from pdd_sglang.router.request_parsing import GenerateJob
+from pdd_sglang.router.servers import HealthMonitor, ServerPool, Upstream
+from pdd_sglang.router.splice import SplicedUpdate, SpliceError, StreamSplicer
+from pdd_sglang.router.upstream import UpstreamClient, UpstreamError
+
+logger = logging.getLogger("pdd_sglang.router")
+
+_END = object()
+
+
+class StreamEndedEarly(RuntimeError):
+    def __init__(self, upstream: Upstream):
+        super().__init__(f"{upstream.role} {upstream.url} closed its stream before finishing")
+        self.upstream = upstream
+
+
+class Dispatcher:
+    def __init__(self, pool: ServerPool, placer: Placer, mirrors: dict[str, PrefixMirror],
+                 client: UpstreamClient, health: HealthMonitor, metrics: RouterMetrics,
+                 model: ModelInfo):
+        self.pool = pool
+        self.placer = placer
+        self.mirrors = mirrors
+        self.client = client
+        self.health = health
+        self.metrics = metrics
+        self.model = model
+        self._background: set[asyncio.Task] = set()
+
+    def _spawn(self, coro) -> asyncio.Task:
+        """A task nobody awaits (aborts, a prefill's trailing answer), kept alive until done."""
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    async def drain(self) -> None:
+        if self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
+
+    def place(self, job: GenerateJob) -> Placement:
+        return self.placer.place(job.prompt_ids, job.max_new_tokens)
+
+    async def run(self, job: GenerateJob, placement: Placement, api: str,
+                  started: float) -> AsyncIterator[SplicedUpdate]:
+        """Yield the client's updates; the last one has ``finished`` set."""
+        rid = f"pdd-{uuid.uuid4().hex}"
+        body = {
+            **job.extra,
+            "input_ids": job.prompt_ids,
+            "sampling_params": job.sampling_params,
+            "rid": rid,
+            "bootstrap_host": placement.prefill.host,
+            "bootstrap_port": placement.prefill.bootstrap_port,
+            "bootstrap_room": secrets.randbits(62),
+            "kv_hints": route_kv_hints(placement.route_name),
+        }
+        pipeline = placement.pipeline.value
+        self.metrics.requests.labels(pipeline, api).inc()
+        clock = TokenClock(self.metrics, pipeline, started)
+        splicer = StreamSplicer(
+            with_relay=placement.relay is not None,
+            decode=lambda ids: self.model.decode(ids, job.skip_special_tokens))
+        queues = {u.role: asyncio.Queue() for u in placement.decoders}
+        tasks = [self._spawn(self._pump(u, body, queues[u.role], splicer))
+                 for u in placement.decoders]
+        prefill_task = self._spawn(self._prefill(placement.prefill, body, list(queues.values())))
+        clean = False
+        with self.pool.holding(placement.upstreams):
+            try:
+                while not splicer.finished:
+                    source = splicer.phase
+                    if source not in queues:
+                        raise SpliceError(f"{pipeline}: the relay handed off but there is no main")
+                    item = await queues[source].get()
+                    if isinstance(item, BaseException):
+                        raise item
+                    if item is _END:
+                        raise StreamEndedEarly(placement.relay if source == "relay"
+                                               else placement.main)
+                    update = (splicer.relay_chunk(item) if source == "relay"
+                              else splicer.main_chunk(item))
+                    if update is None:
+                        continue
+                    clock.tokens_sent(len(update.new_ids), update.first_after_handoff)
+                    update.meta["id"] = rid
+                    if update.finished:
+                        update.meta["e2e_latency"] = time.perf_counter() - started
+                        update.meta["pdd"] = self._summary(placement, splicer, clock)
+                        self._record_finish(job, placement, splicer, update)
+                        clean = True
+                    yield update
+            except UpstreamError as err:
+                self.metrics.errors.labels(err.cause).inc()
+                if err.cause in ("upstream_connection", "upstream_timeout"):
+                    self.health.report_failure(err.upstream)
+                raise
+            except StreamEndedEarly:
+                self.metrics.errors.labels("upstream_stream_ended").inc()
+                raise
+            except SpliceError:
+                self.metrics.errors.labels("splice").inc()
+                raise
+            except (asyncio.CancelledError, GeneratorExit):
+                if not clean:
+                    self.metrics.errors.labels("client_disconnect").inc()
+                raise
+            finally:
+                for task in tasks:
+                    task.cancel()
+                if not clean:
+                    prefill_task.cancel()
+                    self._abort(placement.upstreams, rid)
+                elif splicer.outcome == "relay_finished" and placement.main is not None:
+                    # The relay answered alone: main's copy (and the WAN transfer feeding it) is
+                    # dropped by the servers; say so explicitly in case they have not yet.
+                    prefill_task.cancel()
+                    self._abort([placement.main, placement.prefill], rid)
+
+    def _abort(self, upstreams: list[Upstream], rid: str) -> None:
+        for upstream in upstreams:
+            self._spawn(self.client.abort(upstream, rid))
+
+    async def _pump(self, upstream: Upstream, body: dict, queue: asyncio.Queue,
+                    splicer: StreamSplicer) -> None:
+        try:
+            async for chunk in self.client.generate_stream(upstream, body):
+                if upstream.role == "main" and splicer.main_cached_tokens is None:
+                    splicer.main_cached_tokens = chunk.meta.get("cached_tokens")
+                queue.put_nowait(chunk)
+            queue.put_nowait(_END)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as err:  # handed to the splice loop, which owns error handling
+            queue.put_nowait(err)
+
+    async def _prefill(self, upstream: Upstream, body: dict, queues: list[asyncio.Queue]) -> None:
+        """The prefill's answer carries nothing for the client; only its failure matters."""
+        try:
+            await self.client.generate_final(upstream, body)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as err:
+            for queue in queues:
+                queue.put_nowait(err)
+
+    def _summary(self, placement: Placement, splicer: StreamSplicer, clock: TokenClock) -> dict:
+        """What the router adds to meta_info["pdd"]: its decisions and its measurements."""
+        return {
+            "pipeline": placement.route_name,
+            "outcome": splicer.outcome,
+            "prefill": placement.prefill.url,
+            "relay": placement.relay.url if placement.relay else None,
+            "main": placement.main.url if placement.main else None,
+            "predicted_main_cached_tokens": placement.main_cached_tokens,
+            "predicted_wan_s": placement.predicted_wan_s,
+            "relay_fallback": placement.relay_fallback,
+            "handed_tokens": splicer.handed_tokens,
+            "ttft_s": clock.ttft_s,
+            "handoff_gap_s": clock.handoff_gap_s,
+        }
+
+    def _record_finish(self, job: GenerateJob, placement: Placement, splicer: StreamSplicer,
+                       update: SplicedUpdate) -> None:
+        outcome = splicer.outcome
+        mode = "none"
+        if outcome == "handoff":
+            mode = str((splicer.handoff_info or {}).get("mode", "unknown"))
+        label = "main_only" if outcome == "main" else outcome
+        self.metrics.outcomes.labels(label, mode).inc()
+        main = placement.main
+        if main is None or outcome == "relay_finished":
+            return
+        mirror = self.mirrors[main.url]
+        actual = splicer.main_cached_tokens
+        prompt = job.prompt_ids
+        predicted_uncached = len(prompt) - placement.main_cached_tokens
+        self.metrics.wan_bytes_predicted.labels(main.url).inc(
+            max(predicted_uncached, 0) * self.model.kv_bytes_per_token)
+        if isinstance(actual, int):
+            self.metrics.wan_bytes.labels(main.url).inc(
+                max(len(prompt) - actual, 0) * self.model.kv_bytes_per_token)
+            self.metrics.mirror_error_tokens.observe(placement.main_cached_tokens - actual)
+            mirror.observe_hit(prompt, actual)
+        # Main keeps the prompt and the output's KV, all but the last token (never computed).
+        mirror.insert(list(prompt) + update.output_ids[:-1])

@@ -1,0 +1,91 @@
+"""The router's Prometheus metrics, in a registry of its own (tests start several routers)."""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# Seconds. TTFT spans the brief's "seconds of tolerance"; ITL its 10-30 ms decode target and the
+# handoff stall, which can reach the WAN's RTT and more.
+_TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
+_ITL_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("pdd_router_requests", "Requests placed, by pipeline and API",
+                                ["pipeline", "api"], registry=r)
+        self.outcomes = Counter(
+            "pdd_router_handoff", "Finished requests by how the answer was made: main_only "
+            "(P->MD), handoff (relay then main; mode as the relay reported it, else 'unknown'), "
+            "relay_finished (the relay completed it, main's copy aborted)",
+            ["outcome", "mode"], registry=r)
+        self.errors = Counter("pdd_router_errors", "Requests failed or refused, by cause",
+                              ["cause"], registry=r)
+        self.ttft = Histogram("pdd_router_time_to_first_token_seconds",
+                              "Request arrival at the router to the first token sent",
+                              ["pipeline"], buckets=_TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("pdd_router_inter_token_latency_seconds",
+                             "Gap between tokens sent to the client (a chunk's gap split evenly "
+                             "over its tokens, as bench_serving does)",
+                             ["pipeline"], buckets=_ITL_BUCKETS, registry=r)
+        self.handoff_gap = Histogram("pdd_router_handoff_gap_seconds",
+                                     "Last relay token to first main token, seen by the client",
+                                     buckets=_ITL_BUCKETS, registry=r)
+        self.wan_bytes = Counter(
+            "pdd_router_wan_kv_bytes",
+            "KV bytes that crossed the WAN to main: (prompt - main's reported cached tokens) x "
+            "KV bytes per token; an estimate from main's answer, the prefill's ledger is exact",
+            ["main"], registry=r)
+        self.wan_bytes_predicted = Counter(
+            "pdd_router_wan_kv_bytes_predicted", "The same, predicted from the prefix mirror at "
+            "placement", ["main"], registry=r)
+        self.mirror_error_tokens = Histogram(
+            "pdd_router_mirror_error_tokens",
+            "Mirror's predicted prefix match minus main's reported cached tokens",
+            buckets=(-1024, -64, -1, 0, 1, 64, 1024, 16384), registry=r)
+        self.outstanding = Gauge("pdd_router_outstanding_requests",
+                                 "Requests the router holds on each server", ["role", "url"],
+                                 registry=r)
+        self.healthy = Gauge("pdd_router_server_healthy", "1 when in rotation", ["role", "url"],
+                             registry=r)
+
+    def render(self, pool) -> bytes:
+        for upstream in pool.all():
+            self.outstanding.labels(upstream.role, upstream.url).set(upstream.outstanding)
+            self.healthy.labels(upstream.role, upstream.url).set(1 if upstream.healthy else 0)
+        return generate_latest(self.registry)
+
+
+class TokenClock:
+    """Times one request's tokens as the client receives them."""
+
+    def __init__(self, metrics: RouterMetrics, pipeline: str, started: Optional[float] = None):
+        self.metrics = metrics
+        self.pipeline = pipeline
+        self.started = time.perf_counter() if started is None else started
+        self.last: Optional[float] = None
+        self.ttft_s: Optional[float] = None
+        self.handoff_gap_s: Optional[float] = None
+
+    def tokens_sent(self, count: int, first_after_handoff: bool = False) -> None:
+        if count <= 0:
+            return
+        now = time.perf_counter()
+        if self.last is None:
+            # A first chunk's extra tokens arrived with the first one: no gap to report.
+            self.ttft_s = now - self.started
+            self.metrics.ttft.labels(self.pipeline).observe(self.ttft_s)
+            self.last = now
+            return
+        gap = now - self.last
+        if first_after_handoff:
+            self.handoff_gap_s = gap
+            self.metrics.handoff_gap.observe(gap)
+        for _ in range(count):
+            self.metrics.itl.labels(self.pipeline).observe(gap / count)
+        self.last = now

@@ -1,0 +1,94 @@
+"""The served model as the router needs it: names, context length, tokenizer, KV bytes per token.
+
+The router tokenizes every prompt itself: placement needs token ids (main's prefix match), and
+the servers then receive ``input_ids``, so all three roles see exactly the same tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "fp8_e4m3": 1,
+                "fp8_e5m2": 1}
+
+
+@dataclass
+class ModelInfo:
+    model_path: str
+    served_model_name: str
+    context_length: int
+    tokenizer: Any
+    kv_bytes_per_token: float
+
+    def known_names(self) -> set[str]:
+        # SGLang answers to its served name, its path and "default" (its protocol's default).
+        return {self.served_model_name, self.model_path, "default"}
+
+    # ---- tokenization -------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        """Render like SGLang's chat serving: template to text, then encode without re-adding
+        special tokens (the template already placed them)."""
+        rendered = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True)
+        return list(self.tokenizer.encode(rendered, add_special_tokens=False))
+
+
+def kv_bytes_per_token_from_config(model_path: str, dtype: Optional[str]) -> Optional[float]:
+    """2 (K and V) x layers x KV heads x head dim x dtype bytes; None when the config lacks them
+    (MLA and other compressed layouts: pass --kv-bytes-per-token)."""
+    config_path = Path(model_path) / "config.json"
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError):
+        return None
+    config = config.get("text_config", config)
+    layers = config.get("num_hidden_layers")
+    heads = config.get("num_attention_heads")
+    kv_heads = config.get("num_key_value_heads", heads)
+    hidden = config.get("hidden_size")
+    head_dim = config.get("head_dim") or (hidden // heads if hidden and heads else None)
+    if not (layers and kv_heads and head_dim) or "kv_lora_rank" in config:
+        return None
+    dtype = dtype if dtype and dtype != "auto" else config.get("torch_dtype", "bfloat16")
+    return float(2 * layers * kv_heads * head_dim * _DTYPE_BYTES.get(str(dtype), 2))
+
+
+def load_model_info(model_info: dict, server_info: dict, tokenizer_path: Optional[str],
+                    kv_bytes_override: Optional[float]) -> ModelInfo:
+    """Build ModelInfo from a server's /model_info and /server_info answers."""
+    from transformers import AutoTokenizer  # heavy: only when the router starts
+
+    model_path = model_info["model_path"]
+    path = tokenizer_path or model_info.get("tokenizer_path") or model_path
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=True)
+    context = server_info.get("context_length") or getattr(tokenizer, "model_max_length", None)
+    if not context or context > 10**9:
+        context = _context_from_config(model_path)
+    kv_bytes = kv_bytes_override or kv_bytes_per_token_from_config(
+        model_path, server_info.get("kv_cache_dtype") if server_info.get("kv_cache_dtype") not in
+        (None, "auto") else server_info.get("dtype"))
+    return ModelInfo(
+        model_path=model_path,
+        served_model_name=model_info.get("served_model_name") or model_path,
+        context_length=int(context),
+        tokenizer=tokenizer,
+        kv_bytes_per_token=kv_bytes or 50 * 1024.0,  # the brief's 1T-class figure
+    )
+
+
+def _context_from_config(model_path: str) -> int:
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return 4096
+    config = config.get("text_config", config)
+    return int(config.get("max_position_embeddings", 4096))

@@ -1,0 +1,99 @@
+"""OpenAI completions and chat responses built from spliced updates, in SGLang's field layout."""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+from pdd_sglang.router.splice import SplicedUpdate
+
+
+def finish_fields(meta: dict) -> tuple[Optional[str], object]:
+    """SGLang's finish_reason dict as OpenAI's (finish_reason, matched_stop)."""
+    reason = meta.get("finish_reason")
+    if not isinstance(reason, dict):
+        return None, None
+    return reason.get("type"), reason.get("matched")
+
+
+def usage(meta: dict) -> dict:
+    prompt, completion = meta.get("prompt_tokens", 0), meta.get("completion_tokens", 0)
+    cached = meta.get("cached_tokens")
+    return {
+        "prompt_tokens": prompt,
+        "total_tokens": prompt + completion,
+        "completion_tokens": completion,
+        "prompt_tokens_details": {"cached_tokens": cached} if cached is not None else None,
+        "reasoning_tokens": 0,
+        "completion_tokens_details": None,
+    }
+
+
+class OpenAIStream:
+    """Per-request state of an OpenAI answer: ids, created time, text sent so far."""
+
+    def __init__(self, chat: bool, model: str, include_usage: bool = False):
+        self.chat = chat
+        self.model = model
+        self.include_usage = include_usage
+        self.created = int(time.time())
+        self.id: Optional[str] = None
+        self.sent_text = ""
+        self.sent_role = False
+
+    @property
+    def object(self) -> str:
+        if self.chat:
+            return "chat.completion.chunk"
+        return "text_completion"
+
+    def _envelope(self, choices: list, obj: Optional[str] = None, **extra) -> dict:
+        return {"id": self.id, "object": obj or self.object, "created": self.created,
+                "model": self.model, "choices": choices, **extra}
+
+    # ---- whole answers ------------------------------------------------------------------
+    def response(self, final: SplicedUpdate) -> dict:
+        self.id = final.meta.get("id")
+        reason, matched = finish_fields(final.meta)
+        if self.chat:
+            choice = {"index": 0,
+                      "message": {"role": "assistant", "content": final.text,
+                                  "reasoning_content": None},
+                      "logprobs": None, "finish_reason": reason, "matched_stop": matched}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": final.text, "logprobs": None, "finish_reason": reason,
+                      "matched_stop": matched}
+            obj = "text_completion"
+        return self._envelope([choice], obj, usage=usage(final.meta),
+                              metadata={"pdd": final.meta.get("pdd")})
+
+    # ---- streamed chunks ----------------------------------------------------------------
+    def chunks(self, update: SplicedUpdate) -> list[dict]:
+        """The chunks one update turns into (text delta, then a finish chunk for chat)."""
+        self.id = update.meta.get("id")
+        delta = update.text[len(self.sent_text):] if update.text.startswith(self.sent_text) \
+            else update.text
+        self.sent_text = update.text
+        reason, matched = finish_fields(update.meta) if update.finished else (None, None)
+        out = []
+        if self.chat:
+            if not self.sent_role:
+                self.sent_role = True
+                out.append(self._chat_chunk({"reasoning_content": None, "role": "assistant",
+                                             "content": ""}))
+            if delta:
+                out.append(self._chat_chunk({"reasoning_content": None, "content": delta}))
+            if update.finished:
+                out.append(self._chat_chunk({"reasoning_content": None}, reason, matched))
+        elif delta or update.finished:
+            out.append(self._envelope([{"index": 0, "text": delta, "logprobs": None,
+                                        "finish_reason": reason, "matched_stop": matched}],
+                                      usage=None))
+        if update.finished and self.include_usage:
+            out.append(self._envelope([], usage=usage(update.meta)))
+        return out
+
+    def _chat_chunk(self, delta: dict, reason=None, matched=None) -> dict:
+        return self._envelope([{"index": 0, "delta": delta, "logprobs": None,
+                                "finish_reason": reason, "matched_stop": matched}])

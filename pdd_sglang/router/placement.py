@@ -1,0 +1,92 @@
+"""Where a request goes: the main by cache affinity and load, the pipeline by predicted WAN time.
+
+Every decision is pdd_sglang.policy's (the simulator makes the same ones); this module only feeds
+it the router's view: each main's prefix match from its mirror, outstanding requests per server.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from pdd_sglang import policy
+from pdd_sglang.router.config import LinkParams
+from pdd_sglang.router.prefix_mirror import PrefixMirror
+from pdd_sglang.router.servers import MAIN, PREFILL, RELAY, NoHealthyServer, ServerPool, Upstream
+
+# The route names servers read in kv_hints (pdd_sglang.route / messages.Pipeline).
+ROUTE_NAMES = {
+    policy.Pipeline.PREFILL_MAIN: "prefill_main",
+    policy.Pipeline.PREFILL_RELAY_MAIN: "prefill_relay_main",
+    policy.Pipeline.RELAY_SINGULAR: "relay_singular",
+}
+
+
+@dataclass(frozen=True)
+class Placement:
+    pipeline: policy.Pipeline
+    prefill: Upstream
+    relay: Optional[Upstream]
+    main: Optional[Upstream]  # None only for RELAY_SINGULAR
+    main_cached_tokens: int  # the mirror's estimate for the chosen main
+    predicted_wan_s: float
+    relay_fallback: bool = False  # P->RLD->MD wanted, no healthy relay: P->MD instead
+
+    @property
+    def route_name(self) -> str:
+        return ROUTE_NAMES[self.pipeline]
+
+    @property
+    def decoders(self) -> list[Upstream]:
+        return [u for u in (self.relay, self.main) if u is not None]
+
+    @property
+    def upstreams(self) -> list[Upstream]:
+        return [self.prefill, *self.decoders]
+
+
+class Placer:
+    def __init__(self, pool: ServerPool, mirrors: dict[str, PrefixMirror], link: LinkParams,
+                 kv_bytes_per_token: float, cfg: policy.PolicyConfig):
+        self.pool = pool
+        self.mirrors = mirrors  # by main URL
+        self.link = link
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.cfg = cfg
+
+    def choose_main(self, prompt_ids: Sequence[int]) -> tuple[Upstream, int]:
+        mains = self.pool.healthy(MAIN)
+        if not mains:
+            raise NoHealthyServer(MAIN)
+        matches = [self.mirrors[m.url].match_length(prompt_ids) for m in mains]
+        candidates = [policy.MainCandidate(cached_prefix_tokens=match,
+                                           running_requests=min(m.outstanding,
+                                                                m.max_running_requests),
+                                           max_running_requests=m.max_running_requests)
+                      for m, match in zip(mains, matches)]
+        index = policy.choose_main(candidates, self.cfg)
+        return mains[index], matches[index]
+
+    def place(self, prompt_ids: Sequence[int], max_new_tokens: int) -> Placement:
+        main, cached = self.choose_main(prompt_ids)
+        # SGLang never reuses the KV of the prompt's last token (it recomputes it to sample).
+        uncached = len(prompt_ids) - min(cached, max(len(prompt_ids) - 1, 0))
+        wan_s = policy.predict_wan_seconds(uncached, self.kv_bytes_per_token,
+                                           self.link.wan_bytes_per_s, self.link.rtt_s)
+        pipeline = policy.choose_pipeline(uncached, max(1, max_new_tokens),
+                                          self.kv_bytes_per_token, self.link.wan_bytes_per_s,
+                                          self.link.rtt_s, self.cfg)
+        prefill = self.pool.least_loaded(PREFILL)
+        if pipeline is policy.Pipeline.PREFILL_MAIN:
+            return Placement(pipeline, prefill, None, main, cached, wan_s)
+        try:
+            relay = self.pool.least_loaded(RELAY)
+        except NoHealthyServer:
+            if pipeline is policy.Pipeline.RELAY_SINGULAR:
+                raise
+            # Nothing to hide the WAN behind: still correct, only slower to the first token.
+            return Placement(policy.Pipeline.PREFILL_MAIN, prefill, None, main, cached, wan_s,
+                             relay_fallback=True)
+        if pipeline is policy.Pipeline.RELAY_SINGULAR:
+            return Placement(pipeline, prefill, relay, None, cached, wan_s)
+        return Placement(pipeline, prefill, relay, main, cached, wan_s)

@@ -1,0 +1,207 @@
+"""Client bodies (SGLang /generate, OpenAI completions and chat) turned into one GenerateJob.
+
+Every check a server would make on its own is made here first, with the server's message, so a
+bad request is refused before any server allocates anything for it (and an empty prompt, which
+crashes SGLang 0.5.23's CPU scheduler, never reaches one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import orjson
+
+from pdd_sglang.router.errors import RequestRejected
+from pdd_sglang.router.model import ModelInfo
+
+SGLANG_DEFAULT_MAX_NEW_TOKENS = 128  # SamplingParams' default when a request names none
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # SGLang's CompletionRequest default
+# Fields of /generate the router sets itself for every server.
+_ROUTER_OWNED = ("text", "input_ids", "stream", "rid", "bootstrap_host", "bootstrap_port",
+                 "bootstrap_room", "kv_hints")
+
+
+@dataclass
+class GenerateJob:
+    prompt_ids: list[int]
+    sampling_params: dict
+    stream: bool
+    extra: dict = field(default_factory=dict)  # other /generate fields, forwarded unchanged
+
+    @property
+    def max_new_tokens(self) -> int:
+        value = self.sampling_params.get("max_new_tokens")
+        return SGLANG_DEFAULT_MAX_NEW_TOKENS if value is None else value
+
+    @property
+    def skip_special_tokens(self) -> bool:
+        return self.sampling_params.get("skip_special_tokens", True) is not False
+
+
+def parse_json_object(raw: bytes) -> dict:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as err:
+        raise RequestRejected(f"JSON decode error: {err}", "malformed_json", "validation") from None
+    if not isinstance(body, dict):
+        raise RequestRejected("Input should be a JSON object", "malformed_json", "validation")
+    return body
+
+
+def _check_context(prompt_len: int, max_new_tokens: Optional[int], model: ModelInfo) -> None:
+    """SGLang's TokenizerManager checks, word for word."""
+    context = model.context_length
+    if prompt_len >= context:
+        raise RequestRejected(f"The input ({prompt_len} tokens) is longer than the model's "
+                              f"context length ({context} tokens).", "prompt_too_long")
+    if max_new_tokens is not None and max_new_tokens + prompt_len > context:
+        raise RequestRejected(
+            f"Requested token count exceeds the model's maximum context length of {context} "
+            f"tokens. You requested a total of {max_new_tokens + prompt_len} tokens: {prompt_len} "
+            f"tokens from the input messages and {max_new_tokens} tokens for the completion. "
+            f"Please reduce the number of tokens in the input messages or the completion to fit "
+            f"within the limit.", "max_tokens_too_large")
+
+
+def _check_token_ids(ids: Any, what: str) -> list[int]:
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                            for t in ids):
+        raise RequestRejected(f"{what} must be a list of token ids", "bad_field", "validation")
+    return ids
+
+
+def parse_generate(body: dict, model: ModelInfo) -> GenerateJob:
+    """An SGLang /generate body: one prompt (text or input_ids), sampling_params, stream."""
+    text, input_ids = body.get("text"), body.get("input_ids")
+    if isinstance(text, list) or (isinstance(input_ids, list) and input_ids
+                                  and isinstance(input_ids[0], list)):
+        raise RequestRejected("The PDD router serves one prompt per request; send batches as "
+                              "separate requests", "batch_unsupported")
+    if text is not None and input_ids is not None:
+        raise RequestRejected("Either text or input_ids should be provided.", "bad_field")
+    sampling = body.get("sampling_params") or {}
+    if not isinstance(sampling, dict):
+        raise RequestRejected("sampling_params must be an object", "bad_field", "validation")
+    if text is not None:
+        if not isinstance(text, str):
+            raise RequestRejected("text must be a string", "bad_field", "validation")
+        prompt_ids = model.encode(text)
+    elif input_ids is not None:
+        prompt_ids = _check_token_ids(input_ids, "input_ids")
+    else:
+        raise RequestRejected("Either text, input_ids or input_embeds should be provided.",
+                              "empty_prompt")
+    if not prompt_ids:
+        raise RequestRejected("The prompt is empty.", "empty_prompt")
+    max_new = sampling.get("max_new_tokens")
+    if max_new is not None:
+        if not isinstance(max_new, int) or isinstance(max_new, bool):
+            raise RequestRejected("max_new_tokens must be an integer", "bad_field", "validation")
+        if max_new < 0:
+            raise RequestRejected(f"max_new_tokens must be at least 0, got {max_new}.",
+                                  "negative_max_tokens")
+    _check_context(len(prompt_ids), max_new, model)
+    extra = {k: v for k, v in body.items() if k not in _ROUTER_OWNED and k != "sampling_params"}
+    return GenerateJob(prompt_ids, dict(sampling), bool(body.get("stream")), extra)
+
+
+def check_model(body: dict, model: ModelInfo) -> str:
+    name = body.get("model")
+    if name is None:
+        return "default"
+    if not isinstance(name, str):
+        raise RequestRejected("model must be a string", "bad_field", "validation")
+    if name not in model.known_names():
+        raise RequestRejected(f"The model `{name}` does not exist.", "unknown_model", "not_found",
+                              404)
+    return name
+
+
+def _openai_sampling(body: dict, max_tokens: Optional[int]) -> dict:
+    """OpenAI parameters in SGLang's sampling_params names (SGLang's to_sampling_params)."""
+    stop = body.get("stop")
+    sampling = {
+        "max_new_tokens": max_tokens,
+        "stop": [stop] if isinstance(stop, str) else stop,
+        "stop_token_ids": body.get("stop_token_ids"),
+        "min_new_tokens": body.get("min_tokens", 0),
+        "presence_penalty": body.get("presence_penalty", 0.0),
+        "frequency_penalty": body.get("frequency_penalty", 0.0),
+        "ignore_eos": body.get("ignore_eos", False),
+        "skip_special_tokens": body.get("skip_special_tokens", True),
+        "no_stop_trim": body.get("no_stop_trim", False),
+        "sampling_seed": body.get("seed"),
+    }
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "regex", "ebnf",
+                 "json_schema"):
+        if body.get(name) is not None:
+            sampling[name] = body[name]
+    return {k: v for k, v in sampling.items() if v is not None}
+
+
+def _check_openai_common(body: dict, max_field: str) -> Optional[int]:
+    if body.get("n", 1) != 1 or body.get("best_of") not in (None, 1):
+        raise RequestRejected("The PDD router serves n=1 only", "unsupported_option")
+    if body.get("logprobs") or body.get("echo"):
+        raise RequestRejected("logprobs and echo are not supported by the PDD router",
+                              "unsupported_option")
+    max_tokens = body.get(max_field)
+    if max_tokens is not None:
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
+            raise RequestRejected(f"{max_field} must be an integer", "bad_field", "validation")
+        if max_tokens <= 0:  # SGLang's protocol validator: "max_tokens must be positive"
+            raise RequestRejected(f"Value error, {max_field} must be positive",
+                                  "negative_max_tokens", "validation")
+    return max_tokens
+
+
+def parse_completion(body: dict, model: ModelInfo) -> tuple[GenerateJob, str]:
+    name = check_model(body, model)
+    if "prompt" not in body:
+        raise RequestRejected("Field required: prompt", "bad_field", "validation")
+    max_tokens = _check_openai_common(body, "max_tokens")
+    if max_tokens is None and "max_tokens" not in body:
+        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if not prompt:
+        raise RequestRejected("Prompt cannot be empty", "empty_prompt")
+    if isinstance(prompt, str):
+        prompt_ids = model.encode(prompt)
+    elif isinstance(prompt, list) and isinstance(prompt[0], int):
+        prompt_ids = _check_token_ids(prompt, "prompt")
+    else:
+        raise RequestRejected("The PDD router serves one prompt per request", "batch_unsupported")
+    if not prompt_ids:
+        raise RequestRejected("Prompt cannot be empty", "empty_prompt")
+    _check_context(len(prompt_ids), max_tokens, model)
+    return GenerateJob(prompt_ids, _openai_sampling(body, max_tokens), bool(body.get("stream"))), name
+
+
+def _message_text(content: Any) -> str:
+    if isinstance(content, list):  # OpenAI content parts: text only on this router
+        return "".join(part.get("text", "") for part in content
+                       if isinstance(part, dict) and part.get("type") == "text")
+    return "" if content is None else str(content)
+
+
+def parse_chat(body: dict, model: ModelInfo) -> tuple[GenerateJob, str]:
+    name = check_model(body, model)
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        raise RequestRejected("Field required: messages", "bad_field", "validation")
+    if not messages:
+        raise RequestRejected("Messages cannot be empty.", "empty_prompt")
+    if not all(isinstance(m, dict) and "role" in m for m in messages):
+        raise RequestRejected("each message needs a role", "bad_field", "validation")
+    max_tokens = _check_openai_common(body, "max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = _check_openai_common(body, "max_tokens")
+    rendered = [{**m, "content": _message_text(m.get("content"))} for m in messages]
+    prompt_ids = model.apply_chat_template(rendered)
+    if not prompt_ids:
+        raise RequestRejected("Messages cannot be empty.", "empty_prompt")
+    _check_context(len(prompt_ids), max_tokens, model)
+    return GenerateJob(prompt_ids, _openai_sampling(body, max_tokens), bool(body.get("stream"))), name

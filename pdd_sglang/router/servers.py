@@ -1,0 +1,136 @@
+"""The servers behind the router: their roles, live load as the router sees it, and health."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Iterator, Optional
+from urllib.parse import urlparse
+
+logger = logging.getLogger("pdd_sglang.router")
+
+PREFILL, RELAY, MAIN = "prefill", "relay", "main"
+
+
+@dataclass(eq=False)
+class Upstream:
+    """One SGLang server. ``outstanding`` counts the router's requests it holds right now."""
+
+    role: str
+    url: str
+    bootstrap_port: Optional[int] = None  # prefill only
+    outstanding: int = 0
+    healthy: bool = True
+    consecutive_failures: int = 0
+    max_running_requests: int = 1
+    kv_pool_tokens: Optional[int] = None
+    incremental_streaming_output: bool = False
+
+    @property
+    def host(self) -> str:
+        return urlparse(self.url).hostname or "127.0.0.1"
+
+    def learn(self, server_info: dict) -> None:
+        """Take capacity and stream format from the server's /server_info."""
+        self.max_running_requests = max(1, int(server_info.get("max_running_requests") or 1))
+        self.incremental_streaming_output = bool(server_info.get("incremental_streaming_output"))
+        states = server_info.get("internal_states") or [{}]
+        pool = states[0].get("max_total_num_tokens") or server_info.get("max_total_tokens")
+        self.kv_pool_tokens = int(pool) if pool else None
+
+
+class NoHealthyServer(RuntimeError):
+    def __init__(self, role: str):
+        super().__init__(f"no healthy {role} server")
+        self.role = role
+
+
+class ServerPool:
+    """Every upstream by role; picks by load among the healthy ones."""
+
+    def __init__(self, prefills, relays, mains):
+        self.by_role: dict[str, list[Upstream]] = {
+            PREFILL: [Upstream(PREFILL, p.url, p.bootstrap_port) for p in prefills],
+            RELAY: [Upstream(RELAY, url) for url in relays],
+            MAIN: [Upstream(MAIN, url) for url in mains],
+        }
+
+    def all(self) -> list[Upstream]:
+        return [u for group in self.by_role.values() for u in group]
+
+    def healthy(self, role: str) -> list[Upstream]:
+        return [u for u in self.by_role[role] if u.healthy]
+
+    def least_loaded(self, role: str) -> Upstream:
+        """Fewest outstanding requests relative to capacity; ties to the first listed."""
+        candidates = self.healthy(role)
+        if not candidates:
+            raise NoHealthyServer(role)
+        return min(candidates, key=lambda u: u.outstanding / u.max_running_requests)
+
+    @contextlib.contextmanager
+    def holding(self, upstreams: list[Upstream]) -> Iterator[None]:
+        for upstream in upstreams:
+            upstream.outstanding += 1
+        try:
+            yield
+        finally:
+            for upstream in upstreams:
+                upstream.outstanding -= 1
+
+
+class HealthMonitor:
+    """Polls /health; a server leaves after N failures in a row and returns on one success.
+
+    Request-path connection failures count too (``report_failure``), so a dead server stops
+    receiving traffic before the next poll.
+    """
+
+    def __init__(self, pool: ServerPool, http, interval_s: float, failures_to_remove: int):
+        self.pool = pool
+        self.http = http
+        self.interval_s = interval_s
+        self.failures_to_remove = max(1, failures_to_remove)
+        self._task: Optional[asyncio.Task] = None
+        # Called (and awaited) when a server returns, to re-read its capacity.
+        self.on_recovered = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self._check(u) for u in self.pool.all()))
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            await self.check_all()
+
+    async def _check(self, upstream: Upstream) -> None:
+        if await self.http.healthy(upstream):
+            if not upstream.healthy and self.on_recovered is not None:
+                if not await self.on_recovered(upstream):
+                    return
+            self.report_success(upstream)
+        else:
+            self.report_failure(upstream)
+
+    def report_success(self, upstream: Upstream) -> None:
+        if not upstream.healthy:
+            logger.warning("%s %s is healthy again: back in rotation", upstream.role, upstream.url)
+        upstream.healthy, upstream.consecutive_failures = True, 0
+
+    def report_failure(self, upstream: Upstream) -> None:
+        upstream.consecutive_failures += 1
+        if upstream.healthy and upstream.consecutive_failures >= self.failures_to_remove:
+            upstream.healthy = False
+            logger.warning("%s %s failed %d health checks: out of rotation", upstream.role,
+                           upstream.url, upstream.consecutive_failures)

@@ -1,0 +1,116 @@
+"""The router's parts wired together, and its start-up: find the servers, learn the model."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Optional
+
+from pdd_sglang.router.config import RouterConfig
+from pdd_sglang.router.dispatch import Dispatcher
+from pdd_sglang.router.metrics import RouterMetrics
+from pdd_sglang.router.model import ModelInfo, load_model_info
+from pdd_sglang.router.placement import Placer
+from pdd_sglang.router.prefix_mirror import PrefixMirror
+from pdd_sglang.router.servers import MAIN, PREFILL, HealthMonitor, ServerPool, Upstream
+from pdd_sglang.router.upstream import UpstreamClient
+
+logger = logging.getLogger("pdd_sglang.router")
+
+DEFAULT_MIRROR_TOKENS = 1_000_000  # when main does not report its KV pool size
+
+
+class RouterService:
+    def __init__(self, config: RouterConfig):
+        self.config = config
+        self.pool = ServerPool(config.prefills, config.relays, config.mains)
+        self.client = UpstreamClient(config.connect_timeout_s, config.read_timeout_s)
+        self.metrics = RouterMetrics()
+        self.health = HealthMonitor(self.pool, self.client, config.health_interval_s,
+                                    config.health_failures_to_remove)
+        self.model: Optional[ModelInfo] = None
+        self.mirrors: dict[str, PrefixMirror] = {}
+        self.dispatcher: Optional[Dispatcher] = None
+
+    async def start(self) -> None:
+        await self.client.start()
+        await self._wait_for_servers()
+        main = next(u for u in self.pool.by_role[MAIN] if u.healthy)
+        model_info = await self.client.get_json(main, "/model_info")
+        server_info = await self.client.get_json(main, "/server_info")
+        # Loading a tokenizer takes seconds: keep the event loop free meanwhile.
+        self.model = await asyncio.get_running_loop().run_in_executor(
+            None, load_model_info, model_info, server_info, self.config.tokenizer_path,
+            self.config.link.kv_bytes_per_token)
+        for upstream in self.pool.by_role[MAIN]:
+            budget = (self.config.mirror_max_tokens or upstream.kv_pool_tokens
+                      or DEFAULT_MIRROR_TOKENS)
+            self.mirrors[upstream.url] = PrefixMirror(budget)
+        placer = Placer(self.pool, self.mirrors, self.config.link, self.model.kv_bytes_per_token,
+                        self.config.policy)
+        self.dispatcher = Dispatcher(self.pool, placer, self.mirrors, self.client, self.health,
+                                     self.metrics, self.model)
+        self.health.on_recovered = self._learn
+        self.health.start()
+        logger.info("PDD router ready: model %s, context %d, %.0f KV bytes/token, %s",
+                    self.model.served_model_name, self.model.context_length,
+                    self.model.kv_bytes_per_token,
+                    {role: [u.url for u in group] for role, group in self.pool.by_role.items()})
+
+    async def _wait_for_servers(self) -> None:
+        """Learn every server's capacity; those still down at the deadline start out of rotation
+        (the health monitor brings them back). At least one prefill and one main must answer."""
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        pending = set(self.pool.all())
+        while pending and time.monotonic() < deadline:
+            results = await asyncio.gather(*(self._learn(u) for u in pending))
+            pending = {u for u, ok in zip(list(pending), results) if not ok}
+            if pending:
+                await asyncio.sleep(1.0)
+        for upstream in pending:
+            upstream.healthy = False
+            logger.warning("%s %s did not answer during start-up: out of rotation",
+                           upstream.role, upstream.url)
+        for role in (PREFILL, MAIN):
+            if not self.pool.healthy(role):
+                raise RuntimeError(f"no {role} server answered within "
+                                   f"{self.config.startup_timeout_s:.0f} s")
+
+    async def _learn(self, upstream: Upstream) -> bool:
+        if not await self.client.healthy(upstream):
+            return False
+        try:
+            upstream.learn(await self.client.get_json(upstream, "/server_info"))
+        except Exception as err:  # a server mid-start answers /health before /server_info
+            logger.debug("server_info of %s: %r", upstream.url, err)
+            return False
+        return True
+
+    async def stop(self) -> None:
+        await self.health.stop()
+        if self.dispatcher is not None:
+            await asyncio.wait_for(self.dispatcher.drain(), timeout=15)
+        await self.client.close()
+
+    async def servers_info(self) -> dict:
+        """/server_info of every server, grouped like SGLang's PD router ("decode" = mains)."""
+        async def info(upstream: Upstream):
+            try:
+                return await self.client.get_json(upstream, "/server_info")
+            except Exception as err:
+                return {"url": upstream.url, "error": repr(err)}
+
+        groups = {"prefill": PREFILL, "relay": "relay", "decode": MAIN}
+        out = {}
+        for key, role in groups.items():
+            upstreams = self.pool.by_role[role]
+            out[key] = list(await asyncio.gather(*(info(u) for u in upstreams)))
+        return out
+
+    async def flush_cache(self) -> bool:
+        results = await asyncio.gather(*(self.client.post_ok(u, "/flush_cache")
+                                         for u in self.pool.all()))
+        for mirror in self.mirrors.values():
+            mirror.clear()
+        return all(results)

@@ -1,0 +1,161 @@
+"""Splice the relay's eager tokens and main's tokens into one client stream (pure logic, no I/O).
+
+The contract with the servers (issue 4):
+  - relay hands off: its final chunk carries ``meta_info["pdd_handoff"] = {"handed_tokens": n}``;
+    main's ``output_ids`` then start at generated position n, and its meta_info says
+    ``pdd_first_position = n`` (assumed n when absent).
+  - relay finishes the request itself (EOS, stop, length; no ``pdd_handoff``): the relay's answer
+    is the whole answer, and main's is ignored (the caller aborts main's copy).
+  - P->MD: main's answer is the whole answer.
+
+Tokens are placed by *position*, never by arrival: a position already sent to the client must hold
+the same token in every later chunk (else SpliceError: the two servers disagree), a position past
+the end of what was sent must follow directly (else SpliceError: a gap). So the client never sees
+a gap, a duplicate or a reordering, whatever the servers send.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+HANDOFF_KEY = "pdd_handoff"
+FIRST_POSITION_KEY = "pdd_first_position"
+# Server-side PDD keys a client of the router does not see: the router reports its own view.
+_INTERNAL_META_KEYS = (HANDOFF_KEY, FIRST_POSITION_KEY)
+
+
+class SpliceError(RuntimeError):
+    """The relay's and main's streams cannot be joined into one consistent answer."""
+
+
+@dataclass
+class UpstreamChunk:
+    """One streamed /generate chunk from a server, normalised to cumulative form."""
+
+    output_ids: list[int]  # every token this server generated for the request so far
+    text: Optional[str]  # this server's cumulative text (None: the router decodes)
+    meta: dict
+    finished: bool
+
+
+@dataclass
+class SplicedUpdate:
+    """What the client is told next: cumulative ids and text plus the newly added ids."""
+
+    new_ids: list[int]
+    output_ids: list[int]
+    text: str
+    meta: dict
+    finished: bool
+    source: str  # "relay" or "main"
+    first_after_handoff: bool = False
+
+
+@dataclass
+class StreamSplicer:
+    """Joins one request's streams. ``with_relay`` False: main alone (P->MD)."""
+
+    with_relay: bool
+    decode: Callable[[list[int]], str]
+    emitted: list[int] = field(default_factory=list)
+    text: str = ""
+    handed_tokens: Optional[int] = None
+    handoff_info: Optional[dict] = None  # the relay's pdd_handoff dict (mode etc., if it says)
+    main_cached_tokens: Optional[int] = None  # set by the caller as soon as main reports it
+    outcome: Optional[str] = None  # "main", "relay_finished" or "handoff" once finished
+    phase: str = field(init=False)
+    _base_text: str = field(default="", init=False)
+    _base_decoded: str = field(default="", init=False)
+    _main_started: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        self.phase = "relay" if self.with_relay else "main"
+
+    @property
+    def finished(self) -> bool:
+        return self.phase == "done"
+
+    # ---- relay --------------------------------------------------------------------------
+    def relay_chunk(self, chunk: UpstreamChunk) -> Optional[SplicedUpdate]:
+        if self.phase != "relay":
+            raise SpliceError(f"relay chunk in phase {self.phase!r}")
+        new_ids = self._place(chunk.output_ids, 0)
+        self.text = chunk.text if chunk.text is not None else self.decode(self.emitted)
+        if not chunk.finished:
+            return self._update(new_ids, chunk.meta, False, "relay") if new_ids else None
+        handoff = chunk.meta.get(HANDOFF_KEY)
+        if handoff is None:
+            self.phase, self.outcome = "done", "relay_finished"
+            return self._update(new_ids, chunk.meta, True, "relay")
+        handed = handoff.get("handed_tokens") if isinstance(handoff, dict) else None
+        if not isinstance(handed, int) or not 0 <= handed <= len(self.emitted):
+            raise SpliceError(f"relay handed {handed!r} tokens but streamed {len(self.emitted)}")
+        self.handed_tokens, self.handoff_info = handed, handoff
+        self.phase = "main"
+        self._base_text = self.text
+        self._base_decoded = self.decode(self.emitted)
+        return self._update(new_ids, chunk.meta, False, "relay") if new_ids else None
+
+    # ---- main ---------------------------------------------------------------------------
+    def main_chunk(self, chunk: UpstreamChunk) -> Optional[SplicedUpdate]:
+        if self.phase != "main":
+            raise SpliceError(f"main chunk in phase {self.phase!r}")
+        if self.main_cached_tokens is None:
+            self.main_cached_tokens = chunk.meta.get("cached_tokens")
+        default_first = self.handed_tokens or 0
+        first = chunk.meta.get(FIRST_POSITION_KEY, default_first)
+        if self.handed_tokens is None and first != 0:
+            raise SpliceError(f"main starts at position {first} without a handoff")
+        first_after_handoff = self.with_relay and not self._main_started
+        new_ids = self._place(chunk.output_ids, first)
+        if new_ids:
+            self._main_started = True
+        if self.with_relay:
+            decoded = self.decode(self.emitted)
+            if decoded.startswith(self._base_decoded):
+                self.text = self._base_text + decoded[len(self._base_decoded):]
+            else:  # a tokenizer whose decode is not prefix-stable: fall back to decoding all
+                self.text = decoded
+            self.text = _trim_matched_stop(self.text, chunk)
+        else:
+            self.text = chunk.text if chunk.text is not None else self.decode(self.emitted)
+        if chunk.finished:
+            self.phase = "done"
+            self.outcome = "handoff" if self.with_relay else "main"
+            return self._update(new_ids, chunk.meta, True, "main", first_after_handoff and bool(new_ids))
+        if not new_ids:
+            return None
+        return self._update(new_ids, chunk.meta, False, "main", first_after_handoff)
+
+    # ---- helpers ------------------------------------------------------------------------
+    def _place(self, ids: list[int], first: int) -> list[int]:
+        """Check ``ids`` (at positions first..) against what was sent; return the new tail."""
+        if first > len(self.emitted):
+            raise SpliceError(f"gap: tokens start at position {first}, {len(self.emitted)} sent")
+        overlap = min(len(self.emitted) - first, len(ids))
+        if self.emitted[first:first + overlap] != list(ids[:overlap]):
+            raise SpliceError(f"servers disagree on positions {first}..{first + overlap}")
+        new_ids = list(ids[overlap:])
+        self.emitted.extend(new_ids)
+        return new_ids
+
+    def _update(self, new_ids, meta, finished, source, first_after_handoff=False) -> SplicedUpdate:
+        client_meta = {k: v for k, v in meta.items() if k not in _INTERNAL_META_KEYS}
+        client_meta["completion_tokens"] = len(self.emitted)
+        if self.main_cached_tokens is not None:
+            client_meta["cached_tokens"] = self.main_cached_tokens
+        if not finished:
+            client_meta["finish_reason"] = None
+        return SplicedUpdate(list(new_ids), list(self.emitted), self.text, client_meta, finished,
+                             source, first_after_handoff)
+
+
+def _trim_matched_stop(text: str, chunk: UpstreamChunk) -> str:
+    """SGLang trims a matched stop string from the text; the router's own decode must too."""
+    reason = chunk.meta.get("finish_reason") if chunk.finished else None
+    if isinstance(reason, dict) and reason.get("type") == "stop":
+        matched = reason.get("matched")
+        if isinstance(matched, str) and matched and text.endswith(matched):
+            return text[: -len(matched)]
+    return text

@@ -1,0 +1,143 @@
+"""HTTP to the SGLang servers: streamed /generate normalised to cumulative chunks, abort, health."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import AsyncIterator, Optional
+
+import aiohttp
+import orjson
+
+from pdd_sglang.router.servers import Upstream
+from pdd_sglang.router.splice import UpstreamChunk
+
+logger = logging.getLogger("pdd_sglang.router")
+
+
+class UpstreamError(RuntimeError):
+    """A server refused or broke a request. ``cause`` labels the error metric."""
+
+    def __init__(self, upstream: Upstream, message: str, cause: str, status: Optional[int] = None):
+        super().__init__(f"{upstream.role} {upstream.url}: {message}")
+        self.upstream = upstream
+        self.cause = cause
+        self.status = status
+        self.message = message
+
+
+class UpstreamClient:
+    def __init__(self, connect_timeout_s: float, read_timeout_s: float):
+        self.connect_timeout_s = connect_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self._session: Optional[aiohttp.ClientSession] = None
+
+    async def start(self) -> None:
+        # No pool limit: each in-flight request holds one stream per server.
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    def _timeout(self, total: Optional[float] = None) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(total=total, sock_connect=self.connect_timeout_s,
+                                     sock_read=self.read_timeout_s)
+
+    async def get_json(self, upstream: Upstream, path: str, timeout_s: float = 30.0) -> dict:
+        async with self._session.get(upstream.url + path,
+                                     timeout=self._timeout(timeout_s)) as resp:
+            resp.raise_for_status()
+            return await resp.json(content_type=None)
+
+    async def healthy(self, upstream: Upstream, timeout_s: float = 10.0) -> bool:
+        try:
+            async with self._session.get(upstream.url + "/health",
+                                         timeout=self._timeout(timeout_s)) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return False
+
+    async def post_ok(self, upstream: Upstream, path: str, timeout_s: float = 60.0) -> bool:
+        try:
+            async with self._session.post(upstream.url + path,
+                                          timeout=self._timeout(timeout_s)) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return False
+
+    async def abort(self, upstream: Upstream, rid: str) -> None:
+        """Ask a server to drop ``rid``; a server that no longer has it ignores the call."""
+        try:
+            async with self._session.post(upstream.url + "/abort_request", json={"rid": rid},
+                                          timeout=self._timeout(10.0)) as resp:
+                await resp.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as err:
+            logger.warning("abort %s on %s %s failed: %r", rid, upstream.role, upstream.url, err)
+
+    async def generate_final(self, upstream: Upstream, body: dict) -> dict:
+        """A non-streamed /generate (the prefill's side of a request)."""
+        try:
+            async with self._session.post(upstream.url + "/generate",
+                                          json={**body, "stream": False},
+                                          timeout=self._timeout()) as resp:
+                payload = await resp.read()
+                if resp.status != 200:
+                    raise UpstreamError(upstream, _error_message(payload), "upstream_status",
+                                        resp.status)
+                return orjson.loads(payload)
+        except (aiohttp.ClientError, OSError) as err:
+            raise UpstreamError(upstream, repr(err), "upstream_connection") from err
+        except asyncio.TimeoutError as err:
+            raise UpstreamError(upstream, "timed out", "upstream_timeout") from err
+
+    async def generate_stream(self, upstream: Upstream, body: dict) -> AsyncIterator[UpstreamChunk]:
+        """A streamed /generate, each chunk carrying this server's cumulative ids and text."""
+        ids: list[int] = []
+        text = ""
+        try:
+            async with self._session.post(upstream.url + "/generate",
+                                          json={**body, "stream": True},
+                                          timeout=self._timeout()) as resp:
+                if resp.status != 200:
+                    raise UpstreamError(upstream, _error_message(await resp.read()),
+                                        "upstream_status", resp.status)
+                async for line in resp.content:
+                    line = line.strip()
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        return
+                    out = orjson.loads(data)
+                    if "error" in out:
+                        err = out["error"]
+                        raise UpstreamError(upstream, _error_message(err), "upstream_error",
+                                            err.get("code") if isinstance(err, dict) else None)
+                    meta = out.get("meta_info") or {}
+                    if upstream.incremental_streaming_output:
+                        ids = ids + list(out.get("output_ids") or [])
+                        text = text + (out.get("text") or "")
+                    else:
+                        ids = list(out.get("output_ids") or [])
+                        text = out.get("text")
+                    yield UpstreamChunk(ids, text, meta, meta.get("finish_reason") is not None)
+        except (aiohttp.ClientError, OSError) as err:
+            raise UpstreamError(upstream, repr(err), "upstream_connection") from err
+        except asyncio.TimeoutError as err:
+            raise UpstreamError(upstream, "no data within the read timeout",
+                                "upstream_timeout") from err
+
+
+def _error_message(payload) -> str:
+    if isinstance(payload, (bytes, bytearray)):
+        try:
+            payload = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            return payload.decode(errors="replace")[:500]
+    if isinstance(payload, dict):
+        inner = payload.get("error", payload)
+        if isinstance(inner, dict):
+            return str(inner.get("message", inner))
+        return str(payload.get("message", inner))
+    return str(payload)

@@ -1,0 +1,251 @@
+"""The PDD router in front of real SGLang servers (P, RLD, MD on the tiny model), compared token for
+token with a plain single server's greedy output (same CPU args, float32)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+
+import pytest
+
+from pdd_sglang.testing.conversation import FIRST_WORD_ID, WORDS
+
+GREEDY = {"temperature": 0.0}
+# The router_cluster fixture's link puts the pipeline boundary here (conftest.py).
+ROUTER_RELAY_ABOVE_TOKENS = 100
+
+
+def words(seed: int, count: int) -> list[int]:
+    return [FIRST_WORD_ID + (seed * 131 + i * 7) % WORDS for i in range(count)]
+
+
+def text_of(ids: list[int]) -> str:
+    return " ".join(f"w{i - FIRST_WORD_ID}" for i in ids)
+
+
+def post(url: str, path: str, body, timeout_s: float = 300.0) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(url + path, data=data,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def post_stream(url: str, path: str, body: dict, timeout_s: float = 300.0) -> list[dict]:
+    """Every SSE data payload but [DONE], which must end the stream."""
+    request = urllib.request.Request(url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    events = []
+    with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+        assert resp.status == 200
+        for line in resp:
+            line = line.strip()
+            if line.startswith(b"data:"):
+                events.append(line[5:].strip())
+    assert events and events[-1] == b"[DONE]", events[-3:]
+    return [json.loads(e) for e in events[:-1]]
+
+
+def metric(router_url: str, name: str, **labels) -> float:
+    with urllib.request.urlopen(router_url + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def assert_idle(cluster) -> None:
+    for name in ("prefill", "relay", "main"):
+        pool = cluster[name].wait_idle(timeout_s=60)
+        assert pool["in_use_tokens"] == 0 and pool["locked_tokens"] == 0, (name, pool)
+        assert cluster[name].alive(), cluster[name].log_tail()
+
+
+# Short prompts: tiny WAN copy, P->MD. Long fresh prompts: over the boundary, P->RLD->MD.
+CASES = [("prefill_main", 20), ("prefill_relay_main", 3 * ROUTER_RELAY_ABOVE_TOKENS)]
+
+
+@pytest.mark.parametrize("pipeline,length", CASES, ids=[c[0] for c in CASES])
+def test_generate_matches_plain_server_streamed_and_not(router_cluster, pipeline, length):
+    prompt = words(length, length)
+    router = router_cluster.router.url
+    plain = router_cluster["plain"]
+    sampling = {**GREEDY, "max_new_tokens": 12}
+    reference = plain.post_json("/generate", {"input_ids": prompt, "sampling_params": sampling})
+
+    status, whole = post(router, "/generate", {"input_ids": prompt, "sampling_params": sampling})
+    assert status == 200, whole
+    assert whole["meta_info"]["pdd"]["pipeline"] == pipeline
+    assert whole["output_ids"] == reference["output_ids"]
+    assert whole["text"] == reference["text"]
+    assert whole["meta_info"]["completion_tokens"] == 12
+    assert whole["meta_info"]["prompt_tokens"] == len(prompt)
+
+    # A fresh prompt: the mirror now holds the first one, which would make it P->MD.
+    prompt2 = words(length + 1, length)
+    reference2 = plain.post_json("/generate", {"input_ids": prompt2, "sampling_params": sampling})
+    chunks = post_stream(router, "/generate", {"input_ids": prompt2, "sampling_params": sampling,
+                                               "stream": True})
+    ids_seen = [c["output_ids"] for c in chunks]
+    # Cumulative chunks, like a plain server: each extends the previous one.
+    for before, after in zip(ids_seen, ids_seen[1:]):
+        assert after[:len(before)] == before and len(after) > len(before)
+    assert chunks[-1]["output_ids"] == reference2["output_ids"]
+    assert chunks[-1]["text"] == reference2["text"]
+    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 12}
+    assert chunks[-1]["meta_info"]["pdd"]["ttft_s"] > 0
+    assert chunks[-1]["meta_info"]["pdd"]["pipeline"] == pipeline
+    assert_idle(router_cluster)
+
+
+def test_generate_text_prompt(router_cluster):
+    body = {"text": text_of(words(3, 30)), "sampling_params": {**GREEDY, "max_new_tokens": 6}}
+    status, answer = post(router_cluster.router.url, "/generate", body)
+    assert status == 200, answer
+    reference = router_cluster["plain"].post_json("/generate", body)
+    assert answer["output_ids"] == reference["output_ids"]
+    assert answer["text"] == reference["text"]
+
+
+@pytest.mark.parametrize("pipeline,length", [("prefill_main", 20),
+                                             ("prefill_relay_main", 3 * ROUTER_RELAY_ABOVE_TOKENS)])
+def test_openai_endpoints_match_plain_server(router_cluster, pipeline, length):
+    router, plain = router_cluster.router.url, router_cluster["plain"].url
+    for seed, (path, key) in enumerate([("/v1/completions", "prompt"),
+                                        ("/v1/chat/completions", "messages")]):
+        content = text_of(words(10 + seed + length, length))
+        payload = content if key == "prompt" else [{"role": "user", "content": content}]
+        body = {key: payload, "max_tokens": 7, "temperature": 0}
+        _, reference = post(plain, path, body)
+        status, whole = post(router, path, body)
+        assert status == 200, whole
+        assert whole["metadata"]["pdd"]["pipeline"] == pipeline
+        pick = (lambda c: c["text"]) if key == "prompt" else (lambda c: c["message"]["content"])
+        assert pick(whole["choices"][0]) == pick(reference["choices"][0])
+        assert whole["choices"][0]["finish_reason"] == reference["choices"][0]["finish_reason"]
+        for field in ("prompt_tokens", "completion_tokens", "total_tokens"):
+            assert whole["usage"][field] == reference["usage"][field], field
+        # Streamed: the deltas add up to the same text, usage closes the stream.
+        chunks = post_stream(router, path, {**body, "stream": True,
+                                            "stream_options": {"include_usage": True}})
+        delta = (lambda c: c["text"]) if key == "prompt" else (
+            lambda c: c["delta"].get("content") or "")
+        streamed = "".join(delta(c["choices"][0]) for c in chunks if c["choices"])
+        assert streamed == pick(reference["choices"][0])
+        assert chunks[-1]["usage"]["completion_tokens"] == 7
+    assert_idle(router_cluster)
+
+
+def test_models_health_metrics(router_cluster):
+    router = router_cluster.router.url
+    with urllib.request.urlopen(router + "/v1/models") as resp:
+        models = json.loads(resp.read())
+    assert models["data"][0]["root"] == str(router_cluster.model_path)
+    assert models["data"][0]["max_model_len"] == 4096
+    with urllib.request.urlopen(router + "/health") as resp:
+        assert resp.status == 200
+    assert metric(router, "pdd_router_time_to_first_token_seconds_count") > 0
+    assert metric(router, "pdd_router_requests_total", pipeline="P->RLD->MD") > 0
+
+
+def _error_shape(status: int, body: dict) -> tuple:
+    inner = body.get("error") if isinstance(body.get("error"), dict) else body
+    return status, tuple(sorted(body)), tuple(sorted(inner)), body.get("type")
+
+
+LONG = list(range(FIRST_WORD_ID, FIRST_WORD_ID + 900)) * 5  # 4500 tokens > 4096 context
+BAD_REQUESTS = [
+    ("/generate", b"{not json"),
+    ("/generate", {"input_ids": words(4, 5), "sampling_params": {"max_new_tokens": -1}}),
+    ("/generate", {"input_ids": words(4, 5), "sampling_params": {"max_new_tokens": 10**8}}),
+    ("/generate", {"input_ids": LONG, "sampling_params": {"max_new_tokens": 4}}),
+    ("/v1/completions", b"{not json"),
+    ("/v1/completions", {"prompt": "w1 w2", "max_tokens": -3}),
+    ("/v1/completions", {"prompt": "w1 w2", "max_tokens": 10**8}),
+    ("/v1/completions", {"prompt": "", "max_tokens": 3}),
+    ("/v1/completions", {"prompt": LONG, "max_tokens": 3}),
+    ("/v1/chat/completions", b"{not json"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w1"}],
+                              "max_tokens": 10**8}),
+]
+
+
+def test_bad_requests_get_sglang_shapes_and_reach_no_server(router_cluster):
+    router, plain = router_cluster.router.url, router_cluster["plain"].url
+    ledger_before = len(router_cluster["prefill"].pdd_state()["transfers"]["by_request"])
+    for path, body in BAD_REQUESTS:
+        expected = _error_shape(*post(plain, path, body))
+        got = _error_shape(*post(router, path, body))
+        assert got == expected, (path, body if isinstance(body, bytes) else str(body)[:80])
+    # An empty prompt crashes SGLang 0.5.23's CPU scheduler, so the router's answer is compared
+    # with the shape of SGLang's other /generate refusals, not with a plain server.
+    status, answer = post(router, "/generate", {"input_ids": [], "sampling_params": {}})
+    assert status == 400 and set(answer) == {"error"} and "message" in answer["error"]
+    status, answer = post(router, "/v1/completions", {"model": "no-such-model", "prompt": "w1"})
+    assert status == 404 and answer["type"] == "NotFoundError" and answer["code"] == 404
+    # Streamed /generate refusals come inside a 200 stream, as SGLang sends them.
+    chunks = post_stream(router, "/generate", {"input_ids": words(4, 5), "stream": True,
+                                               "sampling_params": {"max_new_tokens": -1}})
+    assert chunks[0]["error"]["code"] == 400
+    assert len(router_cluster["prefill"].pdd_state()["transfers"]["by_request"]) == ledger_before
+    assert_idle(router_cluster)
+    assert metric(router, "pdd_router_errors_total", cause="empty_prompt") >= 1
+
+
+@pytest.mark.parametrize("prompt_len", [20, 3 * ROUTER_RELAY_ABOVE_TOKENS],
+                         ids=["prefill_main", "prefill_relay_main"])
+def test_client_disconnect_mid_stream_frees_every_server(router_cluster, prompt_len):
+    router = urllib.parse.urlparse(router_cluster.router.url)
+    body = {"input_ids": words(50 + prompt_len, prompt_len), "stream": True,
+            "sampling_params": {**GREEDY, "max_new_tokens": 3000, "ignore_eos": True}}
+    disconnects_before = metric(router_cluster.router.url, "pdd_router_errors_total",
+                                cause="client_disconnect")
+    slots_before = {n: router_cluster[n].wait_idle()["free_request_slots"]
+                    for n in ("prefill", "relay", "main")}
+    conn = http.client.HTTPConnection(router.hostname, router.port, timeout=120)
+    conn.request("POST", "/generate", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    tokens_seen = 0
+    while tokens_seen < 5:
+        line = resp.readline().strip()
+        if line.startswith(b"data: {"):
+            tokens_seen = len(json.loads(line[6:])["output_ids"])
+    conn.close()  # mid-stream: 3000 tokens were asked for
+    assert_idle(router_cluster)
+    for name, slots in slots_before.items():
+        assert router_cluster[name].wait_idle()["free_request_slots"] == slots, name
+    deadline = time.monotonic() + 10
+    while metric(router_cluster.router.url, "pdd_router_errors_total",
+                 cause="client_disconnect") <= disconnects_before:
+        assert time.monotonic() < deadline, "the router did not see the disconnect"
+        time.sleep(0.2)
+
+
+def test_bench_serving_through_router_has_no_errors(router_cluster, tmp_path):
+    # "random" samples ShareGPT from the hub; "random-ids" is the same generator over token ids
+    # and needs nothing from the network.
+    out = tmp_path / "bench.jsonl"
+    cmd = [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang",
+           "--base-url", router_cluster.router.url, "--dataset-name", "random-ids",
+           "--num-prompts", "8", "--random-input-len", "64", "--random-output-len", "8",
+           "--tokenizer", str(router_cluster.model_path), "--model",
+           str(router_cluster.model_path), "--output-file", str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    record = json.loads(out.read_text().splitlines()[-1])
+    assert record["completed"] == 8, record
+    assert_idle(router_cluster)

@@ -1,0 +1,149 @@
+"""Placement glue (mirror + load -> policy) and request parsing, with no servers."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdd_sglang import policy
+from pdd_sglang.router.config import LinkParams, PrefillEndpoint, parse_args
+from pdd_sglang.router.errors import RequestRejected
+from pdd_sglang.router.model import ModelInfo, kv_bytes_per_token_from_config
+from pdd_sglang.router.placement import Placer
+from pdd_sglang.router.prefix_mirror import PrefixMirror
+from pdd_sglang.router.request_parsing import parse_chat, parse_completion, parse_generate
+from pdd_sglang.router.servers import NoHealthyServer, ServerPool
+
+KV = 512.0
+# 100 uncached tokens of 512 B take 0.5 s: the policy's default boundary.
+LINK = LinkParams(wan_bytes_per_s=100 * KV / 0.5, rtt_s=0.0)
+
+
+def make(mains=("http://m1", "http://m2"), relays=("http://r1",), penalty=8192):
+    pool = ServerPool([PrefillEndpoint("http://p1", 9000), PrefillEndpoint("http://p2", 9001)],
+                      relays, mains)
+    for upstream in pool.all():
+        upstream.max_running_requests = 4
+    mirrors = {url: PrefixMirror(10**6) for url in mains}
+    cfg = policy.PolicyConfig(main_load_penalty_tokens=penalty)
+    return pool, mirrors, Placer(pool, mirrors, LINK, KV, cfg)
+
+
+def test_pipeline_follows_uncached_suffix_size():
+    pool, mirrors, placer = make()
+    prompt = list(range(300))
+    first = placer.place(prompt, 16)
+    assert first.pipeline is policy.Pipeline.PREFILL_RELAY_MAIN and first.relay is not None
+    assert first.route_name == "prefill_relay_main"
+    mirrors[first.main.url].insert(prompt + [7, 8])
+    # The next turn re-sends the history plus 30 new tokens: 30 uncached -> P->MD, same main.
+    second = placer.place(prompt + [7, 8] + list(range(1000, 1030)), 16)
+    assert second.pipeline is policy.Pipeline.PREFILL_MAIN and second.relay is None
+    assert second.main is first.main and second.main_cached_tokens == 302
+
+
+def test_main_choice_weighs_cache_against_load():
+    pool, mirrors, placer = make(penalty=100)
+    prompt = list(range(500))
+    mirrors["http://m2"].insert(prompt[:400])
+    assert placer.place(prompt, 8).main.url == "http://m2"
+    m2 = pool.by_role["main"][1]
+    m2.outstanding = 4  # full: only used when every main is
+    assert placer.place(prompt, 8).main.url == "http://m1"
+
+
+def test_prefill_and_relay_by_outstanding_requests_and_health():
+    pool, _, placer = make(relays=("http://r1", "http://r2"))
+    pool.by_role["prefill"][0].outstanding = 2
+    pool.by_role["relay"][0].outstanding = 1
+    placement = placer.place(list(range(400)), 8)
+    assert placement.prefill.url == "http://p2" and placement.prefill.bootstrap_port == 9001
+    assert placement.relay.url == "http://r2"
+    pool.by_role["prefill"][1].healthy = False
+    assert placer.place(list(range(400)), 8).prefill.url == "http://p1"
+
+
+def test_no_healthy_relay_falls_back_to_prefill_main():
+    pool, _, placer = make()
+    pool.by_role["relay"][0].healthy = False
+    placement = placer.place(list(range(400)), 8)
+    assert placement.pipeline is policy.Pipeline.PREFILL_MAIN and placement.relay_fallback
+
+
+def test_no_healthy_main_is_refused():
+    pool, _, placer = make()
+    for main in pool.by_role["main"]:
+        main.healthy = False
+    with pytest.raises(NoHealthyServer):
+        placer.place([1, 2, 3], 8)
+
+
+def test_command_line_takes_prefill_bootstrap_ports_like_sglang_router():
+    cfg = parse_args(["--prefill", "http://a:1", "9100", "http://b:2", "--relay", "http://r:3",
+                      "--main", "http://m:4", "http://m:5", "--wan-gbps", "8"])
+    assert [(p.url, p.bootstrap_port) for p in cfg.prefills] == [("http://a:1", 9100),
+                                                                 ("http://b:2", 8998)]
+    assert cfg.mains == ("http://m:4", "http://m:5") and cfg.relays == ("http://r:3",)
+    assert cfg.link.wan_bytes_per_s == 1e9
+
+
+def test_kv_bytes_per_token_from_config(tmp_path):
+    (tmp_path / "config.json").write_text(
+        '{"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, '
+        '"hidden_size": 64, "torch_dtype": "float32"}')
+    assert kv_bytes_per_token_from_config(str(tmp_path), None) == 512
+    assert kv_bytes_per_token_from_config(str(tmp_path), "bfloat16") == 256
+
+
+class WordTokenizer:
+    def encode(self, text, add_special_tokens=True):
+        return [int(w[1:]) + 4 for w in text.split()]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(f"w{i - 4}" for i in ids)
+
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+        return " ".join(m["content"] for m in messages)
+
+
+MODEL = ModelInfo("/m/tiny", "/m/tiny", 100, WordTokenizer(), KV)
+
+
+def rejected(parse, body) -> RequestRejected:
+    with pytest.raises(RequestRejected) as info:
+        parse(body, MODEL)
+    return info.value
+
+
+def test_generate_parsing_and_sglang_messages():
+    job = parse_generate({"text": "w1 w2", "sampling_params": {"max_new_tokens": 3},
+                          "stream": True, "return_logprob": False, "rid": "x"}, MODEL)
+    assert job.prompt_ids == [5, 6] and job.stream and job.max_new_tokens == 3
+    assert job.extra == {"return_logprob": False}  # rid and stream are the router's
+    assert parse_generate({"input_ids": [5]}, MODEL).max_new_tokens == 128
+    assert rejected(parse_generate, {"input_ids": []}).cause == "empty_prompt"
+    err = rejected(parse_generate, {"input_ids": [5], "sampling_params": {"max_new_tokens": -1}})
+    assert err.message == "max_new_tokens must be at least 0, got -1." and err.kind == "refused"
+    err = rejected(parse_generate, {"input_ids": [5] * 100})
+    assert err.message == ("The input (100 tokens) is longer than the model's context length "
+                           "(100 tokens).")
+    err = rejected(parse_generate, {"input_ids": [5] * 10, "sampling_params": {"max_new_tokens": 91}})
+    assert err.cause == "max_tokens_too_large" and "a total of 101 tokens" in err.message
+    assert rejected(parse_generate, {"input_ids": "abc"}).kind == "validation"
+    assert rejected(parse_generate, {"text": ["a", "b"]}).cause == "batch_unsupported"
+
+
+def test_openai_parsing():
+    job, name = parse_completion({"prompt": "w1 w2 w3", "temperature": 0, "stop": "w9"}, MODEL)
+    assert name == "default" and job.prompt_ids == [5, 6, 7]
+    assert job.sampling_params["max_new_tokens"] == 16  # SGLang's completions default
+    assert job.sampling_params["stop"] == ["w9"] and job.sampling_params["temperature"] == 0
+    assert rejected(parse_completion, {"prompt": ""}).message == "Prompt cannot be empty"
+    assert rejected(parse_completion, {"prompt": "w1", "max_tokens": 0}).kind == "validation"
+    err = rejected(parse_completion, {"prompt": "w1", "model": "other"})
+    assert err.status == 404 and err.kind == "not_found"
+    job, _ = parse_chat({"messages": [{"role": "user", "content": "w1"}],
+                         "max_completion_tokens": 4, "model": "/m/tiny"}, MODEL)
+    assert job.prompt_ids == [5] and job.max_new_tokens == 4
+    assert rejected(parse_chat, {"messages": []}).message == "Messages cannot be empty."
+    assert rejected(parse_chat, {"messages": [{"role": "user", "content": "w1"}],
+                                 "n": 2}).cause == "unsupported_option"

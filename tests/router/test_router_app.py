@@ -1,0 +1,200 @@
+"""The whole router (HTTP in, HTTP out) against scripted fake SGLang servers: the handoff splice
+through the APIs, and aborts on every server when the client goes away. Fast, no real servers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from pdd_sglang.router.app import build_app
+from pdd_sglang.router.config import LinkParams, PrefillEndpoint, RouterConfig
+from pdd_sglang.router.service import RouterService
+from pdd_sglang.testing.cluster import free_port
+from pdd_sglang.testing.tiny_model import ensure_tiny_model
+
+
+class FakeServer:
+    """Answers like an SGLang server of one role; ``script`` makes its /generate stream."""
+
+    def __init__(self, role: str, model_path: str, script=None, delay_s: float = 0.0):
+        self.role, self.model_path, self.script, self.delay_s = role, model_path, script, delay_s
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.aborted: list[str] = []
+        self.bodies: list[dict] = []
+        self.runner = None
+
+    async def start(self):
+        app = web.Application()
+        async def health(request):
+            return web.Response(status=200)
+
+        async def server_info(request):
+            return web.json_response({"max_running_requests": 8, "dtype": "float32",
+                                      "internal_states": [{"max_total_num_tokens": 10000}]})
+
+        async def model_info(request):
+            return web.json_response({"model_path": self.model_path,
+                                      "served_model_name": self.model_path})
+
+        app.router.add_get("/health", health)
+        app.router.add_get("/server_info", server_info)
+        app.router.add_get("/model_info", model_info)
+        app.router.add_post("/generate", self.generate)
+        app.router.add_post("/abort_request", self.abort)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+
+    async def abort(self, request):
+        self.aborted.append((await request.json())["rid"])
+        return web.Response()
+
+    async def generate(self, request):
+        body = await request.json()
+        self.bodies.append(body)
+        if self.role == "prefill":
+            return web.json_response({"text": "", "output_ids": [], "meta_info": {}})
+        response = web.StreamResponse()
+        await response.prepare(request)
+        ids = []
+        for step in self.script:
+            await asyncio.sleep(self.delay_s)
+            ids = ids + step["ids"]
+            meta = {"prompt_tokens": len(body["input_ids"]), "completion_tokens": len(ids),
+                    "cached_tokens": step.get("cached", 0), "finish_reason": step.get("finish"),
+                    **step.get("meta", {})}
+            out = {"text": " ".join(f"w{i - 4}" for i in ids), "output_ids": ids, "meta_info": meta}
+            await response.write(b"data: " + json.dumps(out).encode() + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    async def stop(self):
+        await self.runner.cleanup()
+
+
+LENGTH = {"type": "length", "length": 5}
+RELAY_SCRIPT = [{"ids": [10]}, {"ids": [11]},
+                {"ids": [12], "finish": {"type": "abort"}, "meta": {"pdd_handoff": {"handed_tokens": 3}}}]
+MAIN_SCRIPT = [{"ids": [13], "cached": 40, "meta": {"pdd_first_position": 3}},
+               {"ids": [14], "cached": 40, "finish": LENGTH, "meta": {"pdd_first_position": 3}}]
+
+
+async def with_router(scripts, test, delay_s=0.0):
+    model_path = str(ensure_tiny_model())
+    prefill = FakeServer("prefill", model_path)
+    relay = FakeServer("relay", model_path, scripts[0], delay_s)
+    main = FakeServer("main", model_path, scripts[1], delay_s)
+    for server in (prefill, relay, main):
+        await server.start()
+    config = RouterConfig(prefills=(PrefillEndpoint(prefill.url, 9999),), relays=(relay.url,),
+                          mains=(main.url,), link=LinkParams(1.0, 0.0))  # 1 B/s: always relay
+    runner = web.AppRunner(build_app(RouterService(config)), handler_cancellation=True)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            await test(session, f"http://127.0.0.1:{port}", prefill, relay, main)
+    finally:
+        await runner.cleanup()
+        for server in (prefill, relay, main):
+            await server.stop()
+
+
+async def sse(response) -> list:
+    events = []
+    async for line in response.content:
+        line = line.strip()
+        if line.startswith(b"data:"):
+            events.append(line[5:].strip())
+    assert events[-1] == b"[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_handoff_is_spliced_through_every_api():
+    async def test(session, url, prefill, relay, main):
+        body = {"input_ids": list(range(4, 60)), "sampling_params": {"max_new_tokens": 5}}
+        async with session.post(url + "/generate", json=body) as resp:
+            whole = await resp.json()
+        assert whole["output_ids"] == [10, 11, 12, 13, 14]
+        assert whole["text"] == "w6 w7 w8 w9 w10"
+        meta = whole["meta_info"]
+        assert meta["completion_tokens"] == 5 and meta["cached_tokens"] == 40
+        assert meta["finish_reason"] == LENGTH
+        assert meta["pdd"]["pipeline"] == "prefill_relay_main" and meta["pdd"]["handed_tokens"] == 3
+        # Every server got the same rid, room, bootstrap address and route.
+        sent = [s.bodies[-1] for s in (prefill, relay, main)]
+        assert len({(b["rid"], b["bootstrap_room"], b["bootstrap_port"]) for b in sent}) == 1
+        assert sent[0]["bootstrap_port"] == 9999 and sent[0]["bootstrap_host"] == "127.0.0.1"
+        assert sent[0]["kv_hints"]["actions"][0]["payload"] == {"pipeline": "prefill_relay_main"}
+
+        async with session.post(url + "/generate", json={**body, "stream": True}) as resp:
+            chunks = await sse(resp)
+        assert [len(c["output_ids"]) for c in chunks] == [1, 2, 3, 4, 5]
+
+        chat = {"messages": [{"role": "user", "content": "w1 w2"}], "max_tokens": 5,
+                "stream": True, "stream_options": {"include_usage": True}}
+        async with session.post(url + "/v1/chat/completions", json=chat) as resp:
+            chunks = await sse(resp)
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+        assert text == "w6 w7 w8 w9 w10"
+        assert chunks[-1]["usage"]["completion_tokens"] == 5
+        assert chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 40}
+
+        async with session.get(url + "/metrics") as resp:
+            metrics = await resp.text()
+        assert 'pdd_router_handoff_total{mode="unknown",outcome="handoff"} 3.0' in metrics
+            # Measured for every request: the router streams from the servers even for a whole answer.
+        assert "pdd_router_handoff_gap_seconds_count 3.0" in metrics
+
+    asyncio.run(with_router([RELAY_SCRIPT, MAIN_SCRIPT], test))
+
+
+def test_relay_finishing_alone_aborts_main():
+    relay_done = [{"ids": [10]}, {"ids": [11], "finish": {"type": "stop", "matched": 2}}]
+
+    async def test(session, url, prefill, relay, main):
+        async with session.post(url + "/generate", json={"input_ids": [5, 6, 7]}) as resp:
+            whole = await resp.json()
+        assert whole["output_ids"] == [10, 11]
+        assert whole["meta_info"]["pdd"]["outcome"] == "relay_finished"
+        await asyncio.sleep(0.3)
+        assert main.aborted == [main.bodies[-1]["rid"]]
+        assert relay.aborted == []
+
+    asyncio.run(with_router([relay_done, MAIN_SCRIPT * 20], test, delay_s=0.05))
+
+
+def test_client_disconnect_aborts_on_every_server():
+    endless = [{"ids": [10]}] * 400
+
+    async def test(session, url, prefill, relay, main):
+        async with session.post(url + "/generate",
+                                json={"input_ids": [5, 6, 7], "stream": True}) as resp:
+            await resp.content.readline()
+        # Leaving the block closed the connection mid-stream.
+        for _ in range(50):
+            if relay.aborted and main.aborted and prefill.aborted:
+                break
+            await asyncio.sleep(0.1)
+        rid = relay.bodies[-1]["rid"]
+        assert relay.aborted == [rid] and main.aborted == [rid] and prefill.aborted == [rid]
+        async with session.get(url + "/metrics") as resp:
+            assert 'pdd_router_errors_total{cause="client_disconnect"} 1.0' in await resp.text()
+
+    asyncio.run(with_router([endless, endless], test, delay_s=0.05))
+
+
+@pytest.mark.parametrize("body,status", [(b"{oops", 400), (b'{"input_ids": []}', 400)])
+def test_bad_requests_never_reach_a_server(body, status):
+    async def test(session, url, prefill, relay, main):
+        async with session.post(url + "/generate", data=body) as resp:
+            assert resp.status == status
+        assert not prefill.bodies and not relay.bodies and not main.bodies
+
+    asyncio.run(with_router([RELAY_SCRIPT, MAIN_SCRIPT], test))

@@ -1,0 +1,131 @@
+"""The splicer against scripted relay and main streams: no gap, no duplicate, no reordering."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdd_sglang.router.splice import SpliceError, StreamSplicer, UpstreamChunk
+
+
+def decode(ids):
+    return " ".join(f"t{i}" for i in ids)
+
+
+def chunk(ids, finished=False, text=None, **meta):
+    meta.setdefault("prompt_tokens", 10)
+    meta.setdefault("cached_tokens", 0)
+    meta["finish_reason"] = meta.get("finish_reason", {"type": "length"} if finished else None)
+    return UpstreamChunk(list(ids), decode(ids) if text is None else text, meta, finished)
+
+
+def run(splicer, relay_chunks, main_chunks):
+    updates = []
+    for c in relay_chunks:
+        if splicer.finished:
+            break
+        updates.append(splicer.relay_chunk(c))
+    if not splicer.finished and splicer.phase == "main":
+        for c in main_chunks:
+            updates.append(splicer.main_chunk(c))
+    return [u for u in updates if u is not None]
+
+
+def test_handoff_joins_relay_then_main_without_gap_or_duplicate():
+    s = StreamSplicer(with_relay=True, decode=decode)
+    relay = [chunk([1]), chunk([1, 2]), chunk([1, 2, 3], True, pdd_handoff={"handed_tokens": 3})]
+    # Main's ids start at position 3; cumulative form, as SGLang streams by default.
+    main = [chunk([4], pdd_first_position=3, cached_tokens=8),
+            chunk([4, 5], pdd_first_position=3, cached_tokens=8),
+            chunk([4, 5, 6], True, pdd_first_position=3, cached_tokens=8)]
+    updates = run(s, relay, main)
+    sent = [i for u in updates for i in u.new_ids]
+    assert sent == [1, 2, 3, 4, 5, 6]
+    final = updates[-1]
+    assert final.finished and final.output_ids == [1, 2, 3, 4, 5, 6]
+    assert final.text == decode([1, 2, 3, 4, 5, 6])
+    assert final.meta["completion_tokens"] == 6  # relay's 3 + main's 3
+    assert final.meta["cached_tokens"] == 8  # main's hit, not the relay's
+    assert final.meta["prompt_tokens"] == 10
+    assert "pdd_first_position" not in final.meta and "pdd_handoff" not in final.meta
+    assert [u.first_after_handoff for u in updates] == [False, False, False, True, False, False]
+    assert s.outcome == "handoff" and s.handed_tokens == 3
+    # Every update's text is the previous one extended: nothing already shown changes.
+    for before, after in zip(updates, updates[1:]):
+        assert after.text.startswith(before.text)
+
+
+def test_relay_finishing_itself_is_the_whole_answer_and_main_is_ignored():
+    s = StreamSplicer(with_relay=True, decode=decode)
+    updates = run(s, [chunk([7]), chunk([7, 8], True, finish_reason={"type": "stop", "matched": 2})],
+                  [chunk([9, 9, 9], True)])
+    assert s.finished and s.outcome == "relay_finished"
+    assert updates[-1].output_ids == [7, 8]
+    assert updates[-1].meta["finish_reason"] == {"type": "stop", "matched": 2}
+    with pytest.raises(SpliceError):
+        s.main_chunk(chunk([9], True))
+
+
+def test_main_overlapping_handed_tokens_is_deduplicated_when_it_agrees():
+    # A main that restarts from position 1 (repeating relay tokens it agrees with).
+    s = StreamSplicer(with_relay=True, decode=decode)
+    updates = run(s, [chunk([1, 2, 3], True, pdd_handoff={"handed_tokens": 3})],
+                  [chunk([2, 3, 4], pdd_first_position=1), chunk([2, 3, 4, 5], True,
+                                                                pdd_first_position=1)])
+    assert [i for u in updates for i in u.new_ids] == [1, 2, 3, 4, 5]
+
+
+def test_main_disagreeing_with_sent_tokens_is_an_error():
+    s = StreamSplicer(with_relay=True, decode=decode)
+    s.relay_chunk(chunk([1, 2, 3], True, pdd_handoff={"handed_tokens": 3}))
+    with pytest.raises(SpliceError, match="disagree"):
+        s.main_chunk(chunk([9, 4], pdd_first_position=2))
+
+
+def test_gap_between_relay_and_main_is_an_error():
+    s = StreamSplicer(with_relay=True, decode=decode)
+    s.relay_chunk(chunk([1, 2], True, pdd_handoff={"handed_tokens": 2}))
+    with pytest.raises(SpliceError, match="gap"):
+        s.main_chunk(chunk([5], pdd_first_position=4))
+
+
+@pytest.mark.parametrize("handed", [-1, 3, "2", None])
+def test_handoff_count_beyond_what_relay_streamed_is_refused(handed):
+    s = StreamSplicer(with_relay=True, decode=decode)
+    with pytest.raises(SpliceError):
+        s.relay_chunk(chunk([1, 2], True, pdd_handoff={"handed_tokens": handed}))
+
+
+def test_handoff_at_zero_tokens_means_main_makes_everything():
+    s = StreamSplicer(with_relay=True, decode=decode)
+    assert s.relay_chunk(chunk([], True, pdd_handoff={"handed_tokens": 0})) is None
+    update = s.main_chunk(chunk([1, 2], True, pdd_first_position=0))
+    assert update.output_ids == [1, 2] and update.finished
+
+
+def test_main_alone_passes_server_text_through():
+    s = StreamSplicer(with_relay=False, decode=decode)
+    first = s.main_chunk(chunk([1], text=" a"))
+    last = s.main_chunk(chunk([1, 2], True, text=" a b"))
+    assert first.text == " a" and last.text == " a b" and last.output_ids == [1, 2]
+    assert s.outcome == "main"
+
+
+def test_main_alone_must_start_at_zero():
+    s = StreamSplicer(with_relay=False, decode=decode)
+    with pytest.raises(SpliceError):
+        s.main_chunk(chunk([1], pdd_first_position=3))
+
+
+def test_matched_stop_string_is_trimmed_from_spliced_text():
+    s = StreamSplicer(with_relay=True, decode=decode)
+    s.relay_chunk(chunk([1], True, pdd_handoff={"handed_tokens": 1}))
+    final = s.main_chunk(chunk([2, 3], True, pdd_first_position=1,
+                               finish_reason={"type": "stop", "matched": " t3"}))
+    assert final.text == "t1 t2"
+
+
+def test_chunks_without_new_tokens_emit_nothing_until_the_end():
+    s = StreamSplicer(with_relay=False, decode=decode)
+    assert s.main_chunk(chunk([1])) is not None
+    assert s.main_chunk(chunk([1])) is None
+    assert s.main_chunk(chunk([1], True)).finished
