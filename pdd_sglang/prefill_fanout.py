@@ -17,6 +17,11 @@ Life cycle of a request on a PDD prefill (P->RLD->MD):
    concludes (and prefill frees its KV) when every destination is done.
 
 Rooms without hellos (plain SGLang PD, or P->MD) take SGLang's own path unchanged.
+
+Faults: a relay that has not registered ``--pdd-relay-bootstrap-timeout`` seconds after the main
+did is dropped, and the room proceeds to the main alone (a late relay is refused with a Failed
+status, so it frees its slots); a destination whose prefix claim exceeds the prompt fails the room
+cleanly; malformed, mismatched and repeated hellos are refused and counted.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from collections import OrderedDict
 from typing import Any, Optional
 
@@ -43,6 +49,13 @@ _on_wan_path = threading.local()
 class RoomFanout:
     hellos: dict = dataclasses.field(default_factory=dict)  # session -> DestinationHello
     done: dict = dataclasses.field(default_factory=dict)  # session -> ok
+    first_hello_at: float = dataclasses.field(default_factory=time.monotonic)
+    relay_dropped: bool = False
+
+    @property
+    def expected(self) -> int:
+        declared = max((h.destinations for h in self.hellos.values()), default=1)
+        return declared - (1 if self.relay_dropped else 0)
 
 
 class PrefillFanout:
@@ -53,6 +66,8 @@ class PrefillFanout:
         self._lock = threading.Lock()
         self._rooms: OrderedDict[int, RoomFanout] = OrderedDict()
         self.refused_hellos = 0
+        self.relays_dropped = 0
+        self.relay_bootstrap_timeout_s = 5.0
         self.wan_queues: list = []
         self.wan_engine = None  # pdd_sglang.wan_engine.WanTransferEngine, set at start
 
@@ -66,21 +81,78 @@ class PrefillFanout:
     def on_destination_registered(self, room: int, session: str, frames: list) -> None:
         if len(frames) <= HELLO_FRAME_INDEX:
             return
+        info = self.kv_mgr.transfer_infos.get(room, {}).get(session)
         try:
             hello = decode(frames[HELLO_FRAME_INDEX], expect=DestinationHello)
             if hello.room != room:
                 raise MessageError("room_mismatch", f"hello for {hello.room} on room {room}")
+            if info is not None and (info.decode_prefix_len or 0) != hello.prefix_tokens:
+                raise MessageError(
+                    "prefix_mismatch",
+                    f"hello claims {hello.prefix_tokens}, metadata {info.decode_prefix_len}",
+                )
         except MessageError as err:
             self.refused_hellos += 1
             logger.warning("PDD: refused destination hello from %s for room %s: %s", session, room, err)
             return
         with self._lock:
             fanout = self._room(room)
-            if session in fanout.hellos:
+            late_relay = fanout.relay_dropped and hello.role == "relay"
+            if not late_relay and session in fanout.hellos:
                 logger.warning("PDD: %s registered twice for room %s; keeping the first", session, room)
                 return
-            fanout.hellos[session] = hello
+            if not late_relay:
+                fanout.hellos[session] = hello
+        if late_relay:
+            self._refuse_late_relay(room, session, info)
+            return
         LEDGER.set_role(session, hello.role)
+
+    def _refuse_late_relay(self, room: int, session: str, info: Any) -> None:
+        from sglang.srt.disaggregation.base.conn import KVPoll
+
+        # Out of SGLang's table before its bootstrap thread counts destinations again.
+        self.kv_mgr.transfer_infos.get(room, {}).pop(session, None)
+        logger.warning(
+            "PDD: relay %s registered for room %s after prefill went on without it; refused",
+            session, room,
+        )
+        if info is not None:
+            self.kv_mgr.send_kv_status_message(
+                targets=[(info.endpoint, info.dst_port)], bootstrap_room=room,
+                status=KVPoll.Failed,
+                failure_reason="PDD: the relay registered after the bootstrap deadline",
+            )
+
+    def drop_silent_relays(self, now: float | None = None) -> list[int]:
+        """Rooms whose main registered but whose relay did not, in time: go on without it."""
+        from sglang.srt.disaggregation.base.conn import KVPoll
+
+        now = time.monotonic() if now is None else now
+        dropped = []
+        with self._lock:
+            for room, fanout in self._rooms.items():
+                roles = {h.role for h in fanout.hellos.values()}
+                if (
+                    not fanout.relay_dropped
+                    and roles == {"main"}
+                    and fanout.expected == 2
+                    and now - fanout.first_hello_at > self.relay_bootstrap_timeout_s
+                ):
+                    fanout.relay_dropped = True
+                    dropped.append(room)
+        for room in dropped:
+            infos = self.kv_mgr.transfer_infos.get(room)
+            if not infos:
+                continue
+            self.relays_dropped += 1
+            logger.warning(
+                "PDD: no relay registered for room %s within %.1f s of its main; sending to the "
+                "main alone", room, self.relay_bootstrap_timeout_s,
+            )
+            self.kv_mgr.req_to_decode_prefix_len[room] = self.room_send_start(room, infos)
+            self.kv_mgr.update_status(room, KVPoll.WaitingForInput)
+        return dropped
 
     def is_pdd_room(self, room: int) -> bool:
         with self._lock:
@@ -113,10 +185,20 @@ class PrefillFanout:
         infos = self.kv_mgr.transfer_infos.get(room_chunk.room)
         if not infos or not self.is_pdd_room(room_chunk.room):
             return room_chunk
+        page_size = self.kv_mgr.kv_args.page_size
         start = min(info.decode_prefix_len or 0 for info in infos.values())
-        return skip_prefix_pages(
-            room_chunk, (req.decode_prefix_len or 0) - start, self.kv_mgr.kv_args.page_size
-        )
+        skip = (req.decode_prefix_len or 0) - start
+        if room_chunk.is_last_chunk and skip > room_chunk.index_slice.stop * page_size:
+            # Raising here would kill SGLang's transfer thread: fail the room instead.
+            reason = (
+                f"PDD: destination {req.mooncake_session_id} claims a {req.decode_prefix_len}-token "
+                f"prefix, beyond the {start + room_chunk.index_slice.stop * page_size} tokens of "
+                f"room {room_chunk.room}'s prompt"
+            )
+            logger.error(reason)
+            self.kv_mgr.conclude_failure(bootstrap_room=room_chunk.room, failure_reason=reason)
+            return dataclasses.replace(room_chunk, prefill_kv_indices=room_chunk.prefill_kv_indices[:0])
+        return skip_prefix_pages(room_chunk, skip, page_size)
 
     # ---- 5. per-destination completion --------------------------------------------------
     def destination_sent(self, req: Any, ok: bool) -> None:
@@ -126,8 +208,7 @@ class PrefillFanout:
         with self._lock:
             fanout = self._room(room)
             fanout.done[req.mooncake_session_id] = ok
-            expected = max((h.destinations for h in fanout.hellos.values()), default=1)
-            complete = len(fanout.done) >= expected
+            complete = len(fanout.done) >= fanout.expected
             all_ok = all(fanout.done.values())
             if complete:
                 self._rooms.pop(room, None)
@@ -199,6 +280,12 @@ def start_wan_path(kv_mgr: Any) -> PrefillFanout:
     args = get_server_args()
     if getattr(args, "pdd_role", None) == "prefill":
         fanout.wan_engine = open_wan_engine(kv_mgr, args.pdd_wan_transfer_protocol, args.pdd_wan_ib_device)
+        fanout.relay_bootstrap_timeout_s = float(args.pdd_relay_bootstrap_timeout)
+    watchdog = threading.Thread(
+        target=_watch_relays, args=(fanout,), daemon=True, name="pdd-relay-watchdog"
+    )
+    watchdog.start()
+    kv_mgr._worker_threads.append(watchdog)
     for index in range(WAN_WORKERS):
         queue = FastQueue()
         fanout.wan_queues.append(queue)
@@ -209,6 +296,15 @@ def start_wan_path(kv_mgr: Any) -> PrefillFanout:
         thread.start()
         kv_mgr._worker_threads.append(thread)
     return fanout
+
+
+def _watch_relays(fanout: PrefillFanout) -> None:
+    while not getattr(fanout.kv_mgr, "_stopped", False):
+        time.sleep(0.25)
+        try:
+            fanout.drop_silent_relays()
+        except Exception:  # a watchdog must outlive one bad room
+            logger.exception("PDD: relay watchdog failed")
 
 
 def _run_wan_worker(kv_mgr: Any, queue: Any, index: int) -> None:

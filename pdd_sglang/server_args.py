@@ -57,6 +57,12 @@ class PddArgs(msgspec.Struct):
         "process-wide in Mooncake). Multi-second WAN copies need more than Mooncake's 30 s "
         "default. Default: 120.",
     ] = 120
+    pdd_relay_bootstrap_timeout: A[
+        float,
+        "PDD prefill: seconds to wait, after a main registers for a P->RLD->MD request, for its "
+        "relay; past it the request goes to the main alone (and a late relay is refused). "
+        "Default: 5.",
+    ] = 5.0
     pdd_debug_kv_digest: A[
         bool,
         "PDD debug: hash each request's prompt KV on every server (prefill after its last "

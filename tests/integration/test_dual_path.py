@@ -120,3 +120,19 @@ def test_plain_pd_without_route_still_works(three_roles):
     answers = generate_fanout(three_roles["prefill"], [three_roles["main"]], body,
                               three_roles.bootstrap_port, None)
     assert len(answers["main"]["output_ids"]) == 4
+
+
+def test_request_completes_via_main_when_the_relay_never_registers(three_roles):
+    """The route says P->RLD->MD, but no relay ever hears of the request: after the prefill's
+    relay bootstrap deadline (2 s here) the main gets its KV alone and completes."""
+    body = {"input_ids": words(99, 120),
+            "sampling_params": {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0.0}}
+    answers = generate_fanout(three_roles["prefill"], [three_roles["main"]], body,
+                              three_roles.bootstrap_port, "prefill_relay_main")
+    main = answers["main"]
+    assert len(main["output_ids"]) == MAX_NEW_TOKENS
+    rows = rows_by_role(three_roles["prefill"].pdd_state(), main["bootstrap_room"])
+    assert set(rows) == {"main"}
+    for server in (three_roles["prefill"], three_roles["relay"], three_roles["main"]):
+        after = server.wait_idle()
+        assert after["in_use_tokens"] == 0 and after["locked_tokens"] == 0, (server.name, after)

@@ -14,6 +14,7 @@ class Chunk:  # the fields of SGLang's TransferKVChunk that the offset touches
     prefill_kv_indices: np.ndarray
     index_slice: slice
     num_kv_tokens: int | None = None
+    is_last_chunk: bool = False
 
 
 def chunks_of(total_pages: int, chunk_pages: int):
@@ -49,3 +50,82 @@ def test_zero_offset_returns_the_chunk_itself():
 def test_misaligned_or_negative_offset_is_refused(skip_tokens):
     with pytest.raises(ValueError, match="page size"):
         skip_prefix_pages(next(chunks_of(4, 4)), skip_tokens, 16)
+
+
+# ---- the fan-out's fault handling, on a stand-in for SGLang's Mooncake KV manager -------------
+from types import SimpleNamespace  # noqa: E402
+
+from pdd_sglang.messages import DestinationHello, encode  # noqa: E402
+from pdd_sglang.prefill_fanout import HELLO_FRAME_INDEX, PrefillFanout  # noqa: E402
+
+
+class FakeKvManager:
+    def __init__(self, page_size=1):
+        self.kv_args = SimpleNamespace(page_size=page_size)
+        self.transfer_infos = {}
+        self.req_to_decode_prefix_len = {}
+        self.status = {}
+        self.sent = []
+        self.failures = []
+
+    def update_status(self, room, status):
+        self.status[room] = status
+
+    def send_kv_status_message(self, *, targets, bootstrap_room, status, failure_reason=None):
+        self.sent.append((tuple(targets), bootstrap_room, status))
+
+    def conclude_failure(self, *, bootstrap_room, failure_reason):
+        self.failures.append((bootstrap_room, failure_reason))
+
+
+def register(fanout, kv, room, session, role, destinations=2, prefix=0, port=1):
+    info = SimpleNamespace(decode_prefix_len=prefix, endpoint="127.0.0.1", dst_port=port,
+                           mooncake_session_id=session)
+    kv.transfer_infos.setdefault(room, {})[session] = info
+    frames = [b""] * HELLO_FRAME_INDEX + [encode(DestinationHello(
+        room=room, role=role, destinations=destinations, prefix_tokens=prefix))]
+    fanout.on_destination_registered(room, session, frames)
+    return info
+
+
+def test_silent_relay_is_dropped_and_a_late_one_refused():
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    kv = FakeKvManager()
+    fanout = PrefillFanout(kv)
+    fanout.relay_bootstrap_timeout_s = 2.0
+    register(fanout, kv, room=9, session="main", role="main", prefix=32)
+    assert fanout.drop_silent_relays(now=fanout._rooms[9].first_hello_at + 1.0) == []
+    assert fanout.drop_silent_relays(now=fanout._rooms[9].first_hello_at + 3.0) == [9]
+    assert kv.status[9] == KVPoll.WaitingForInput
+    assert kv.req_to_decode_prefix_len[9] == 32  # the main's own prefix: only it is served
+    assert fanout._rooms[9].expected == 1
+    register(fanout, kv, room=9, session="relay", role="relay", prefix=0, port=2)
+    assert "relay" not in kv.transfer_infos[9]  # out before SGLang counts destinations
+    assert kv.sent == [((("127.0.0.1", 2),), 9, KVPoll.Failed)]
+
+
+def test_mismatched_and_repeated_hellos_are_refused():
+    kv = FakeKvManager()
+    fanout = PrefillFanout(kv)
+    info = SimpleNamespace(decode_prefix_len=16, endpoint="h", dst_port=1)
+    kv.transfer_infos[5] = {"main": info}
+    frames = [b""] * HELLO_FRAME_INDEX + [encode(DestinationHello(
+        room=5, role="main", destinations=1, prefix_tokens=64))]
+    fanout.on_destination_registered(5, "main", frames)
+    assert fanout.refused_hellos == 1 and not fanout.is_pdd_room(5)
+    register(fanout, kv, room=6, session="main", role="main", destinations=1)
+    register(fanout, kv, room=6, session="main", role="main", destinations=1)
+    assert len(fanout._rooms[6].hellos) == 1
+
+
+def test_prefix_claim_beyond_the_prompt_fails_the_room_cleanly():
+    kv = FakeKvManager(page_size=1)
+    fanout = PrefillFanout(kv)
+    register(fanout, kv, room=3, session="relay", role="relay", prefix=0)
+    main = register(fanout, kv, room=3, session="main", role="main", prefix=500, port=2)
+    last = Chunk(3, np.arange(100, dtype=np.int32), slice(0, 100))
+    last.is_last_chunk = True
+    view = fanout.chunk_for_destination(last, main)
+    assert len(view.prefill_kv_indices) == 0
+    assert kv.failures and "beyond the 100 tokens" in kv.failures[0][1]
