@@ -2,6 +2,10 @@
 # Both build the environment on first use (scripts/setup_env.sh).
 PROFILE ?= cpu
 PY := .venv/bin/python
+# This checkout's code first, whatever checkout the shared venv's .pth files point at (CI runs in
+# another clone on the same machine, sharing the venv).
+STANDIN := $(if $(filter cpu,$(PROFILE)),:$(CURDIR)/pdd_sglang/cpu/standin,)
+export PYTHONPATH := $(CURDIR)$(STANDIN)
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 

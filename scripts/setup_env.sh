@@ -68,11 +68,16 @@ if [ ! -f "$venv/.pdd-ready" ]; then
 fi
 
 site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-echo "$repo" > "$site/pdd_sglang_checkout.pth"
-if [ "$profile" = cpu ]; then
-  echo "$repo/pdd_sglang/cpu/standin" > "$site/pdd_sglang_cpu_standin.pth"
-else
-  rm -f "$site/pdd_sglang_cpu_standin.pth"
+# The .pth files make `.venv/bin/python -m sglang.launch_server` find pdd_sglang by hand. The
+# Makefile also puts this checkout on PYTHONPATH, so CI (another clone sharing this venv) leaves
+# them pointing at the developer's checkout.
+if [ -z "${CI:-}" ] || [ ! -f "$site/pdd_sglang_checkout.pth" ]; then
+  echo "$repo" > "$site/pdd_sglang_checkout.pth"
+  if [ "$profile" = cpu ]; then
+    echo "$repo/pdd_sglang/cpu/standin" > "$site/pdd_sglang_cpu_standin.pth"
+  else
+    rm -f "$site/pdd_sglang_cpu_standin.pth"
+  fi
 fi
 "$venv/bin/python" "$repo/scripts/apply_patches.py"
 ln -sfn "$venv" "$repo/.venv"
