@@ -102,7 +102,7 @@ class SGLangServer:
             log.flush()
             self.process = subprocess.Popen(
                 self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
-                start_new_session=True,
+                start_new_session=True, preexec_fn=_die_with_parent,
             )
         finally:
             log.close()
@@ -198,6 +198,18 @@ class SGLangServer:
             time.sleep(0.5)
             pool = self.pdd_state()["pool"]
         return pool
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: SIGTERM it when the process that started it dies.
+
+    A test runner killed outright (SIGKILL, or SIGTERM, which skips atexit) would otherwise leave
+    its servers running; SGLang stops its own children on SIGTERM.
+    """
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _signal_group(pid: int, sig: int) -> None:
