@@ -41,9 +41,57 @@ class DestinationHello(msgspec.Struct, tag=True, frozen=True, forbid_unknown_fie
     prefix_tokens: int
 
 
+class HandoffReady(msgspec.Struct, tag=True, frozen=True, forbid_unknown_fields=True):
+    """Main to relay: main holds the room's whole prompt KV and can take the request over."""
+
+    room: int
+
+
+class HandoffTokens(msgspec.Struct, tag=True, frozen=True, forbid_unknown_fields=True):
+    """Relay to main: the token IDs the relay generated, positions ``start`` onward.
+
+    ``seq`` numbers the chunks of one room from 0 (Catch-Up sends several; One-Shot one, with
+    ``is_last``). Token IDs travel as a packed little-endian int32 array: 4 bytes per token.
+    """
+
+    room: int
+    seq: int
+    start: int
+    token_ids: bytes
+    is_last: bool
+
+    @property
+    def tokens(self) -> list[int]:
+        import array
+
+        values = array.array("i")
+        values.frombytes(self.token_ids)
+        return values.tolist()
+
+
+class HandoffAck(msgspec.Struct, tag=True, frozen=True, forbid_unknown_fields=True):
+    """Main to relay: chunk ``seq`` absorbed; with Catch-Up, the relay sends the next."""
+
+    room: int
+    seq: int
+
+
+class HandoffRefused(msgspec.Struct, tag=True, frozen=True, forbid_unknown_fields=True):
+    """Either side: the handoff of ``room`` will not happen; ``reason`` is a metric label."""
+
+    room: int
+    reason: str
+
+
 class Envelope(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     version: int
-    body: Union[DestinationHello]
+    body: Union[DestinationHello, HandoffReady, HandoffTokens, HandoffAck, HandoffRefused]
+
+
+def pack_tokens(token_ids) -> bytes:
+    import array
+
+    return array.array("i", token_ids).tobytes()
 
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -78,9 +126,28 @@ class _VersionOnly(msgspec.Struct):
     version: int
 
 
+MAX_HANDOFF_TOKENS = 1 << 16
+
+
 def _validate(body) -> None:
     if isinstance(body, DestinationHello):
         if body.destinations not in (1, 2):
             raise MessageError("out_of_range", f"destinations={body.destinations}")
         if body.prefix_tokens < 0:
             raise MessageError("out_of_range", f"prefix_tokens={body.prefix_tokens}")
+    elif isinstance(body, HandoffTokens):
+        if body.seq < 0 or body.start < 0:
+            raise MessageError("out_of_range", f"seq={body.seq} start={body.start}")
+        if len(body.token_ids) % 4 or len(body.token_ids) // 4 > MAX_HANDOFF_TOKENS:
+            raise MessageError("out_of_range", f"{len(body.token_ids)} bytes of token ids")
+    elif isinstance(body, HandoffAck) and body.seq < 0:
+        raise MessageError("out_of_range", f"seq={body.seq}")
+    elif isinstance(body, HandoffRefused) and not (0 < len(body.reason) <= 64):
+        raise MessageError("out_of_range", "reason must be 1-64 characters")
+
+
+def check_token_ids(tokens: list[int], vocab_size: int) -> None:
+    """Token IDs a receiver is about to feed its model: each in ``[0, vocab_size)``."""
+    bad = [t for t in tokens if not 0 <= t < vocab_size]
+    if bad:
+        raise MessageError("token_out_of_vocab", f"{bad[:5]} not in [0, {vocab_size})")

@@ -2,10 +2,19 @@ import msgspec
 import pytest
 
 from pdd_sglang import messages
-from pdd_sglang.messages import DestinationHello, MessageError, decode, encode
+import typing
+
+from pdd_sglang.messages import (
+    DestinationHello, HandoffAck, HandoffReady, HandoffRefused, HandoffTokens, MessageError,
+    check_token_ids, decode, encode, pack_tokens,
+)
 
 ALL_MESSAGES = [
     DestinationHello(room=12345678901234, role="main", destinations=2, prefix_tokens=4096),
+    HandoffReady(room=7),
+    HandoffTokens(room=7, seq=3, start=65, token_ids=pack_tokens(range(100)), is_last=False),
+    HandoffAck(room=7, seq=3),
+    HandoffRefused(room=7, reason="unknown_room"),
 ]
 
 
@@ -15,10 +24,34 @@ def test_round_trip(message):
 
 
 def test_every_message_type_has_a_round_trip_case():
-    body_types = set(messages.Envelope.__annotations__["body"].__args__) if hasattr(
-        messages.Envelope.__annotations__["body"], "__args__") else {DestinationHello}
-    covered = {type(m) for m in ALL_MESSAGES}
-    assert {t for t in body_types if isinstance(t, type)} <= covered
+    body_types = set(typing.get_args(typing.get_type_hints(messages.Envelope)["body"]))
+    assert body_types == {type(m) for m in ALL_MESSAGES}
+
+
+def test_handoff_payload_is_at_most_16_bytes_per_token_plus_a_constant():
+    sizes = {n: len(encode(HandoffTokens(room=2**62, seq=0, start=0, token_ids=pack_tokens(
+        range(n)), is_last=True))) for n in (1, 100, 1000)}
+    per_token = (sizes[1000] - sizes[100]) / 900
+    assert per_token <= 16, sizes
+    print(f"handoff payload: {sizes} bytes; {per_token:.1f} B/token")
+
+
+def test_token_ids_outside_the_vocabulary_are_refused():
+    check_token_ids([0, 5, 1003], vocab_size=1004)
+    with pytest.raises(MessageError) as err:
+        check_token_ids([3, 1004], vocab_size=1004)
+    assert err.value.reason == "token_out_of_vocab"
+
+
+@pytest.mark.parametrize("bad", [
+    HandoffTokens(room=1, seq=-1, start=0, token_ids=b"", is_last=True),
+    HandoffTokens(room=1, seq=0, start=0, token_ids=b"\x00\x01\x02", is_last=True),
+    HandoffRefused(room=1, reason=""),
+])
+def test_handoff_fields_out_of_range_are_refused(bad):
+    with pytest.raises(MessageError) as err:
+        decode(encode(bad))
+    assert err.value.reason == "out_of_range"
 
 
 def test_unknown_version_is_refused_by_name():
