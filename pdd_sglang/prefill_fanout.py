@@ -221,6 +221,7 @@ class PrefillFanout:
                 targets=[(req.endpoint, req.dst_port)], bootstrap_room=room, status=KVPoll.Success
             )
             return
+        logger.info("PDD room %s sent: %s", room, LEDGER.request_summary(room))
         self.kv_mgr.conclude_transfer(
             bootstrap_room=room,
             status=KVPoll.Success if all_ok else KVPoll.Failed,

@@ -11,6 +11,7 @@ alone.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
@@ -34,6 +35,28 @@ class TransferCount:
             self.batches += 1
 
 
+class _PrometheusCounters:
+    """The ledger's totals as Prometheus counters, in SGLang's own /metrics (--enable-metrics).
+
+    SGLang collects metrics of its scheduler processes through prometheus_client's multiprocess
+    mode; counters exist only when it set that up, so plain runs pay nothing.
+    """
+
+    def __init__(self):
+        from prometheus_client import Counter
+
+        self.bytes = Counter("pdd_kv_transfer_bytes_total",
+                             "KV bytes prefill handed to Mooncake, by destination role", ["role"])
+        self.pages = Counter("pdd_kv_transfer_pages_total",
+                             "KV pages prefill sent, by destination role", ["role"])
+        self.aux_bytes = Counter("pdd_kv_transfer_aux_bytes_total",
+                                 "Aux metadata bytes prefill sent, by destination role", ["role"])
+
+    @staticmethod
+    def create():
+        return _PrometheusCounters() if os.environ.get("PROMETHEUS_MULTIPROC_DIR") else None
+
+
 class TransferLedger:
     def __init__(self, max_tracked_requests: int = MAX_TRACKED_REQUESTS):
         self._lock = threading.Lock()
@@ -42,6 +65,14 @@ class TransferLedger:
         self._by_destination: dict[str, TransferCount] = {}
         self._by_request: OrderedDict[tuple[int, str], TransferCount] = OrderedDict()
         self._roles: dict[str, str] = {}
+        self._counters = None
+        self._counters_checked = False
+
+    def _metrics(self):
+        if not self._counters_checked:
+            self._counters_checked = True
+            self._counters = _PrometheusCounters.create()
+        return self._counters
 
     def set_role(self, destination: str, role: str) -> None:
         """Name a destination session by its PDD role (relay or main) in the figures."""
@@ -59,6 +90,10 @@ class TransferLedger:
         with self._lock:
             self._request(self._scope.key).pages += int(pages)
             self._destination(str(destination)).pages += int(pages)
+            role = self._roles.get(str(destination), "decode")
+            metrics = self._metrics()
+        if metrics is not None:
+            metrics.pages.labels(role=role).inc(int(pages))
 
     def begin_aux(self, room: int, destination: str) -> None:
         """Open the scope of one request's aux metadata to one destination."""
@@ -73,6 +108,19 @@ class TransferLedger:
             self._destination(str(destination)).charge(kind, nbytes)
             if key is not None and key[1] == str(destination):
                 self._request(key).charge(kind, nbytes)
+            role = self._roles.get(str(destination), "decode")
+            metrics = self._metrics()
+        if metrics is not None:
+            (metrics.aux_bytes if kind == "aux" else metrics.bytes).labels(role=role).inc(nbytes)
+
+    def request_summary(self, room: int) -> str:
+        """One log line's worth: what each destination of ``room`` was sent."""
+        with self._lock:
+            parts = [
+                f"{self._roles.get(dest, 'decode')} {count.pages} pages / {count.bytes} B"
+                for (r, dest), count in self._by_request.items() if r == room
+            ]
+        return "; ".join(parts) or "nothing"
 
     def snapshot(self) -> dict:
         with self._lock:

@@ -54,7 +54,7 @@ def three_roles(request, tiny_model, tmp_path_factory):
     servers = [
         SGLangServer("prefill", model_path, log_dir, extra_args=(
             "--pdd-role", "prefill", "--disaggregation-bootstrap-port", str(bootstrap_port),
-            "--pdd-relay-bootstrap-timeout", "2", *common, *chunking)),
+            "--pdd-relay-bootstrap-timeout", "2", "--enable-metrics", *common, *chunking)),
         SGLangServer("relay", model_path, log_dir, extra_args=(
             "--pdd-role", "relay", *common, *RELAY_CPU_ARGS)),
         SGLangServer("main", model_path, log_dir, extra_args=("--pdd-role", "main", *common)),

@@ -87,6 +87,15 @@ def test_relay_gets_full_prompt_main_gets_uncached_suffix(three_roles, tiny_mode
         assert main["sums"][:received_from] == pytest.approx(
             prefill["sums"][:received_from], rel=1e-4, abs=1e-4)
 
+    # The same figures in SGLang's Prometheus /metrics and its log, by destination role.
+    import urllib.request
+    metrics = urllib.request.urlopen(three_roles["prefill"].url + "/metrics", timeout=30).read().decode()
+    exported = {role: sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                          if line.startswith(f'pdd_kv_transfer_bytes_total{{role="{role}"}}'))
+                for role in ("relay", "main")}
+    assert exported["relay"] >= relay_total and exported["main"] >= main_total, exported
+    assert "PDD room" in three_roles["prefill"].log_path.read_text()
+
     hit = 1 - main_total / relay_total
     print(f"\nWAN bytes with DRC {main_total}, without (measured on the relay path) "
           f"{relay_total}: ratio {main_total / relay_total:.3f} at {hit:.1%} token-weighted hit")

@@ -12,7 +12,7 @@ def test_batches_are_charged_to_the_open_scope_kv_and_aux_apart():
     ledger.record_batch("main:1", [8, 8])
     snap = ledger.snapshot()
     (row,) = snap["by_request"]
-    assert row == {"room": 7, "destination": "main:1", "bytes": 350, "pages": 3, "batches": 2,
+    assert row == {"room": 7, "destination": "main:1", "role": "decode", "bytes": 350, "pages": 3, "batches": 2,
                    "aux_bytes": 16}
     assert snap["by_destination"]["main:1"]["bytes"] == 350
 
