@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 HELLO_FRAME_INDEX = 10
 WAN_WORKERS = 4
 MAX_TRACKED_ROOMS = 65536
+STALE_ROOM_S = 600.0
 _on_wan_path = threading.local()
 
 
@@ -131,6 +132,12 @@ class PrefillFanout:
         now = time.monotonic() if now is None else now
         dropped = []
         with self._lock:
+            # Rooms SGLang has forgotten (failed or aborted before completing) go too.
+            for room in [
+                room for room, fanout in self._rooms.items()
+                if room not in self.kv_mgr.transfer_infos and now - fanout.first_hello_at > STALE_ROOM_S
+            ]:
+                self._rooms.pop(room)
             for room, fanout in self._rooms.items():
                 roles = {h.role for h in fanout.hellos.values()}
                 if (
@@ -177,7 +184,10 @@ class PrefillFanout:
         if getattr(_on_wan_path, "active", False):
             return wan
         if wan:
-            self.wan_queues[kv_chunk.room % len(self.wan_queues)].put(kv_chunk)
+            # A copy, counted afresh by the WAN worker that dequeues it: SGLang's per-room
+            # in-flight count must see both paths, or a room could be torn down mid-send.
+            wan_chunk = dataclasses.replace(kv_chunk, staging_counted=False)
+            self.wan_queues[kv_chunk.room % len(self.wan_queues)].put(wan_chunk)
         return [r for r in reqs if r not in wan]
 
     # ---- 4. pages past each destination's own prefix -----------------------------------

@@ -129,3 +129,33 @@ def test_prefix_claim_beyond_the_prompt_fails_the_room_cleanly():
     view = fanout.chunk_for_destination(last, main)
     assert len(view.prefill_kv_indices) == 0
     assert kv.failures and "beyond the 100 tokens" in kv.failures[0][1]
+
+
+def test_rooms_sglang_forgot_are_pruned():
+    kv = FakeKvManager()
+    fanout = PrefillFanout(kv)
+    register(fanout, kv, room=11, session="relay", role="relay")
+    register(fanout, kv, room=11, session="main", role="main", port=2)
+    del kv.transfer_infos[11]  # failed and cleared by SGLang, never concluded through us
+    fanout.drop_silent_relays(now=fanout._rooms[11].first_hello_at + 601)
+    assert 11 not in fanout._rooms
+
+
+def test_the_wan_path_gets_its_own_counted_copy_of_a_chunk():
+    kv = FakeKvManager()
+    fanout = PrefillFanout(kv)
+    register(fanout, kv, room=4, session="relay", role="relay")
+    register(fanout, kv, room=4, session="main", role="main", port=2)
+    queue = []
+    fanout.wan_queues.append(SimpleNamespace(put=queue.append))
+
+    @dataclasses.dataclass
+    class CountedChunk(Chunk):
+        staging_counted: bool = True
+
+    chunk = CountedChunk(4, np.arange(8, dtype=np.int32), slice(0, 8))
+    relay_req = SimpleNamespace(mooncake_session_id="relay")
+    main_req = SimpleNamespace(mooncake_session_id="main")
+    assert fanout.destinations_on_this_path(chunk, [relay_req, main_req]) == [relay_req]
+    (wan_chunk,) = queue
+    assert wan_chunk is not chunk and wan_chunk.staging_counted is False
