@@ -2,67 +2,179 @@
 
     python scripts/validate_sim.py --measured out/demo/demo.json
 
-The simulator is configured like the CPU demo cluster described in
-configs/hardware/cpu_demo.toml ([cluster] table: instance counts, model, links, workload size),
-runs the same small agentic workload, and prints simulated against measured TTFT percentiles
-and their ratio for each setup.
+The simulator is configured like the CPU demo cluster: configs/hardware/cpu_demo.toml (its
+[cluster] table: instance counts, model, links, workload size) gives the defaults, and whatever
+the measured file states overrides them: the line's rate, RTT and jitter, the model's KV bytes
+per token, the request count and the prompt / output lengths.  It then runs the same small
+agentic workload through each setup and prints simulated against measured numbers and their
+ratio.
 
-Measured file format (what `make demo` of issue 7 writes as demo.json):
+Measured file (what scripts/demo.py writes as demo.json):
 
-    {"setups": {"same_dc_pd":  {"ttft_p50_s": 0.41, "ttft_p90_s": 0.9, "ttft_p99_s": 1.3, ...},
+    {"setups": {"same_dc_pd":  {"ttft_p50_s": .., "ttft_p90_s": .., "ttft_p99_s": ..,
+                                "itl_p50_ms": .., "itl_p99_ms": .., "wan_bytes": ..,
+                                "requests": .., "errors": ..},
                 "cross_dc_pd": {...},
-                "pdd":         {...}},
-     "workload": {"requests": 60, "rate_per_s": 0.5, "seed": 7}}     # optional override
+                "pdd": {"status": "pending", ...}},            # or absent
+     "workload": {"prompt_tokens": {"mean": ..}, "output_tokens": {"mean": ..}, ...},  # optional
+     "line": {"rate_mbit": 30, "rtt_ms": 40, "jitter_ms": 4, "kv_bytes_per_token": 8192}}  # optional
 
-Only setups present in the file are compared. Nothing here invents measured numbers: without
-the file the script stops with a message.
+A setup that is absent, marked with a "status" other than "done"/"ok", or without numbers is
+listed as not measured and skipped; only measured quantities are compared.  Nothing here invents
+measured numbers: without the file the script stops with a message.
+
+Known limit: the demo's client is closed-loop (a fixed number of conversations in flight); the
+simulator's arrivals are open-loop at the rate in [cluster] (or workload.rate_per_s if given).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+import tempfile
+import tomllib
 from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pdd_sglang.sim.cluster import ClusterConfig, Setup, simulate  # noqa: E402
-from pdd_sglang.sim.profiles import load_table  # noqa: E402
+from pdd_sglang.sim.profiles import CONFIG_ROOT, load_table  # noqa: E402
 from pdd_sglang.sim.workload import AgenticConfig, generate_agentic  # noqa: E402
 
-QUANTILES = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s")
+QUANTITIES = (("ttft_p50_s", "ttft_p50_s"), ("ttft_p90_s", "ttft_p90_s"),
+              ("ttft_p99_s", "ttft_p99_s"), ("itl_p50_ms", "itl_p50_ms"),
+              ("itl_p99_ms", "itl_p99_ms"), ("wan_bytes", "wan_bytes"))
+SETUP_NAMES = ("same_dc_pd", "cross_dc_pd", "pdd")
 
 
-def demo_workload(table: dict, override: dict) -> AgenticConfig:
-    scale = table["context_scale"]
-    rate = override.get("rate_per_s", table["rate_per_s"])
-    requests = override.get("requests", table["requests"])
+def measured_setups(measured: dict) -> tuple[dict, dict]:
+    """(setups with numbers, {name: why skipped})."""
+    done, skipped = {}, {}
+    setups = measured.get("setups") or {}
+    for name in SETUP_NAMES:
+        entry = setups.get(name)
+        if entry is None:
+            skipped[name] = "absent"
+        elif not isinstance(entry, dict):
+            skipped[name] = "not an object"
+        elif str(entry.get("status", "done")).lower() not in ("done", "ok", "measured"):
+            skipped[name] = f"status {entry.get('status')!r}"
+        elif not any(isinstance(entry.get(key), (int, float)) for key, _ in QUANTITIES):
+            skipped[name] = "no measured numbers"
+        else:
+            done[name] = entry
+    return done, skipped
+
+
+def _number(obj: dict, key: str):
+    value = (obj or {}).get(key)
+    if isinstance(value, dict):                    # demo.py writes stats: {"mean": .., "p50": ..}
+        value = value.get("mean", value.get("p50"))
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def profiles_from_file(table: dict, measured: dict, tmp: Path) -> tuple[str, str, dict]:
+    """Write the WAN link and model profiles with the file's line and KV figures; returns
+    (wan_link path, model path, {what: source})."""
+    line = measured.get("line") or {}
+    sources = {}
+    with open(CONFIG_ROOT / "links" / f"{table['wan_link']}.toml", "rb") as handle:
+        link = tomllib.load(handle)
+    if _number(line, "rate_mbit"):
+        link["bytes_per_s"] = _number(line, "rate_mbit") * 1e6 / 8
+        sources["line rate"] = f"{_number(line, 'rate_mbit'):g} Mbit/s (measured file)"
+    if _number(line, "rtt_ms") is not None:
+        link["rtt_s"] = _number(line, "rtt_ms") / 1e3
+        sources["RTT"] = f"{_number(line, 'rtt_ms'):g} ms (measured file)"
+    if _number(line, "jitter_ms") is not None:
+        link["jitter_s"] = _number(line, "jitter_ms") / 1e3
+        sources["jitter"] = f"{_number(line, 'jitter_ms'):g} ms (measured file)"
+    with open(CONFIG_ROOT / "models" / f"{table['model']}.toml", "rb") as handle:
+        model = tomllib.load(handle)
+    kv = _number(line, "kv_bytes_per_token") or _number(measured.get("model") or {},
+                                                         "kv_bytes_per_token")
+    if kv:
+        model["kv_bytes_per_token"] = kv
+        sources["KV bytes/token"] = f"{kv:g} (measured file)"
+    link_path, model_path = tmp / "wan.toml", tmp / "model.toml"
+    link_path.write_text(_to_toml(link))
+    model_path.write_text(_to_toml(model))
+    return str(link_path), str(model_path), sources
+
+
+def _to_toml(data: dict) -> str:
+    return "".join(f"{key} = {json.dumps(value)}\n" for key, value in data.items()
+                   if isinstance(value, (int, float, str)))
+
+
+def demo_workload(table: dict, measured: dict, requests: int | None) -> AgenticConfig:
+    workload = measured.get("workload") or {}
+    line = measured.get("line") or {}
     base = AgenticConfig()
+    scale = table["context_scale"]
+    prompt_mean = _number(workload, "prompt_tokens") or _number(line, "prompt_tokens")
+    if prompt_mean:          # scale the generator so its mean prompt matches the measured one
+        requests_probe, _ = generate_agentic(replace(base, duration_s=600.0))
+        mean = sum(r.input_tokens for r in requests_probe) / len(requests_probe)
+        scale = prompt_mean / mean
+    out_scale = table["output_scale"]
+    output_mean = _number(workload, "output_tokens") or _number(line, "output_tokens")
+    if output_mean:
+        out_scale = output_mean / ((base.short_output_max + base.long_output_max) / 4)
+    rate = _number(workload, "rate_per_s") or table["rate_per_s"]
+    count = requests or int(_number(workload, "requests") or table["requests"])
     scaled = {name: max(1, int(getattr(base, name) * scale)) for name in (
         "system_prompt_tokens", "first_context_min", "first_context_max", "small_delta_min",
         "small_delta_max", "big_delta_min", "big_delta_max", "singular_input_min",
         "singular_input_max")}
     scaled["system_prompt_tokens"] = max(512, scaled["system_prompt_tokens"])
-    out_scale = table["output_scale"]
     scaled["short_output_max"] = max(17, int(base.short_output_max * out_scale))
     scaled["long_output_max"] = max(scaled["short_output_max"], int(base.long_output_max * out_scale))
-    return replace(base, rate_per_s=rate, duration_s=requests / rate,
+    return replace(base, rate_per_s=rate, duration_s=count / rate,
                    turns_min=table["turns_min"], turns_max=table["turns_max"],
-                   seed=override.get("seed", table["seed"]), **scaled)
+                   seed=int(workload.get("seed", table["seed"])), **scaled)
 
 
-def demo_cluster(table: dict, setup: Setup) -> ClusterConfig:
-    return ClusterConfig(setup=setup, model=table["model"], prefill_hardware="cpu_demo",
+def demo_cluster(table: dict, setup: Setup, wan_link: str, model: str) -> ClusterConfig:
+    return ClusterConfig(setup=setup, model=model, prefill_hardware="cpu_demo",
                          relay_hardware="cpu_demo", main_hardware="cpu_demo",
-                         wan_link=table["wan_link"], rdma_link=table["rdma_link"],
+                         wan_link=wan_link, rdma_link=table["rdma_link"],
                          prefill_instances=table["prefill_instances"],
                          relay_instances=table["relay_instances"],
                          main_instances=table["main_instances"],
                          relay_max_running=table["max_running"],
                          main_max_running=table["max_running"],
                          prefill_cache_tokens=1_000_000, main_cache_tokens=1_000_000)
+
+
+def compare(measured: dict) -> list:
+    """Rows (setup, quantity, simulated, measured, ratio) for every measured quantity."""
+    table = load_table("hardware", "cpu_demo", "cluster")
+    done, skipped = measured_setups(measured)
+    for name, why in skipped.items():
+        print(f"{name}: not compared ({why})")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        wan_link, model, sources = profiles_from_file(table, measured, Path(tmp))
+        for what, source in sources.items():
+            print(f"configured from the file: {what} = {source}")
+        for name, numbers in done.items():
+            count = numbers.get("requests")
+            workload = demo_workload(table, measured, int(count) if count else None)
+            requests, warmup = generate_agentic(workload)
+            summary, _ = simulate(demo_cluster(table, Setup(name), wan_link, model),
+                                  requests, warmup)
+            for key, attribute in QUANTITIES:
+                real = numbers.get(key)
+                if not isinstance(real, (int, float)):
+                    continue
+                sim_value = float(getattr(summary, attribute))
+                ratio = sim_value / real if real else math.nan
+                rows.append((name, key, sim_value, float(real), ratio))
+    return rows
 
 
 def main(argv=None) -> int:
@@ -72,27 +184,20 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if not args.measured.is_file():
         print(f"validate_sim: no measured file at {args.measured}. Run the real CPU demo first "
-              "(`make demo`, issue 7) and pass its demo.json; this script never makes up "
-              "measured numbers.", file=sys.stderr)
+              "(scripts/demo.py) and pass its demo.json; this script never makes up measured "
+              "numbers.", file=sys.stderr)
         return 2
     measured = json.loads(args.measured.read_text())
-    if "setups" not in measured:
+    if not isinstance(measured.get("setups"), dict):
         print("validate_sim: the measured file has no 'setups' object", file=sys.stderr)
         return 2
-    table = load_table("hardware", "cpu_demo", "cluster")
-    workload = demo_workload(table, measured.get("workload", {}))
-    requests, warmup = generate_agentic(workload)
-    print(f"workload: {len(requests)} requests at {workload.rate_per_s} req/s (seed {workload.seed})")
-    print(f"{'setup':12s} {'quantile':11s} {'simulated':>10s} {'measured':>10s} {'sim/meas':>9s}")
-    for name, numbers in measured["setups"].items():
-        summary, _ = simulate(demo_cluster(table, Setup(name)), requests, warmup)
-        for quantile in QUANTILES:
-            if quantile not in numbers:
-                continue
-            sim_value = getattr(summary, quantile)
-            real = float(numbers[quantile])
-            ratio = sim_value / real if real > 0 else float("nan")
-            print(f"{name:12s} {quantile:11s} {sim_value:10.3f} {real:10.3f} {ratio:9.2f}")
+    rows = compare(measured)
+    if not rows:
+        print("validate_sim: no setup in the file has measured numbers yet", file=sys.stderr)
+        return 1
+    print(f"{'setup':12s} {'quantity':11s} {'simulated':>12s} {'measured':>12s} {'sim/meas':>9s}")
+    for name, key, sim_value, real, ratio in rows:
+        print(f"{name:12s} {key:11s} {sim_value:12.4g} {real:12.4g} {ratio:9.2f}")
     return 0
 
 

@@ -56,6 +56,7 @@ class ClusterConfig:
     sample_interval_s: float = 5.0
     drain_limit_s: float = 1800.0             # stop this long after the last arrival
     seed: int = 0
+    prefill_mfu: float | None = None          # overrides the prefill hardware's (calibration)
 
     def with_(self, **changes) -> "ClusterConfig":
         return replace(self, **changes)
@@ -95,12 +96,17 @@ class Cluster:
             wan_profile = wan_profile.scaled(cfg.wan_bandwidth_scale)
         self.wan = FairShareLink(self.sim, wan_profile, "wan")
         rdma_profile = load_link(cfg.rdma_link)
-        prefill_cost = InstanceCost(load_hardware(cfg.prefill_hardware), self.model)
+        prefill_hardware = load_hardware(cfg.prefill_hardware)
+        if cfg.prefill_mfu is not None:
+            prefill_hardware = replace(prefill_hardware, prefill_mfu=cfg.prefill_mfu)
+        prefill_cost = InstanceCost(prefill_hardware, self.model)
         self.prefills = [PrefillServer(self.sim, i, prefill_cost,
                                        BlockPrefixCache(cfg.prefill_cache_tokens),
                                        self._on_prefill_done)
                          for i in range(cfg.prefill_instances)]
-        self.rdma = [FairShareLink(self.sim, rdma_profile, f"rdma{i}")
+        # One RDMA NIC per prefill GPU: a request's KV leaves through its lane's NIC.
+        self.rdma = [[FairShareLink(self.sim, rdma_profile, f"rdma{i}.{lane}")
+                      for lane in range(prefill_cost.prefill_lanes)]
                      for i in range(cfg.prefill_instances)]
         main_cost = InstanceCost(load_hardware(cfg.main_hardware), self.model)
         behind_wan = cfg.setup is not Setup.SAME_DC_PD
@@ -219,7 +225,7 @@ class Cluster:
                 request.prompt_blocks, request.input_tokens, touch=True)
         size = (request.input_tokens - job.main_cached_tokens) * self.kv_bytes_per_token
         behind_wan = self.cfg.setup is not Setup.SAME_DC_PD
-        link = self.wan if behind_wan else self.rdma[job.prefill_index]
+        link = self.wan if behind_wan else self.rdma_of(job)
         job.wan_bytes = size if link is self.wan else 0.0
         job.wan_flow = link.start_flow(size, lambda: self._main_has_kv(job))
 
@@ -260,7 +266,10 @@ class Cluster:
             return
         job.relay_hold_since_s = self.sim.now
         size = job.request.input_tokens * self.kv_bytes_per_token
-        self.rdma[job.prefill_index].start_flow(size, lambda: self._relay_has_kv(job))
+        self.rdma_of(job).start_flow(size, lambda: self._relay_has_kv(job))
+
+    def rdma_of(self, job: Job) -> FairShareLink:
+        return self.rdma[job.prefill_index][job.prefill_lane]
 
     def release_relay(self, job: Job) -> None:
         if job.relay is not None and job in job.relay.reserved:

@@ -78,7 +78,8 @@ def draw_all(out: Path, data: dict, results: dict, paper: dict, measured) -> Non
     labels = ["same-DC PD\n" + _layout(f4["baseline"][0]), "PDD\n" + _layout(f4["pdd"][0])]
     ax.bar(labels, [f4["baseline"][0]["bcr_requests_per_dollar"], f4["pdd"][0]["bcr_requests_per_dollar"]])
     ax.set_ylabel("BCR (requests per dollar within SLA)")
-    ax.set_title(f"F4: BCR, simulated gain {results['bcr']['gain_pct']:+.1f}% (paper +37.5%)")
+    gain = results['bcr']['gain_pct']
+    ax.set_title(f"F4: BCR, simulated gain {'n/a' if gain is None else f'{gain:+.1f}%'} (paper +37.5%)")
     _save(fig, out, "f4.png")
 
     fig, ax = plt.subplots(figsize=(9, 4))

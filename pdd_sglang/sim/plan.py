@@ -3,7 +3,7 @@
 BCR = goodput within the SLA / hardware cost, where goodput is the highest request rate at
 which the simulated cluster still meets the SLA (TTFT and ITL percentiles, nothing dropped).
 
-    python -m pdd_sglang.sim.plan --sla-ttft-p90 5 --sla-itl-p90-ms 30 --wan wan_100g
+    python -m pdd_sglang.sim.plan --sla-ttft-p90 15 --sla-itl-p90-ms 30 --wan wan_100g
 """
 
 from __future__ import annotations
@@ -19,7 +19,10 @@ from .workload import AgenticConfig, generate_agentic
 
 @dataclass(frozen=True)
 class Sla:
-    ttft_p90_s: float = 5.0
+    """Assumption: the brief keeps total latency under about 30 s and says P90/P99 matter; a
+    TTFT P90 of 15 s leaves half of that to decode. (The paper's own naive cross-DC P90 is
+    18.3 s, so a tighter TTFT bound would reject its baseline outright.)"""
+    ttft_p90_s: float = 15.0
     itl_p90_ms: float = 30.0
 
 
@@ -135,7 +138,7 @@ def main(argv=None) -> None:
     parser.add_argument("--hardware-a", default="gpu_a", help="P and RLD (and same-DC decode)")
     parser.add_argument("--hardware-b", default="gpu_b", help="MD")
     parser.add_argument("--wan", default="wan_100g")
-    parser.add_argument("--sla-ttft-p90", type=float, default=5.0)
+    parser.add_argument("--sla-ttft-p90", type=float, default=Sla.ttft_p90_s)
     parser.add_argument("--sla-itl-p90-ms", type=float, default=30.0)
     parser.add_argument("--duration", type=float, default=240.0, help="simulated s per trial")
     parser.add_argument("--max-prefill", type=int, default=3)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import tomllib
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
 CONFIG_ROOT = Path(__file__).resolve().parents[2] / "configs"
@@ -24,6 +24,19 @@ class HardwareProfile:
     step_overhead_s: float
     prefill_overhead_s: float
     cost_per_gpu_hour: float
+    # GPUs one request's attention is split over (its tensor-parallel width). 1 under DP
+    # attention, SGLang's deployment of MLA models with expert parallelism: each GPU runs the
+    # attention of its own requests, the MoE layers are shared by all GPUs of the instance.
+    attention_parallel_gpus: int = 0        # 0: the whole instance (plain tensor parallelism)
+
+    @property
+    def attention_gpus(self) -> int:
+        return self.attention_parallel_gpus or self.gpus_per_instance
+
+    @property
+    def prefill_lanes(self) -> int:
+        """Requests an instance prefills at once: one per attention group (DP rank)."""
+        return max(1, self.gpus_per_instance // self.attention_gpus)
 
     @property
     def cost_per_instance_hour(self) -> float:
@@ -39,6 +52,12 @@ class ModelProfile:
     weight_bytes: float
     kv_bytes_per_token: float
     attention_flops_per_token_pair: float
+    # Decode may use another attention form (MLA's weight-absorbed path); 0: same as prefill.
+    decode_attention_flops_per_token_pair: float = 0.0
+
+    @property
+    def decode_pair_flops(self) -> float:
+        return self.decode_attention_flops_per_token_pair or self.attention_flops_per_token_pair
 
 
 @dataclass(frozen=True)
@@ -63,10 +82,11 @@ def _load(cls, kind: str, name_or_path: str | Path):
     with open(path, "rb") as handle:
         data = tomllib.load(handle)
     wanted = {f.name for f in fields(cls)}
-    missing = wanted - data.keys()
+    required = {f.name for f in fields(cls) if f.default is MISSING}
+    missing = required - data.keys()
     if missing:
         raise ValueError(f"{path}: missing keys {sorted(missing)}")
-    return cls(**{key: data[key] for key in wanted})
+    return cls(**{key: data[key] for key in wanted if key in data})
 
 
 def load_hardware(name: str | Path) -> HardwareProfile:
@@ -90,18 +110,29 @@ def load_table(kind: str, name: str, table: str) -> dict:
 class InstanceCost:
     """Roofline timing of one serving instance (hardware x model).
 
-    A forward pass costs the larger of its memory time (weights touched + KV read, over the
-    instance's HBM bandwidth) and its compute time (2 x active params per token + attention
-    pairs), plus a fixed overhead.  MoE weights touched grow with the tokens in the batch until
-    every expert is read, which is why decode is memory-bound and a small extend is nearly free.
+    Prefill: a request's attention (FLOPs per (query, context) token pair, so it grows with the
+    cached context it attends over) runs on its attention group of `attention_gpus` GPUs; its
+    linear layers (2 x active params per token, MoE experts spread over every GPU of the
+    instance) run on the whole instance, shared with the other requests being prefilled at the
+    same time.  With one request in flight this is the request's latency on an idle instance;
+    with every lane busy each lane gets 1/lanes of the instance, so throughput is exact.
+
+    Decode: a forward pass costs the larger of its memory time (weights touched + KV read, over
+    the instance's HBM bandwidth) and its compute time, plus a fixed overhead.  MoE weights
+    touched grow with the tokens in the batch until every expert is read, which is why decode
+    is memory-bound and a small extend is nearly free.
     """
 
     def __init__(self, hardware: HardwareProfile, model: ModelProfile):
         self.hardware = hardware
         self.model = model
         gpus = hardware.gpus_per_instance
+        self.prefill_lanes = hardware.prefill_lanes
         self._memory_rate = gpus * hardware.hbm_bytes_per_s * hardware.memory_efficiency
+        self._lane_memory_rate = (hardware.attention_gpus * hardware.hbm_bytes_per_s
+                                  * hardware.memory_efficiency)
         self._prefill_flops = gpus * hardware.peak_flops * hardware.prefill_mfu
+        self._lane_prefill_flops = hardware.attention_gpus * hardware.peak_flops * hardware.prefill_mfu
         self._decode_flops = gpus * hardware.peak_flops * hardware.decode_mfu
         self._active_weight_bytes = model.weight_bytes * model.active_params / model.total_params
         free_bytes = gpus * hardware.hbm_bytes * hardware.usable_memory_fraction - model.weight_bytes
@@ -109,14 +140,19 @@ class InstanceCost:
             raise ValueError(f"{model.name} does not fit on {gpus} x {hardware.name}")
         self.kv_capacity_tokens = int(free_bytes // model.kv_bytes_per_token)
 
-    def prefill_seconds(self, new_tokens: int, cached_tokens: int) -> float:
-        """Compute-bound prefill of new_tokens after cached_tokens of reused prefix."""
+    def prefill_seconds(self, new_tokens: int, cached_tokens: int, concurrent: int = 1) -> float:
+        """Compute-bound prefill of new_tokens after cached_tokens of reused prefix, while
+        `concurrent` requests (this one included) share the instance's linear layers."""
         m = self.model
-        flops = (2.0 * m.active_params * new_tokens
-                 + m.attention_flops_per_token_pair * new_tokens * (cached_tokens + new_tokens / 2))
-        memory = (min(m.weight_bytes, self._active_weight_bytes * new_tokens)
-                  + (cached_tokens + new_tokens) * m.kv_bytes_per_token) / self._memory_rate
-        return max(flops / self._prefill_flops, memory) + self.hardware.prefill_overhead_s
+        share = min(max(concurrent, 1), self.prefill_lanes)
+        attention = max(
+            m.attention_flops_per_token_pair * new_tokens * (cached_tokens + new_tokens / 2)
+            / self._lane_prefill_flops,
+            (cached_tokens + new_tokens) * m.kv_bytes_per_token / self._lane_memory_rate)
+        linear = share * max(2.0 * m.active_params * new_tokens / self._prefill_flops,
+                             min(m.weight_bytes, self._active_weight_bytes * new_tokens)
+                             / self._memory_rate)
+        return attention + linear + self.hardware.prefill_overhead_s
 
     def forward_seconds(self, decode_batch: int, decode_context_tokens: int,
                         extends=()) -> float:
@@ -132,5 +168,5 @@ class InstanceCost:
         memory = (weight_bytes + read_tokens * m.kv_bytes_per_token) / self._memory_rate
         pairs = decode_context_tokens + sum(t * (prefix + t / 2) for t, prefix in extends)
         compute = (2.0 * m.active_params * tokens
-                   + m.attention_flops_per_token_pair * pairs) / self._decode_flops
+                   + m.decode_pair_flops * pairs) / self._decode_flops
         return max(memory, compute) + self.hardware.step_overhead_s

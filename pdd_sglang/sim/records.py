@@ -17,7 +17,7 @@ class Job:
                  "main_ready", "main_ready_at_relay", "relay_started", "user_done",
                  "handoff_mode", "handed_tokens", "handoff_rounds", "handoff_gap_s",
                  "relay_last_token_s", "token_times", "cancelled_wan", "relay_abandoned",
-                 "main_reserved", "prefill_index", "relay_hold_since_s")
+                 "main_reserved", "prefill_index", "prefill_lane", "relay_hold_since_s")
 
     def __init__(self, request):
         self.request = request
@@ -47,6 +47,7 @@ class Job:
         self.relay_abandoned = False
         self.main_reserved = False
         self.prefill_index = 0
+        self.prefill_lane = 0
         self.relay_hold_since_s = math.nan
 
     @property

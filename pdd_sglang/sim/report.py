@@ -5,18 +5,25 @@ from __future__ import annotations
 from pathlib import Path
 
 ASSUMPTIONS = """\
+- CALIBRATED: effective prefill MFU 0.135 (the only fitted parameter; see F1). Everything else
+  below is sourced or assumed a priori.
 - Hardware (configs/hardware): GPU-A = H800-class (989 TFLOPS BF16, 80 GB, 3.35 TB/s), GPU-B =
   H200-class (same compute, 141 GB, 4.8 TB/s), 16 GPUs per instance (a 1T-class FP8 model needs
-  two 80 GB nodes). Prefill MFU 0.45, decode HBM efficiency 0.8, 2 ms per decode step overhead,
-  90% of HBM usable. Prices $2.00 (A) and $2.50 (B) per GPU-hour: assumptions.
-- Timing is a roofline: max(memory, compute) per forward pass; MoE weights touched grow with
-  the batch's tokens up to all weights; attention FLOPs per (query, context) token pair from the
-  model profile. No communication (EP all-to-all) cost, no chunked-prefill interleaving: prefill
-  runs one request at a time per instance.
+  two 80 GB nodes). Decode attention efficiency 0.5 (FlashMLA: 580 TFLOPS on H800), decode HBM
+  efficiency 0.8, 2 ms per decode step overhead, 90% of HBM usable. Prices $2.00 (A) and $2.50
+  (B) per GPU-hour: assumptions.
+- Prefill runs DP attention + EP (SGLang's deployment of MLA models): each of an instance's 16
+  GPUs prefills one request's attention at a time (FLOPs per (query, context) pair, 2.5e6 for
+  Kimi-K2's expanded MLA, so a 90%-hit 64K request's attention over its cached 58K context costs
+  ~1e15 FLOPs on ONE GPU); the linear/MoE layers (2 x 32B FLOPs per new token) use the whole
+  instance, shared by the requests in flight. Decode: roofline max(memory, compute) per step,
+  MoE weights touched grow with the batch's tokens up to all weights, MLA absorbed attention
+  (8.5e6 FLOPs per pair). No separate EP all-to-all cost (folded into the calibrated MFU).
 - Model (configs/models): Kimi-K2-like 1T MoE, 32B active, 50 KB of KV per token (the brief);
   the compressed-KV profile (4.4 KB/token, from the brief's 23 GB per 80 x 64K) is provided
   for the planner but not used in these figures.
-- Links (configs/links): RDMA 640 GB/s per prefill instance; WAN 10 Gb/s (1.125 GB/s goodput),
+- Links (configs/links): RDMA 40 GB/s per prefill GPU (one 400 Gb/s NIC; a request's KV leaves
+  through its GPU's NIC); WAN 10 Gb/s (1.125 GB/s goodput),
   RTT 20 ms, uniform jitter up to 5 ms; flows share the line fairly (processor sharing). Control
   messages (ready, token ids, acks) pay one-way delay + jitter + their fair share of the rate.
 - Caches: block-granular (512 tokens) LRU prefix caches; 16M tokens at prefill and at main's DRC
@@ -37,7 +44,7 @@ ASSUMPTIONS = """\
 - Policy: pdd_sglang.policy defaults: hide_wan_below_s 0.5 s, catch-up threshold and chunk 64
   tokens, relay load watermark 0.7, reactive singular filter on, predictive off.
 - Goodput for BCR: highest request rate (doubling then 4 bisection steps, 150-300 simulated
-  seconds per trial) with TTFT P90 <= 5 s, decode ITL P90 <= 30 ms and nothing left
+  seconds per trial) with TTFT P90 <= 15 s (assumption: half the brief's ~30 s total budget), decode ITL P90 <= 30 ms and nothing left
   unfinished. The cost study uses the 100 Gb/s line ($0.66/h, an assumption).
 - F2's seven bins are our choice (<10, 10-50, 50-80, 80-90, 90-95, 95-99, >=99 %): the brief
   names seven bins without listing them.
@@ -50,6 +57,68 @@ def _fmt(value, digits=2):
     if isinstance(value, float):
         return f"{value:.{digits}f}"
     return str(value)
+
+
+def _ratio(sim, ref) -> str:
+    if sim is None or ref in (None, 0):
+        return "-"
+    return f"{sim / ref:.2f}"
+
+
+def calibration_and_validation(results: dict, paper: dict) -> list:
+    """The one calibrated parameter, then every other paper number as a validation point."""
+    ttft = results["ttft_s"]
+    cal = results.get("calibration", {})
+    lines = ["### Calibration (an assumption, not a result)", "",
+             f"Exactly one parameter is fitted: the **effective prefill efficiency (MFU) = "
+             f"{cal.get('prefill_mfu', float('nan')):g}** in configs/hardware/gpu_a.toml, chosen "
+             "(bisection, `reproduce_figures.py --calibrate`) so that same-DC PD's simulated TTFT "
+             "P50 on F1's workload equals the paper's 4.2 s. The same-DC P50 above is therefore "
+             "fitted, not predicted. A physically measured prefill MFU is about 0.49 (LMSYS "
+             "large-scale EP, DeepSeek-V3 on H100); with 0.45 our same-DC P50 would be "
+             f"{_fmt(cal.get('p50_at_physical_mfu_s'))} s. The 3x gap is what the model leaves out "
+             "(DP-attention ranks in lockstep behind the slowest rank, EP all-to-all, host-tier "
+             "prefix loads) and the paper's unstated load; the offered load (3.3 req/s) and every "
+             "other number are unchanged by the fit.", "",
+             "### Validation points (simulated beside the paper, ratio = sim / paper)", "",
+             "| quantity | simulated | paper | ratio |", "|---|---|---|---|"]
+    rows = [("same-DC PD TTFT P50 s (CALIBRATED)", ttft["same_dc_pd"]["p50"], 4.2)]
+    for q in ("p50", "p90", "p99"):
+        rows.append((f"naive cross-DC PD TTFT {q.upper()} s", ttft["cross_dc_pd"][q],
+                     paper["ttft_s"]["cross_dc_pd"][q]))
+    red = results["ttft_reduction_pct"]
+    for q in ("p50", "p90", "p99"):
+        rows.append((f"PDD TTFT reduction vs cross-DC, {q.upper()} %", red[q],
+                     paper["ttft_reduction_pct"]))
+    rows.append(("BCR gain %", results["bcr"]["gain_pct"], paper["bcr_gain_pct"]))
+    base_rps, pdd_rps = results["bcr"]["baseline_goodput_rps"], results["bcr"]["pdd_goodput_rps"]
+    rows.append(("goodput (RPS within SLA) gain %",
+                 100 * (pdd_rps / base_rps - 1) if base_rps else None, paper["rps_gain_pct"]))
+    drc = results["wan_bytes_ratio_drc"]
+    if drc:
+        key = min(drc, key=lambda k: abs(float(k) - 0.90))
+        rows.append((f"DRC WAN-bytes ratio at hit {key}", drc[key], paper["drc_ratio_at_90"]))
+    h = results["handoff"]
+    for kind in ("kv", "token_ids"):
+        for metric in ("payload_bytes", "mean_ms", "max_ms", "std_ms"):
+            ref = paper["handoff"][kind].get(metric)
+            if ref is not None:
+                rows.append((f"handoff {kind} {metric}", h[kind][metric], ref))
+    for name, sim, ref in rows:
+        lines.append(f"| {name} | {_fmt(sim)} | {_fmt(ref)} | {_ratio(sim, ref)} |")
+    wan_p50 = ttft["cross_dc_pd"]["p50"] - ttft["same_dc_pd"]["p50"]
+    lines += ["", f"**What disagrees.** The WAN's share of naive cross-DC TTFT: simulated P50 "
+              f"{wan_p50:+.2f} s over same-DC against the paper's +2.5 s. With prefill at its "
+              "calibrated speed, queueing for prefill (and cold 20-72K prefills whose attention runs "
+              "on one GPU) dominates every percentile, while a 90%-hit suffix crosses a 10 Gb/s line "
+              "in well under a second; so PDD, which hides only the WAN part, gains little here "
+              "(reduction far below -51.5%). Either the paper's line carries much less than 10 Gb/s "
+              "of goodput per request, or its WAN path has fixed costs we do not model (F3 points "
+              "the same way: its token-id handoff takes 305 ms against our ~50 ms). We did not tune "
+              "the line to close this gap.", "",
+              "The paper's TTFT reduction (-51.5%) does not name its percentile; we list all three. "
+              "Collapse of P->RLD-only (F6) is a yes/no validation point.", ""]
+    return lines
 
 
 def write_report(out: Path, data: dict, results: dict, paper: dict, quick: bool, measured) -> None:
@@ -73,15 +142,8 @@ def write_report(out: Path, data: dict, results: dict, paper: dict, quick: bool,
               f"Prefill-side token-weighted hit {f1['pdd']['summary']['prefill_hit']:.3f}; "
               f"main's DRC hit in PDD {f1['pdd']['summary']['main_hit']:.3f}; pipelines "
               f"{f1['pdd']['summary']['by_pipeline']}; finished at {f1['pdd']['summary']['finished_at']}.",
-              "", "**Where we differ and why.** Our absolute TTFTs are far below the paper's "
-              f"(same-DC P50 {ttft['same_dc_pd']['p50']:.2f} s against 4.2 s). A roofline prefill of a 90%-hit 64K prompt "
-              "(a few thousand new tokens) on 16 H800-class GPUs takes 0.05-0.3 s, and the paper does "
-              "not state its load, batch policy or prefill chunking; its 4.2 s median implies heavy "
-              "queueing or a much slower prefill than our model, which we did not fit. The shape "
-              "agrees: the WAN hurts the tail most (cross-DC P99 many times same-DC), and PDD "
-              "brings P90/P99 back to within a small factor of same-DC. PDD's P50 stays above "
-              "same-DC's because requests predicted under 0.5 s still take P->MD and pay their "
-              "(short) WAN copy.", ""]
+              ""]
+    lines += calibration_and_validation(results, paper)
     lines += ["Load sweep (TTFT P90, s):", "", "| req/s | " + " | ".join(data["sweep"]) + " |",
               "|---|" + "---|" * len(data["sweep"])]
     rates = [r[0] for r in next(iter(data["sweep"].values()))]
@@ -119,7 +181,7 @@ def write_report(out: Path, data: dict, results: dict, paper: dict, quick: bool,
               f"{b['goodput_rps']:.2f} | {b['bcr_requests_per_dollar']:.0f} |",
               f"| PDD | {p['prefill']}P + {p['relay']}RLD + {p['main']}MD | {p['gpus']} | "
               f"{p['cost_per_hour']:.2f} | {p['goodput_rps']:.2f} | {p['bcr_requests_per_dollar']:.0f} |",
-              "", f"Simulated BCR gain {results['bcr']['gain_pct']:+.1f}% (paper up to +37.5%); "
+              "", f"Simulated BCR gain {_fmt(results['bcr']['gain_pct'], 1)}% (paper up to +37.5%); "
               f"goodput gain {100 * (p['goodput_rps'] / max(b['goodput_rps'], 1e-9) - 1):+.1f}% "
               "(paper +27.8% RPS within SLA).", "",
               f"The paper's counts at our prices: 88 GPU-A = ${paper_costs['baseline']['per_hour']:.2f}/h; "

@@ -14,21 +14,24 @@ ITL_BIN_S = 0.0005          # inter-token latency histogram resolution
 
 
 class PrefillDone(Event):
-    __slots__ = ("server", "job")
+    __slots__ = ("server", "job", "lane")
 
-    def __init__(self, server, job):
+    def __init__(self, server, job, lane):
         self.server = server
         self.job = job
+        self.lane = lane
 
     def fire(self, sim):
-        self.server._finish(self.job)
+        self.server._finish(self.job, self.lane)
 
 
 class PrefillServer:
-    """Prefill is compute-bound, so one request at a time in arrival order is a fair model of
-    chunked prefill's throughput; the prefix cache decides how many tokens are new."""
+    """A prefill instance with `cost.prefill_lanes` attention groups (DP ranks): each prefills
+    one request at a time, FIFO across the instance; the linear (MoE) layers are shared by the
+    requests in flight (InstanceCost.prefill_seconds).  The prefix cache decides how many
+    tokens are new.  A lane's GPU also owns the NIC its request's KV leaves by."""
 
-    QUEUE_NORMALISER = 8     # queued requests that count as "fully loaded" for placement
+    QUEUE_NORMALISER = 8     # queued requests beyond the lanes that count as "fully loaded"
 
     def __init__(self, sim: Simulator, index: int, cost: InstanceCost,
                  cache: BlockPrefixCache, on_done):
@@ -38,36 +41,45 @@ class PrefillServer:
         self.cache = cache
         self.on_done = on_done
         self.queue: deque = deque()
-        self.busy = False
-        self.busy_seconds = 0.0
+        self.lanes = cost.prefill_lanes
+        self.free_lanes = list(range(self.lanes))     # a heap: the lowest free lane first
+        self.busy_seconds = 0.0                       # lane-seconds
+        self.max_waiting = 0
+
+    @property
+    def busy(self) -> int:
+        return self.lanes - len(self.free_lanes)
 
     def candidate(self, request) -> MainCandidate:
         cached = self.cache.cached_tokens(request.prompt_blocks, request.input_tokens)
-        return MainCandidate(cached, len(self.queue) + self.busy, self.QUEUE_NORMALISER)
+        return MainCandidate(cached, len(self.queue) + self.busy,
+                             self.lanes + self.QUEUE_NORMALISER)
 
     def submit(self, job) -> None:
         self.queue.append(job)
-        if not self.busy:
-            self._start_next()
+        self.max_waiting = max(self.max_waiting, len(self.queue))
+        self._start_next()
 
     def _start_next(self) -> None:
-        if not self.queue:
-            self.busy = False
-            return
-        job = self.queue.popleft()
-        job.prefill_index = self.index
-        request = job.request
-        cached = self.cache.cached_tokens(request.prompt_blocks, request.input_tokens, touch=True)
-        job.prefill_cached_tokens = cached
-        job.prefill_start_s = self.sim.now
-        duration = self.cost.prefill_seconds(request.input_tokens - cached, cached)
-        self.busy = True
-        self.busy_seconds += duration
-        self.sim.schedule(duration, PrefillDone(self, job))
+        while self.queue and self.free_lanes:
+            lane = heapq.heappop(self.free_lanes)
+            job = self.queue.popleft()
+            job.prefill_index = self.index
+            job.prefill_lane = lane
+            request = job.request
+            cached = self.cache.cached_tokens(request.prompt_blocks, request.input_tokens,
+                                              touch=True)
+            job.prefill_cached_tokens = cached
+            job.prefill_start_s = self.sim.now
+            duration = self.cost.prefill_seconds(request.input_tokens - cached, cached,
+                                                 concurrent=self.busy)
+            self.busy_seconds += duration
+            self.sim.schedule(duration, PrefillDone(self, job, lane))
 
-    def _finish(self, job) -> None:
+    def _finish(self, job, lane) -> None:
         self.cache.insert(job.request.prompt_blocks)
         job.prefill_done_s = self.sim.now
+        heapq.heappush(self.free_lanes, lane)
         self.on_done(job)
         self._start_next()
 
