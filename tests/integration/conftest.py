@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from pdd_sglang.testing.cluster import RELAY_CPU_ARGS, Cluster, SGLangServer, free_port
+from pdd_sglang.testing.wan_cluster import RouterProcess
 from pdd_sglang.testing.tiny_model import TinyModelSpec, ensure_tiny_model
 
 
@@ -74,57 +75,6 @@ ROUTER_RELAY_ABOVE_TOKENS = 100
 ROUTER_WAN_GBPS = ROUTER_RELAY_ABOVE_TOKENS * 512 / 0.5 * 8 / 1e9
 
 
-class RouterProcess:
-    """``python -m pdd_sglang.router`` on a free port, in its own process group, always stopped."""
-
-    def __init__(self, log_dir, args):
-        import sys
-
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_dir / "router.log"
-        self.command = [sys.executable, "-m", "pdd_sglang.router", "--host", "127.0.0.1",
-                        "--port", str(self.port), *args]
-        self.process = None
-
-    def start(self, timeout_s: float = 300.0) -> None:
-        import subprocess
-        import time
-        import urllib.request
-
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"router exited with {self.process.returncode}:\n"
-                                   f"{self.log_path.read_text()[-4000:]}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
-                    if resp.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"router not ready:\n{self.log_path.read_text()[-4000:]}")
-
-    def stop(self) -> None:
-        import os
-        import signal
-        import subprocess
-
-        proc, self.process = self.process, None
-        if proc is None or proc.poll() is not None:
-            return
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
-
-
 @pytest.fixture(scope="module")
 def router_cluster(tiny_model, tmp_path_factory):
     """P, RLD and MD behind the PDD router, plus a plain single server as the greedy reference."""
@@ -142,7 +92,7 @@ def router_cluster(tiny_model, tmp_path_factory):
         SGLangServer("plain", model_path, log_dir),
     ]
     with Cluster(servers) as cluster:
-        router = RouterProcess(log_dir, [
+        router = RouterProcess(log_dir / "router.log", [
             "--prefill", cluster["prefill"].url, str(bootstrap_port),
             "--relay", cluster["relay"].url, "--main", cluster["main"].url,
             "--wan-gbps", repr(ROUTER_WAN_GBPS), "--wan-rtt-ms", "0",
