@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import queue
 import threading
 from collections import Counter
 from dataclasses import dataclass
@@ -143,6 +144,124 @@ class MainControlClient(_Endpoint):
     def send(self, message) -> None:
         with self._lock:
             self.socket.send(encode(message))
+
+
+class ControlLoop:
+    """One I/O thread that owns a server's control sockets; the scheduler never touches them.
+
+    ZMQ sockets must stay on one thread, and the scheduler must not block on the network. The
+    scheduler calls :meth:`send` (queued, then a one-byte wake-up over an ``inproc`` pair) and
+    drains :meth:`received` once per step. On a relay the loop binds one
+    :class:`RelayControlServer` and a peer is a ROUTER identity; on a main it connects one
+    :class:`MainControlClient` per relay address on first use, and a peer is that address.
+    """
+
+    def __init__(self, relay_bind: Optional[str] = None, curve: Optional[CurveConfig] = None):
+        self._curve = curve
+        self._server = RelayControlServer(relay_bind, curve) if relay_bind is not None else None
+        self.address = self._server.address if self._server is not None else None
+        self._clients: dict[str, MainControlClient] = {}
+        self._inbox: "queue.Queue[tuple]" = queue.Queue()
+        self._outbox: "queue.Queue[tuple]" = queue.Queue()
+        self._wake_context = zmq.Context()
+        wake_address = f"inproc://pdd-control-wake-{id(self)}"
+        self._wake_pull = self._wake_context.socket(zmq.PULL)
+        self._wake_pull.bind(wake_address)
+        self._wake_push = self._wake_context.socket(zmq.PUSH)
+        self._wake_push.connect(wake_address)
+        self._wake_lock = threading.Lock()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="pdd-control", daemon=True)
+        self._thread.start()
+
+    # ---- scheduler side ---------------------------------------------------------------------
+    def send(self, peer, message) -> None:
+        self._outbox.put((peer, message))
+        with self._wake_lock:
+            self._wake_push.send(b"", zmq.NOBLOCK)
+
+    def received(self) -> list[tuple]:
+        """Every ``(peer, message)`` that arrived since the last call (never blocks)."""
+        items = []
+        while True:
+            try:
+                items.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return items
+
+    def wait_received(self, timeout_s: float):
+        """One ``(peer, message)``, or ``None`` after ``timeout_s`` (tests and tools)."""
+        try:
+            return self._inbox.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+
+    @property
+    def refusals(self) -> Counter:
+        total: Counter = Counter()
+        for endpoint in self._endpoints():
+            total.update(endpoint.refusals)
+        return total
+
+    def close(self) -> None:
+        self._stopping = True
+        with self._wake_lock:
+            self._wake_push.send(b"", zmq.NOBLOCK)
+        self._thread.join(timeout=5)
+        self._wake_push.close(linger=0)
+        self._wake_pull.close(linger=0)
+        self._wake_context.term()
+
+    # ---- I/O thread ---------------------------------------------------------------------------
+    def _endpoints(self) -> list:
+        return ([self._server] if self._server is not None else []) + list(self._clients.values())
+
+    def _client(self, address: str) -> MainControlClient:
+        client = self._clients.get(address)
+        if client is None:
+            client = self._clients[address] = MainControlClient(address, self._curve)
+        return client
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                poller = zmq.Poller()
+                poller.register(self._wake_pull, zmq.POLLIN)
+                sockets = {}
+                for peer, endpoint in ([(None, self._server)] if self._server else []) + list(
+                        self._clients.items()):
+                    poller.register(endpoint.socket, zmq.POLLIN)
+                    sockets[endpoint.socket] = (peer, endpoint)
+                for socket, _ in poller.poll(1000):
+                    if socket is self._wake_pull:
+                        while self._wake_pull.poll(0):
+                            self._wake_pull.recv()
+                        self._flush_outbox()
+                        continue
+                    peer, endpoint = sockets[socket]
+                    item = endpoint.receive(0)
+                    if item is None:
+                        continue
+                    self._inbox.put(item if peer is None else (peer, item))
+        except Exception:  # the channel dies loudly, never silently
+            logger.exception("PDD control loop stopped")
+        finally:
+            for endpoint in self._endpoints():
+                endpoint.close()
+
+    def _flush_outbox(self) -> None:
+        while True:
+            try:
+                peer, message = self._outbox.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                if self._server is not None:
+                    self._server.send(peer, message)
+                else:
+                    self._client(peer).send(message)
+            except zmq.ZMQError as err:
+                logger.warning("PDD control channel could not send to %r: %s", peer, err)
 
 
 def keygen(directory: Path, name: str) -> tuple[Path, Path]:

@@ -111,3 +111,28 @@ def on_prompt_kv_complete(scheduler: Any, req: Any) -> None:
     from pdd_sglang import kv_digest
 
     kv_digest.record(scheduler, req)
+
+
+# ---- the handoff (relay, main): patch 0008 ---------------------------------------------------
+def handoff_hold(scheduler: Any, transferred_reqs: list) -> list:
+    """Requests whose KV has landed: main keeps P->RLD->MD ones for the handoff."""
+    from pdd_sglang.handoff import handoff_for
+
+    handoff = handoff_for(scheduler)
+    return transferred_reqs if handoff is None else handoff.hold(transferred_reqs)
+
+
+def handoff_step(scheduler: Any, running_batch: Any) -> tuple:
+    """Between two decode steps: ``(running_batch, a handoff EXTEND batch to run now or None)``."""
+    from pdd_sglang.handoff import handoff_for
+
+    handoff = handoff_for(scheduler)
+    return (running_batch, None) if handoff is None else handoff.step(running_batch)
+
+
+def handoff_idle(scheduler: Any) -> bool:
+    """False while a handoff holds requests outside SGLang's own queues."""
+    from pdd_sglang.handoff import handoff_for
+
+    handoff = handoff_for(scheduler)
+    return handoff is None or handoff.idle()

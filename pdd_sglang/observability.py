@@ -37,3 +37,8 @@ def add_pdd_state(scheduler: Any, state: dict) -> None:
         "transfers": LEDGER.snapshot(),
         "kv_digests": kv_digest.snapshot(),
     }
+    from pdd_sglang.handoff import handoff_for
+
+    handoff = handoff_for(scheduler)
+    if handoff is not None:
+        state["pdd"]["handoff"] = handoff.state()

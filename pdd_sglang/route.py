@@ -9,7 +9,7 @@ relay and main read it from ``req.kv_hints``. Requests without it are plain SGLa
 from __future__ import annotations
 
 import uuid
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 import msgspec
 
@@ -20,8 +20,23 @@ ROUTE_ACTION_VERSION = "1"
 KV_HINTS_PROTOCOL_VERSION = "1"
 
 
-class Route(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class Route(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     pipeline: Pipeline
+    # The relay's control-channel address (``tcp://host:port``), on P->RLD->MD: main tells the
+    # relay there that it is ready, and receives the relay's token IDs.
+    relay_control: Optional[str] = None
+    # Test-only, honoured by a relay started with --pdd-debug-handoff-hold: hand off only once
+    # the relay holds this many tokens, and in this mode.
+    debug_handoff_after_tokens: Optional[int] = None
+    debug_handoff_mode: Optional[Literal["one-shot", "catch-up"]] = None
+
+    def __post_init__(self) -> None:
+        if self.pipeline == "prefill_relay_main" and not self.relay_control:
+            raise ValueError("a prefill_relay_main route needs relay_control")
+        if self.relay_control is not None and not self.relay_control.startswith("tcp://"):
+            raise ValueError(f"relay_control must be tcp://host:port, got {self.relay_control!r}")
+        if self.debug_handoff_after_tokens is not None and self.debug_handoff_after_tokens < 1:
+            raise ValueError("debug_handoff_after_tokens must be >= 1")
 
     @property
     def destinations(self) -> int:
@@ -29,9 +44,11 @@ class Route(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return 2 if self.pipeline == "prefill_relay_main" else 1
 
 
-def route_kv_hints(pipeline: str) -> dict:
+def route_kv_hints(pipeline: str, **fields) -> dict:
     """The ``kv_hints`` JSON a router attaches to a request for ``pipeline``."""
-    route = msgspec.convert({"pipeline": pipeline}, Route)  # refuses an unknown pipeline
+    fields = {k: v for k, v in fields.items() if v is not None}
+    # Refuses an unknown pipeline or field, and a P->RLD->MD route without the relay's address.
+    route = msgspec.convert({"pipeline": pipeline, **fields}, Route)
     return {
         "protocol_version": KV_HINTS_PROTOCOL_VERSION,
         "message_id": uuid.uuid4().hex,
@@ -64,6 +81,6 @@ def route_of(kv_hints: Any) -> Optional[Route]:
             )
         try:
             return msgspec.convert(action.payload, Route)
-        except msgspec.ValidationError as err:
+        except (msgspec.ValidationError, ValueError) as err:
             raise RouteError(f"malformed pdd.route payload: {err}") from None
     return None

@@ -63,6 +63,55 @@ class PddArgs(msgspec.Struct):
         "relay; past it the request goes to the main alone (and a late relay is refused). "
         "Default: 5.",
     ] = 5.0
+    pdd_control_port: A[
+        int,
+        "PDD relay: port of the relay <-> main control channel (ZMQ ROUTER, token-ID handoff). "
+        "0 picks a free port; the router reads the address from /server_info. Default: 0.",
+    ] = 0
+    pdd_control_keypair: A[
+        Optional[str],
+        "PDD relay/main: this server's CURVE keypair file (NAME.key_secret from "
+        "'python -m pdd_sglang.control_channel keygen'). Set it to authenticate and encrypt "
+        "the control channel across the WAN. Default: plain channel.",
+    ] = None
+    pdd_control_authorized_keys: A[
+        Optional[str],
+        "PDD relay: directory of the public keys (*.key) of the mains allowed to connect. "
+        "Required with --pdd-control-keypair on a relay.",
+    ] = None
+    pdd_control_relay_key: A[
+        Optional[str],
+        "PDD main: the relays' public key file (*.key). Required with --pdd-control-keypair "
+        "on a main.",
+    ] = None
+    pdd_handoff_mode: A[
+        Literal["auto", "one-shot", "catch-up"],
+        "PDD relay: how eager tokens are handed to main. 'auto' picks One-Shot or Catch-Up "
+        "per request from the relay's live load (pdd_sglang.policy). Default: auto.",
+    ] = "auto"
+    pdd_catch_up_threshold: A[
+        int,
+        "PDD relay: at or below this many held tokens a handoff is One-Shot. Default: 64.",
+    ] = 64
+    pdd_catch_up_chunk: A[
+        int,
+        "PDD relay: tokens per Catch-Up chunk. Default: 64.",
+    ] = 64
+    pdd_relay_load_watermark: A[
+        float,
+        "PDD relay: utilisation (running requests or KV, whichever is higher, 0-1) at or above "
+        "which a handoff is One-Shot, to free the relay at once. Default: 0.7.",
+    ] = 0.7
+    pdd_handoff_timeout: A[
+        float,
+        "PDD main: seconds a main holds a request's KV waiting for its relay's tokens after "
+        "saying it is ready; past it the request is aborted and its KV freed. Default: 30.",
+    ] = 30.0
+    pdd_debug_handoff_hold: A[
+        bool,
+        "PDD debug (relay): honour a request's route fields debug_handoff_after_tokens and "
+        "debug_handoff_mode, which force where and how the handoff happens. For tests only.",
+    ] = False
     pdd_debug_kv_digest: A[
         bool,
         "PDD debug: hash each request's prompt KV on every server (prefill after its last "
@@ -93,7 +142,9 @@ def resolve_pdd_server_args(server_args: Any) -> None:
         disaggregation_mode=cfg.disaggregation_mode,
         transfer_backend=cfg.disaggregation_transfer_backend,
         decode_radix_cache=cfg.disaggregation_decode_enable_radix_cache,
+        disable_overlap_schedule=cfg.disable_overlap_schedule,
     )
+    _check_handoff_flags(cfg)
     check_transfer_engine()
     if cfg.pdd_wan_transfer_timeout <= 0:
         raise PddConfigError(
@@ -130,8 +181,32 @@ def check_transfer_engine(import_engine=None) -> None:
         ) from err
 
 
+def _check_handoff_flags(cfg: Any) -> None:
+    if not 0 <= cfg.pdd_control_port <= 65535:
+        raise PddConfigError(f"--pdd-control-port must be 0-65535, got {cfg.pdd_control_port}")
+    if cfg.pdd_catch_up_threshold < 0 or cfg.pdd_catch_up_chunk < 1:
+        raise PddConfigError(
+            "--pdd-catch-up-threshold must be >= 0 and --pdd-catch-up-chunk >= 1, got "
+            f"{cfg.pdd_catch_up_threshold} and {cfg.pdd_catch_up_chunk}"
+        )
+    if cfg.pdd_relay_load_watermark < 0:
+        raise PddConfigError(
+            f"--pdd-relay-load-watermark must be >= 0, got {cfg.pdd_relay_load_watermark}"
+        )
+    if cfg.pdd_handoff_timeout <= 0:
+        raise PddConfigError(f"--pdd-handoff-timeout must be positive, got {cfg.pdd_handoff_timeout}")
+    if cfg.pdd_control_keypair is not None:
+        needed = {"relay": ("--pdd-control-authorized-keys", cfg.pdd_control_authorized_keys),
+                  "main": ("--pdd-control-relay-key", cfg.pdd_control_relay_key)}.get(cfg.pdd_role)
+        if needed is not None and needed[1] is None:
+            raise PddConfigError(
+                f"--pdd-control-keypair on a {cfg.pdd_role} needs {needed[0]} as well"
+            )
+
+
 def _decide(
-    *, role: str, disaggregation_mode: str, transfer_backend: str, decode_radix_cache: bool
+    *, role: str, disaggregation_mode: str, transfer_backend: str, decode_radix_cache: bool,
+    disable_overlap_schedule: bool = True,
 ) -> dict:
     """Pure decision table behind :func:`resolve_pdd_server_args` (unit-tested directly)."""
     if role not in ROLE_TO_DISAGGREGATION_MODE:
@@ -162,4 +237,8 @@ def _decide(
         )
     if role == "main" and not decode_radix_cache:
         decisions["disaggregation_decode_enable_radix_cache"] = True
+    if role in ("relay", "main") and not disable_overlap_schedule:
+        # The handoff finishes (relay) and extends (main) requests between two scheduler
+        # steps; with the overlap loop a step is still in flight there. Not yet supported.
+        decisions["disable_overlap_schedule"] = True
     return decisions

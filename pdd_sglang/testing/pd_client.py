@@ -41,10 +41,12 @@ def generate_fanout(
     pipeline: str | None,
     room: int | None = None,
     timeout_s: float = 300.0,
+    route: dict | None = None,
 ) -> dict:
     """One request to a prefill and its decode servers at once; every decode server's answer.
 
-    With ``pipeline`` set, the request carries PDD's route in ``kv_hints`` (what the router does).
+    With ``pipeline`` set, the request carries PDD's route in ``kv_hints`` (what the router does),
+    with the extra ``route`` fields (the relay's control address, test-only handoff controls).
     """
     room = new_room() if room is None else room
     body = {
@@ -54,7 +56,7 @@ def generate_fanout(
         "bootstrap_room": room,
     }
     if pipeline is not None:
-        body["kv_hints"] = route_kv_hints(pipeline)
+        body["kv_hints"] = route_kv_hints(pipeline, **(route or {}))
     results: dict = {}
 
     def call(server: SGLangServer) -> None:
@@ -74,3 +76,61 @@ def generate_fanout(
         if outcome is None or isinstance(outcome, Exception):
             raise RuntimeError(f"PD request room={room} failed on {server.name}: {outcome!r}")
     return {s.name: {**results[s.name], "bootstrap_room": room} for s in decoders}
+
+
+def relay_control_address(relay: SGLangServer) -> str:
+    return relay.pdd_state()["handoff"]["control_address"]
+
+
+def generate_pdd(
+    prefill: SGLangServer,
+    relay: SGLangServer,
+    main: SGLangServer,
+    body: dict,
+    bootstrap_port: int,
+    timeout_s: float = 300.0,
+    **route,
+) -> dict:
+    """One P->RLD->MD request, spliced the way the router does it (non-streaming).
+
+    Returns ``output_ids`` (the client's answer), ``handed_tokens`` (None when the relay finished
+    the request alone), the relay's and main's raw answers, and the room.
+    """
+    route.setdefault("relay_control", relay_control_address(relay))
+    answers = generate_fanout_lenient(prefill, [relay, main], body, bootstrap_port, route,
+                                      timeout_s)
+    relay_answer, main_answer = answers[relay.name], answers[main.name]
+    if isinstance(relay_answer, Exception):
+        raise RuntimeError(f"relay failed: {relay_answer!r}")
+    reason = relay_answer["meta_info"]["finish_reason"]
+    if reason.get("type") != "pdd_handoff":
+        return {"output_ids": relay_answer["output_ids"], "handed_tokens": None,
+                "relay": relay_answer, "main": main_answer, "room": answers["room"]}
+    if isinstance(main_answer, Exception):
+        raise RuntimeError(f"the relay handed off but main failed: {main_answer!r}")
+    handed = reason["handed_tokens"]
+    return {"output_ids": relay_answer["output_ids"][:handed] + main_answer["output_ids"],
+            "handed_tokens": handed, "mode": reason.get("mode"), "relay": relay_answer,
+            "main": main_answer, "room": answers["room"]}
+
+
+def generate_fanout_lenient(prefill, decoders, body, bootstrap_port, route, timeout_s) -> dict:
+    """Like :func:`generate_fanout` for P->RLD->MD, but a decode server's error is returned, not
+    raised: when the relay answers alone, main's copy is aborted by design."""
+    room = new_room()
+    body = {**body, "bootstrap_host": prefill.host, "bootstrap_port": bootstrap_port,
+            "bootstrap_room": room, "kv_hints": route_kv_hints("prefill_relay_main", **route)}
+    results: dict = {}
+
+    def call(server: SGLangServer) -> None:
+        try:
+            results[server.name] = server.post_json("/generate", body, timeout_s)
+        except Exception as err:
+            results[server.name] = err
+
+    threads = [threading.Thread(target=call, args=(s,)) for s in (prefill, *decoders)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout_s + 10)
+    return {**{s.name: results.get(s.name, TimeoutError(s.name)) for s in decoders}, "room": room}

@@ -1,0 +1,35 @@
+"""The token-ID handoff from a relay decode server to a main decode server (brief: steps 2-3).
+
+``relay.RelayHandoff`` and ``main.MainHandoff`` each run inside one decode scheduler, driven by
+the hooks of ``patches/0008``; ``channel`` builds their control loop from the server flags, and
+``finish`` holds the finish reason that tells a client (the router) where the relay stopped.
+"""
+
+from typing import Any, Optional
+
+_NOT_BUILT = object()
+
+
+def handoff_for(scheduler: Any) -> Optional[Any]:
+    """The scheduler's handoff side (relay or main), built on first use; ``None`` elsewhere."""
+    handoff = getattr(scheduler, "_pdd_handoff", _NOT_BUILT)
+    if handoff is _NOT_BUILT:
+        handoff = _build(scheduler)
+        scheduler._pdd_handoff = handoff
+    return handoff
+
+
+def _build(scheduler: Any) -> Optional[Any]:
+    from sglang.srt.runtime_context import get_server_args
+
+    args = get_server_args()
+    role = getattr(args, "pdd_role", None)
+    if role == "relay":
+        from pdd_sglang.handoff.relay import RelayHandoff
+
+        return RelayHandoff(scheduler, args)
+    if role == "main":
+        from pdd_sglang.handoff.main import MainHandoff
+
+        return MainHandoff(scheduler, args)
+    return None

@@ -1,0 +1,292 @@
+"""The main decode server's side of the handoff: absorb the relay's tokens in one EXTEND, go on.
+
+Life cycle of a P->RLD->MD request on a main:
+
+1. SGLang's decode scheduler matches the prompt against main's radix cache, and prefill sends
+   only the unmatched suffix across the WAN (``prefill_fanout``).
+2. When the KV has landed, :meth:`MainHandoff.hold` keeps the request out of SGLang's waiting
+   queue (it holds its KV row, its slots and its tree lock) and sends ``HandoffReady(room)`` to
+   the relay named in the request's route.
+3. ``HandoffTokens`` arrive: positions ``start`` onward of the relay's output. Each message is
+   checked (room, order, overlap with what main already has, vocabulary) before a token is
+   used; a bad one is refused, counted, answered with ``HandoffRefused`` (the relay then
+   finishes the request itself) and main aborts its copy cleanly.
+4. :meth:`MainHandoff.step` turns the new tokens into one EXTEND batch, the path SGLang takes for
+   a radix-cache hit: the prompt's KV is the prefix (already in the request's row), the handed
+   tokens are the extend part. The forward fills their KV, and on the last chunk samples the
+   next token from the last position. A Catch-Up chunk that is not the last samples nothing
+   (it runs as a middle chunk of a chunked prefill) and is acknowledged with ``HandoffAck``.
+5. After the last chunk the request joins the running decode batch (as SGLang merges a finished
+   prefill batch). Its stream starts after the handed tokens: the client already has them from
+   the relay. ``max_new_tokens`` and stop conditions see the handed tokens as output, so limits
+   span the handoff.
+6. If the relay refuses (it finished the request alone: the singular filter) or never answers
+   within ``--pdd-handoff-timeout``, main aborts its copy: KV row, slots and lock are released,
+   and the prompt KV that did arrive stays in the radix cache for the conversation's next turn.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Any, Optional
+
+from pdd_sglang.handoff.channel import HandoffStats, main_loop
+from pdd_sglang.handoff.relay import route_for
+from pdd_sglang.messages import (HandoffAck, HandoffReady, HandoffRefused, HandoffTokens,
+                                 MessageError, check_token_ids)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Parked:
+    req: Any
+    relay: str  # the relay's control address
+    ready_at: float
+    deadline: float
+    seq: int = 0  # next chunk expected
+    handed: int = 0  # positions [0, handed) of the relay's output received
+    first_extend: bool = True
+    extend_ready: bool = False  # tokens appended, extend not yet run
+    is_last: bool = False
+    chunk_seq: int = -1
+
+
+@dataclass
+class _RunningExtend:
+    batch: Any
+    parked: list = field(default_factory=list)
+
+
+class MainHandoff:
+    def __init__(self, scheduler: Any, args: Any):
+        self.scheduler = scheduler
+        self.args = args
+        self.loop = main_loop(args)
+        self.stats = HandoffStats("main")
+        self.parked: dict[int, _Parked] = {}
+        self._running: Optional[_RunningExtend] = None
+
+    # ---- hooks -----------------------------------------------------------------------------
+    def hold(self, transferred: list) -> list:
+        """Keep P->RLD->MD requests whose KV has landed; pass every other request on."""
+        passed = []
+        now = time.monotonic()
+        for req in transferred:
+            route = route_for(req)
+            if route is None or route.pipeline != "prefill_relay_main" or req.finished():
+                passed.append(req)
+                continue
+            room = req.bootstrap_room
+            self.parked[room] = _Parked(req, route.relay_control, now,
+                                        now + self.args.pdd_handoff_timeout)
+            self.loop.send(route.relay_control, HandoffReady(room=room))
+            self.stats.event("ready_sent")
+        return passed
+
+    def step(self, running_batch: Any) -> tuple[Any, Optional[Any]]:
+        """``(running_batch, extend_batch_to_run_now or None)``, between two decode steps."""
+        running_batch = self._merge_finished_extend(running_batch)
+        for peer, message in self.loop.received():
+            self._on_message(peer, message)
+        self._expire()
+        return running_batch, self._next_extend(running_batch)
+
+    def idle(self) -> bool:
+        return not self.parked and self._running is None
+
+    def state(self) -> dict:
+        return {**self.stats.snapshot(self.loop), "parked": len(self.parked)}
+
+    def close(self) -> None:
+        self.loop.close()
+
+    # ---- messages --------------------------------------------------------------------------
+    def _on_message(self, peer: str, message: Any) -> None:
+        if isinstance(message, HandoffTokens):
+            self._on_tokens(peer, message)
+        elif isinstance(message, HandoffRefused):
+            parked = self.parked.get(message.room)
+            if parked is None:
+                self.stats.refuse("refusal_for_unknown_room")
+                return
+            self.stats.event(f"relay_refused_{message.reason}")
+            self._abort(parked, f"PDD relay finished the request itself ({message.reason})",
+                        notify_relay=None)
+        else:
+            self.stats.refuse("unexpected_type")
+            logger.warning("PDD main: unexpected %s from relay %s", type(message).__name__, peer)
+
+    def _on_tokens(self, peer: str, message: HandoffTokens) -> None:
+        parked = self.parked.get(message.room)
+        if parked is None or parked.relay != peer:
+            self.stats.refuse("unknown_room")
+            logger.warning("PDD main: tokens for unknown or finished room %s from %s",
+                           message.room, peer)
+            self.loop.send(peer, HandoffRefused(room=message.room, reason="unknown_room"))
+            return
+        try:
+            new_tokens = self._check_tokens(parked, message)
+        except MessageError as err:
+            self.stats.refuse(err.reason)
+            logger.warning("PDD main: refused handoff chunk of room %s: %s", message.room, err)
+            if err.reason == "duplicate":
+                return  # a repeat of what main has: harmless, the handoff goes on
+            self._abort(parked, f"PDD handoff refused: {err}", notify_relay=err.reason)
+            return
+        req = parked.req
+        req.output_ids.extend(new_tokens)
+        parked.handed = message.start + len(message.tokens)
+        parked.seq = message.seq + 1
+        parked.chunk_seq = message.seq
+        parked.is_last = message.is_last
+        parked.extend_ready = True
+        self.stats.handed_tokens += len(new_tokens)
+        if message.seq == 0:
+            self.stats.handoff_latency_s.append(time.monotonic() - parked.ready_at)
+
+    def _check_tokens(self, parked: _Parked, message: HandoffTokens) -> list[int]:
+        """The tokens main does not have yet, or MessageError naming what is wrong."""
+        if parked.extend_ready:
+            raise MessageError("out_of_order", "a chunk arrived before the last was absorbed")
+        if message.seq < parked.seq:
+            raise MessageError("duplicate", f"chunk {message.seq} again (expected {parked.seq})")
+        if message.seq != parked.seq or message.start != parked.handed:
+            raise MessageError("out_of_order", f"chunk {message.seq} at {message.start}, "
+                                               f"expected {parked.seq} at {parked.handed}")
+        tokens = message.tokens
+        req = parked.req
+        check_token_ids(tokens, int(self.scheduler.model_config.vocab_size))
+        have = len(req.output_ids)
+        overlap = have - message.start
+        if overlap < 0:
+            raise MessageError("out_of_order", f"tokens start at {message.start}, main has {have}")
+        if list(req.output_ids[message.start:have]) != tokens[:overlap]:
+            raise MessageError("mismatch", "the relay's tokens disagree with main's at "
+                                           f"positions {message.start}..{have}")
+        new_tokens = tokens[overlap:]
+        if len(req.origin_input_ids) + have + len(new_tokens) <= req.kv.kv_committed_len:
+            raise MessageError("out_of_range", "a chunk with no token to extend")
+        limit = req.sampling_params.max_new_tokens
+        if limit is not None and have + len(new_tokens) >= limit:
+            # The relay finishes at max_new_tokens itself; handing that many is a protocol error.
+            raise MessageError("out_of_range", f"{have + len(new_tokens)} tokens reach "
+                                               f"max_new_tokens={limit}")
+        return new_tokens
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for parked in list(self.parked.values()):
+            if now > parked.deadline and not parked.extend_ready:
+                self.stats.event("timeout")
+                self._abort(parked, "PDD handoff timed out waiting for the relay",
+                            notify_relay="timeout")
+
+    def _abort(self, parked: _Parked, message: str, notify_relay: Optional[str]) -> None:
+        """Abort a parked request: stream the abort, free its row, slots and lock."""
+        from sglang.srt.disaggregation.utils import prepare_abort
+        from sglang.srt.mem_cache.common import release_kv_cache
+
+        req = parked.req
+        room = req.bootstrap_room
+        del self.parked[room]
+        if notify_relay is not None:
+            self.loop.send(parked.relay, HandoffRefused(room=room, reason=notify_relay))
+        prepare_abort(req, message, status_code=HTTPStatus.SERVICE_UNAVAILABLE)
+        self.scheduler.output_streamer.stream_output([req], req.return_logprob)
+        # The KV that arrived (the prompt, and any absorbed chunk) is valid: keep it cached.
+        release_kv_cache(req, self.scheduler.tree_cache, checkpoint=True)
+        self.stats.event("aborted")
+
+    # ---- the extend ------------------------------------------------------------------------
+    def _next_extend(self, running_batch: Any) -> Optional[Any]:
+        ready = [p for p in self.parked.values() if p.extend_ready]
+        if not ready or self._running is not None:
+            return None
+        scheduler = self.scheduler
+        room_for = min(scheduler.req_to_token_pool.size, scheduler.max_running_requests)
+        room_for -= running_batch.batch_size()
+        ready = [p for p in ready if not p.is_last] + [p for p in ready if p.is_last][
+            :max(0, room_for)]
+        ready = self._fit_memory(ready)
+        if not ready:
+            return None
+        from sglang.srt.managers.schedule_batch import ScheduleBatch
+
+        for parked in ready:
+            self._prepare_req(parked)
+        batch = ScheduleBatch.init_new(
+            [p.req for p in ready], scheduler.req_to_token_pool,
+            scheduler.token_to_kv_pool_allocator, scheduler.tree_cache, scheduler.model_config,
+            scheduler.enable_overlap, scheduler.spec_algorithm)
+        batch.prepare_for_extend()
+        self._running = _RunningExtend(batch, ready)
+        self.stats.event("extend_batches")
+        return batch
+
+    def _fit_memory(self, ready: list) -> list:
+        """Those that fit in free (or evictable) KV now; the others wait a step."""
+        scheduler = self.scheduler
+        page = max(1, int(scheduler.token_to_kv_pool_allocator.page_size))
+        budget = (int(scheduler.token_to_kv_pool_allocator.available_size())
+                  + int(scheduler.tree_cache.evictable_size()))
+        fits = []
+        for parked in ready:
+            need = len(parked.req.output_ids) + len(parked.req.origin_input_ids)
+            need = need - parked.req.kv.kv_committed_len + page
+            if need <= budget:
+                budget -= need
+                fits.append(parked)
+        return fits
+
+    def _prepare_req(self, parked: _Parked) -> None:
+        req = parked.req
+        if parked.first_extend:
+            # What SGLang's prebuilt step would have counted: main's own radix hit beyond what
+            # prefill reported; the transferred prompt is not a cache hit.
+            delta = max(0, req.prefix_len - req.already_computed)
+            req.cached_tokens += delta
+            req.cached_tokens_device += delta
+            req._cache_breakdown_computed = True
+            req.time_stats.set_wait_queue_entry_time()
+            parked.first_extend = False
+        # Everything in the row is the prefix; the extend is every output token without KV.
+        req.prefix_len = req.kv.kv_committed_len
+        req.already_computed = req.prefix_len
+        req.refresh_fill_ids()
+        req.extend_end = len(req.full_untruncated_fill_ids)
+        if parked.is_last:
+            # The client has the handed tokens from the relay: main's stream starts after them.
+            req.send_token_offset = len(req.output_ids)
+        else:
+            # A middle Catch-Up chunk samples nothing: SGLang's middle-chunk path.
+            req.inflight_middle_chunks = 1
+
+    def _merge_finished_extend(self, running_batch: Any) -> Any:
+        running, self._running = self._running, None
+        if running is None:
+            return running_batch
+        batch = running.batch
+        keep = []
+        for index, parked in enumerate(running.parked):
+            room = parked.req.bootstrap_room
+            parked.extend_ready = False
+            if parked.is_last:
+                self.parked.pop(room, None)
+                self.stats.event("handoffs_absorbed")
+                if not parked.req.finished():
+                    keep.append(index)
+            elif parked.req.finished():  # aborted meanwhile
+                self.parked.pop(room, None)
+            else:
+                self.loop.send(parked.relay, HandoffAck(room=room, seq=parked.chunk_seq))
+        batch.filter_batch(keep_indices=keep)
+        if batch.is_empty():
+            return running_batch
+        if running_batch.is_empty():
+            return batch
+        running_batch.merge_batch(batch)
+        return running_batch

@@ -1,0 +1,306 @@
+"""The relay decode server's side of the handoff: decode eagerly, then hand token IDs to main.
+
+Life cycle of a P->RLD->MD request on a relay:
+
+1. Prefill sends the prompt KV over the local RDMA path; SGLang's decode scheduler admits the
+   request and the relay decodes and streams tokens at once: the "eager output tokens".
+2. Main, once its own copy of the prompt KV has crossed the WAN, sends ``HandoffReady(room)``
+   on the control channel (:mod:`pdd_sglang.control_channel`); the control thread queues it.
+3. Between two decode steps, :meth:`RelayHandoff.step` picks the mode from the relay's live load
+   (:func:`pdd_sglang.policy.choose_handoff_mode`) and sends ``HandoffTokens`` with the output
+   IDs so far, 4 bytes per token.
+   - One-Shot: one message with every token; the relay finishes the request with the
+     ``pdd_handoff`` finish reason (its last stream chunk says how many tokens it handed) and
+     frees its KV at once.
+   - Catch-Up: a chunk of ``--pdd-catch-up-chunk`` tokens, and the relay keeps decoding; each
+     ``HandoffAck`` from main releases the next chunk, and once the rest fits in one chunk that
+     chunk is the last, and the relay finishes as in One-Shot.
+4. Singular filter: if the relay finishes the request itself (EOS, stop, length) before main is
+   ready, its answer is the whole answer; a later ``HandoffReady`` is answered with
+   ``HandoffRefused("finished_at_relay")`` so main frees its slots, and the router aborts main's
+   and prefill's copies (cancelling a WAN transfer still running).
+5. If main refuses a chunk (bad input, timeout) the relay simply decodes on to the end: the
+   request is still completed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from pdd_sglang import policy
+from pdd_sglang.handoff.channel import HandoffStats, policy_config, relay_loop
+from pdd_sglang.handoff.finish import HandedOff
+from pdd_sglang.messages import (HandoffAck, HandoffReady, HandoffRefused, HandoffTokens,
+                                 encode, pack_tokens)
+from pdd_sglang.route import Route, RouteError, route_of
+
+logger = logging.getLogger(__name__)
+
+# A HandoffReady may beat the relay's own copy of the request into its running batch (the
+# relay's prebuilt step lags a little); past this, the room is unknown.
+READY_WAIT_S = 30.0
+FINISHED_ROOMS_KEPT = 8192
+
+
+@dataclass
+class _Pending:
+    peer: bytes
+    since: float
+
+
+@dataclass
+class _Active:
+    req: Any
+    peer: bytes
+    mode: policy.HandoffMode
+    handed: int = 0
+    seq: int = 0
+    awaiting_ack: bool = False
+
+
+def route_for(req: Any) -> Optional[Route]:
+    """A request's PDD route, parsed once (the relay reads it every step)."""
+    cached = getattr(req, "_pdd_route_cache", False)
+    if cached is not False:
+        return cached
+    try:
+        route = route_of(getattr(req, "kv_hints", None))
+    except RouteError:
+        route = None  # refused (and the request aborted) where the receiver was created
+    req._pdd_route_cache = route
+    return route
+
+
+class RelayHandoff:
+    def __init__(self, scheduler: Any, args: Any):
+        self.scheduler = scheduler
+        self.args = args
+        self.cfg = policy_config(args)
+        self.loop = relay_loop(args)
+        self.stats = HandoffStats("relay")
+        self.pending: dict[int, _Pending] = {}
+        self.active: dict[int, _Active] = {}
+        self.finished_rooms: OrderedDict[int, str] = OrderedDict()
+        self.held_out: dict[int, tuple] = {}  # room -> (req, since): test-only handoff hold
+        logger.info("PDD relay control channel at %s", self.loop.address)
+
+    # ---- hooks -----------------------------------------------------------------------------
+    def hold(self, transferred: list) -> list:
+        return transferred  # the relay decodes every request at once
+
+    def step(self, running_batch: Any) -> tuple[Any, None]:
+        """Between two decode steps: act on main's messages, send tokens, finish handed requests."""
+        reqs = {req.bootstrap_room: req for req in running_batch.reqs
+                if _is_relay_main(req)}
+        self._note_finished(reqs)
+        for peer, message in self.loop.received():
+            self._on_message(peer, message)
+        now = time.monotonic()
+        if self.args.pdd_debug_handoff_hold:
+            running_batch = self._hold_out(running_batch, now)
+            reqs.update(self.held_out)
+        for room, pending in list(self.pending.items()):
+            if room in self.finished_rooms:
+                del self.pending[room]
+                self.stats.event("singular_finished_at_relay")
+                self._refuse(pending.peer, room, self.finished_rooms[room])
+                continue
+            req = reqs.get(room)
+            if req is None or req.finished():
+                if req is None and not self._room_queued(room):
+                    # Finished before it reached the running batch, aborted, or never here.
+                    del self.pending[room]
+                    self._refuse(pending.peer, room, "unknown_or_finished_room")
+                elif now - pending.since > READY_WAIT_S:
+                    del self.pending[room]
+                    self._refuse(pending.peer, room, "relay_not_ready")
+                continue
+            if not self._hold_satisfied(req):
+                continue
+            del self.pending[room]
+            self._start(room, req, pending.peer)
+        for room, active in list(self.active.items()):
+            if not active.awaiting_ack:
+                self._send_next_chunk(room, active)
+        return running_batch, None
+
+    def idle(self) -> bool:
+        return not self.pending and not self.active and not self.held_out
+
+    def _hold_out(self, running_batch: Any, now: float) -> Any:
+        """Test-only: a request at its forced handoff point waits for main out of the batch, so
+        the handoff happens after exactly that many tokens however late main is ready."""
+        for room, (req, since) in list(self.held_out.items()):
+            if now - since > READY_WAIT_S and room not in self.active:
+                del self.held_out[room]
+                self._abort(req, "PDD debug handoff hold: main never became ready")
+        moved = []
+        for req in running_batch.reqs:
+            room = req.bootstrap_room
+            route = route_for(req)
+            if (route is None or route.debug_handoff_after_tokens is None or req.finished()
+                    or room in self.pending or room in self.active or room in self.held_out):
+                continue
+            if self._hold_satisfied(req):
+                moved.append(req)
+                self.held_out[room] = (req, now)
+        if moved:
+            running_batch.filter_batch(reqs_to_exclude=moved)
+        return running_batch
+
+    def _abort(self, req: Any, message: str) -> None:
+        from http import HTTPStatus
+
+        from sglang.srt.disaggregation.utils import prepare_abort
+        from sglang.srt.mem_cache.common import release_kv_cache
+
+        prepare_abort(req, message, status_code=HTTPStatus.SERVICE_UNAVAILABLE)
+        self.scheduler.output_streamer.stream_output([req], req.return_logprob)
+        release_kv_cache(req, self.scheduler.tree_cache, checkpoint=False)
+        self.stats.event("aborted")
+
+    def state(self) -> dict:
+        return {**self.stats.snapshot(self.loop), "pending": len(self.pending),
+                "active": len(self.active), "held_out": len(self.held_out)}
+
+    # ---- messages --------------------------------------------------------------------------
+    def _on_message(self, peer: bytes, message: Any) -> None:
+        if isinstance(message, HandoffReady):
+            room = message.room
+            if room in self.finished_rooms:
+                self.stats.event("singular_finished_at_relay")
+                self._refuse(peer, room, self.finished_rooms[room])
+            elif room in self.pending or room in self.active:
+                self.stats.refuse("duplicate_ready")
+                logger.warning("PDD relay: duplicate HandoffReady for room %s", room)
+            else:
+                self.pending[room] = _Pending(peer, time.monotonic())
+        elif isinstance(message, HandoffAck):
+            active = self.active.get(message.room)
+            if active is None or not active.awaiting_ack or message.seq != active.seq - 1:
+                self.stats.refuse("unexpected_ack")
+                logger.warning("PDD relay: unexpected HandoffAck %s", message)
+                return
+            active.awaiting_ack = False
+        elif isinstance(message, HandoffRefused):
+            # Main gave up on this request; the relay keeps decoding it to the end.
+            self.stats.event(f"main_refused_{message.reason}")
+            self.pending.pop(message.room, None)
+            held = self.held_out.pop(message.room, None)
+            if held is not None:  # out of the decode batch: it cannot finish here
+                self.active.pop(message.room, None)
+                self._abort(held[0], f"PDD main refused the handoff ({message.reason})")
+            elif self.active.pop(message.room, None) is not None:
+                logger.warning("PDD relay: main refused room %s (%s); finishing it here",
+                               message.room, message.reason)
+        else:
+            self.stats.refuse("unexpected_type")
+            logger.warning("PDD relay: unexpected %s from a main", type(message).__name__)
+
+    def _room_queued(self, room: int) -> bool:
+        """Is the request still on its way into the running batch (KV in flight, waiting)?"""
+        scheduler = self.scheduler
+        queued = [req.bootstrap_room for req in scheduler.waiting_queue]
+        queued += [d.req.bootstrap_room for d in scheduler.disagg_decode_transfer_queue.queue]
+        queued += [d.req.bootstrap_room for d in scheduler.disagg_decode_prealloc_queue.queue]
+        return room in queued
+
+    def _refuse(self, peer: bytes, room: int, reason: str) -> None:
+        self.stats.refuse(reason)
+        self.loop.send(peer, HandoffRefused(room=room, reason=reason))
+
+    # ---- handing off -----------------------------------------------------------------------
+    def _hold_satisfied(self, req: Any) -> bool:
+        route = route_for(req)
+        hold = route.debug_handoff_after_tokens if route is not None else None
+        if hold is None or not self.args.pdd_debug_handoff_hold:
+            return True
+        # A request that can no longer reach the hold point hands off at its last token.
+        reachable = min(hold, req.sampling_params.max_new_tokens - 1)
+        return len(req.output_ids) >= reachable
+
+    def _choose_mode(self, req: Any) -> policy.HandoffMode:
+        route = route_for(req)
+        forced = route.debug_handoff_mode if route is not None else None
+        if forced is None or not self.args.pdd_debug_handoff_hold:
+            forced = None if self.args.pdd_handoff_mode == "auto" else self.args.pdd_handoff_mode
+        if forced is not None:
+            return policy.HandoffMode(forced)
+        return policy.choose_handoff_mode(len(req.output_ids), self._load(), self.cfg)
+
+    def _load(self) -> policy.RelayLoad:
+        scheduler = self.scheduler
+        capacity = int(scheduler.max_total_num_tokens)
+        available = int(scheduler.token_to_kv_pool_allocator.available_size())
+        return policy.RelayLoad(
+            running_requests=scheduler.running_batch.batch_size(),
+            max_running_requests=max(1, int(scheduler.max_running_requests)),
+            kv_used_tokens=max(0, capacity - available),
+            kv_capacity_tokens=max(1, capacity),
+        )
+
+    def _start(self, room: int, req: Any, peer: bytes) -> None:
+        active = _Active(req=req, peer=peer, mode=self._choose_mode(req))
+        self.active[room] = active
+        self.stats.event(f"mode_{active.mode.value}")
+        self._send_next_chunk(room, active)
+
+    def _send_next_chunk(self, room: int, active: _Active) -> None:
+        req = active.req
+        if req.finished():
+            # Finished on its own mid Catch-Up (EOS, stop, length, abort): its answer is whole.
+            self.active.pop(room, None)
+            return
+        chunk = policy.next_handoff_chunk(len(req.output_ids), active.handed, active.mode, self.cfg)
+        if chunk.tokens == 0 and chunk.start > 0:
+            return  # nothing new since the last chunk: main would have nothing to extend
+        tokens = list(req.output_ids[chunk.start:chunk.end])
+        message = HandoffTokens(room=room, seq=active.seq, start=chunk.start,
+                                token_ids=pack_tokens(tokens), is_last=chunk.is_last)
+        self.loop.send(active.peer, message)
+        self.stats.payload_bytes += len(encode(message))
+        self.stats.handed_tokens += len(tokens)
+        active.handed, active.seq = chunk.end, active.seq + 1
+        if chunk.is_last:
+            del self.active[room]
+            self._finish_handed(req, chunk.end, active.mode)
+        else:
+            active.awaiting_ack = True
+
+    def _finish_handed(self, req: Any, handed: int, mode: policy.HandoffMode) -> None:
+        """Finish a request between two steps, exactly as a normal finish would."""
+        from sglang.srt.mem_cache.common import release_kv_cache
+
+        self.held_out.pop(req.bootstrap_room, None)
+        req.finished_reason = HandedOff(handed, mode.value)
+        req.time_stats.set_completion_time()
+        self.scheduler.output_streamer.stream_output([req], req.return_logprob)
+        release_kv_cache(req, self.scheduler.tree_cache, checkpoint=True)
+        self.stats.event("handed_off")
+
+    def _note_finished(self, reqs: dict) -> None:
+        for room, req in reqs.items():
+            if req.finished() and not isinstance(req.finished_reason, HandedOff):
+                reason = "aborted_at_relay" if _is_abort(req) else "finished_at_relay"
+                self.finished_rooms[room] = reason
+                self.finished_rooms.move_to_end(room)
+        while len(self.finished_rooms) > FINISHED_ROOMS_KEPT:
+            self.finished_rooms.popitem(last=False)
+
+    def close(self) -> None:
+        self.loop.close()
+
+
+def _is_relay_main(req: Any) -> bool:
+    route = route_for(req)
+    return route is not None and route.pipeline == "prefill_relay_main"
+
+
+def _is_abort(req: Any) -> bool:
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    return isinstance(req.finished_reason, FINISH_ABORT)
