@@ -13,6 +13,8 @@ from typing import Literal, Optional, Union
 import msgspec
 
 PROTOCOL_VERSION = 1
+# A relay's last stream chunk for a request it handed to main has this finish-reason type.
+HANDOFF_FINISH_TYPE = "pdd_handoff"
 # Far above any real message (a handoff of 4096 token ids is ~20 KB): a bound, not a budget.
 MAX_MESSAGE_BYTES = 1 << 20
 

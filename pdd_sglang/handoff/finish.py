@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from sglang.srt.managers.schedule_batch import BaseFinishReason
 
-HANDOFF_FINISH_TYPE = "pdd_handoff"
+from pdd_sglang.messages import HANDOFF_FINISH_TYPE
 
 
 class HandedOff(BaseFinishReason):

@@ -74,7 +74,7 @@ class Dispatcher:
             "bootstrap_host": placement.prefill.host,
             "bootstrap_port": placement.prefill.bootstrap_port,
             "bootstrap_room": secrets.randbits(62),
-            "kv_hints": route_kv_hints(placement.route_name),
+            "kv_hints": route_kv_hints(placement.route_name, **placement.route_fields),
         }
         pipeline = placement.pipeline.value
         self.metrics.requests.labels(pipeline, api).inc()

@@ -37,6 +37,13 @@ class Placement:
         return ROUTE_NAMES[self.pipeline]
 
     @property
+    def route_fields(self) -> dict:
+        """What servers need beyond the pipeline: on P->RLD->MD, where main reaches the relay."""
+        if self.pipeline is policy.Pipeline.PREFILL_RELAY_MAIN:
+            return {"relay_control": self.relay.control_address}
+        return {}
+
+    @property
     def decoders(self) -> list[Upstream]:
         return [u for u in (self.relay, self.main) if u is not None]
 
@@ -80,7 +87,7 @@ class Placer:
         if pipeline is policy.Pipeline.PREFILL_MAIN:
             return Placement(pipeline, prefill, None, main, cached, wan_s)
         try:
-            relay = self.pool.least_loaded(RELAY)
+            relay = self.pool.least_loaded(RELAY, usable=lambda u: u.control_address is not None)
         except NoHealthyServer:
             if pipeline is policy.Pipeline.RELAY_SINGULAR:
                 raise

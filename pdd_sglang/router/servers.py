@@ -27,6 +27,7 @@ class Upstream:
     max_running_requests: int = 1
     kv_pool_tokens: Optional[int] = None
     incremental_streaming_output: bool = False
+    control_address: Optional[str] = None  # relay only: its handoff control channel
 
     @property
     def host(self) -> str:
@@ -39,6 +40,8 @@ class Upstream:
         states = server_info.get("internal_states") or [{}]
         pool = states[0].get("max_total_num_tokens") or server_info.get("max_total_tokens")
         self.kv_pool_tokens = int(pool) if pool else None
+        handoff = (states[0].get("pdd") or {}).get("handoff") or {}
+        self.control_address = handoff.get("control_address") or self.control_address
 
 
 class NoHealthyServer(RuntimeError):
@@ -63,9 +66,9 @@ class ServerPool:
     def healthy(self, role: str) -> list[Upstream]:
         return [u for u in self.by_role[role] if u.healthy]
 
-    def least_loaded(self, role: str) -> Upstream:
+    def least_loaded(self, role: str, usable=None) -> Upstream:
         """Fewest outstanding requests relative to capacity; ties to the first listed."""
-        candidates = self.healthy(role)
+        candidates = [u for u in self.healthy(role) if usable is None or usable(u)]
         if not candidates:
             raise NoHealthyServer(role)
         return min(candidates, key=lambda u: u.outstanding / u.max_running_requests)

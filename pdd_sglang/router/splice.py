@@ -1,9 +1,9 @@
 """Splice the relay's eager tokens and main's tokens into one client stream (pure logic, no I/O).
 
-The contract with the servers (issue 4):
-  - relay hands off: its final chunk carries ``meta_info["pdd_handoff"] = {"handed_tokens": n}``;
-    main's ``output_ids`` then start at generated position n, and its meta_info says
-    ``pdd_first_position = n`` (assumed n when absent).
+The contract with the servers (pdd_sglang.handoff):
+  - relay hands off: its final chunk's finish reason is ``{"type": "pdd_handoff",
+    "handed_tokens": n, "mode": ...}``; main's ``output_ids`` then start at generated position n
+    (main streams nothing the relay already streamed).
   - relay finishes the request itself (EOS, stop, length; no ``pdd_handoff``): the relay's answer
     is the whole answer, and main's is ignored (the caller aborts main's copy).
   - P->MD: main's answer is the whole answer.
@@ -19,10 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-HANDOFF_KEY = "pdd_handoff"
-FIRST_POSITION_KEY = "pdd_first_position"
-# Server-side PDD keys a client of the router does not see: the router reports its own view.
-_INTERNAL_META_KEYS = (HANDOFF_KEY, FIRST_POSITION_KEY)
+from pdd_sglang.messages import HANDOFF_FINISH_TYPE
 
 
 class SpliceError(RuntimeError):
@@ -84,7 +81,8 @@ class StreamSplicer:
         self.text = chunk.text if chunk.text is not None else self.decode(self.emitted)
         if not chunk.finished:
             return self._update(new_ids, chunk.meta, False, "relay") if new_ids else None
-        handoff = chunk.meta.get(HANDOFF_KEY)
+        reason = chunk.meta.get("finish_reason")
+        handoff = reason if isinstance(reason, dict) and reason.get("type") == HANDOFF_FINISH_TYPE else None
         if handoff is None:
             self.phase, self.outcome = "done", "relay_finished"
             return self._update(new_ids, chunk.meta, True, "relay")
@@ -103,10 +101,7 @@ class StreamSplicer:
             raise SpliceError(f"main chunk in phase {self.phase!r}")
         if self.main_cached_tokens is None:
             self.main_cached_tokens = chunk.meta.get("cached_tokens")
-        default_first = self.handed_tokens or 0
-        first = chunk.meta.get(FIRST_POSITION_KEY, default_first)
-        if self.handed_tokens is None and first != 0:
-            raise SpliceError(f"main starts at position {first} without a handoff")
+        first = self.handed_tokens or 0
         first_after_handoff = self.with_relay and not self._main_started
         new_ids = self._place(chunk.output_ids, first)
         if new_ids:
@@ -141,7 +136,7 @@ class StreamSplicer:
         return new_ids
 
     def _update(self, new_ids, meta, finished, source, first_after_handoff=False) -> SplicedUpdate:
-        client_meta = {k: v for k, v in meta.items() if k not in _INTERNAL_META_KEYS}
+        client_meta = dict(meta)
         client_meta["completion_tokens"] = len(self.emitted)
         if self.main_cached_tokens is not None:
             client_meta["cached_tokens"] = self.main_cached_tokens

@@ -23,6 +23,8 @@ def make(mains=("http://m1", "http://m2"), relays=("http://r1",), penalty=8192):
                       relays, mains)
     for upstream in pool.all():
         upstream.max_running_requests = 4
+    for number, relay in enumerate(pool.by_role["relay"]):
+        relay.control_address = f"tcp://127.0.0.1:{7000 + number}"
     mirrors = {url: PrefixMirror(10**6) for url in mains}
     cfg = policy.PolicyConfig(main_load_penalty_tokens=penalty)
     return pool, mirrors, Placer(pool, mirrors, LINK, KV, cfg)
@@ -34,6 +36,7 @@ def test_pipeline_follows_uncached_suffix_size():
     first = placer.place(prompt, 16)
     assert first.pipeline is policy.Pipeline.PREFILL_RELAY_MAIN and first.relay is not None
     assert first.route_name == "prefill_relay_main"
+    assert first.route_fields == {"relay_control": "tcp://127.0.0.1:7000"}
     mirrors[first.main.url].insert(prompt + [7, 8])
     # The next turn re-sends the history plus 30 new tokens: 30 uncached -> P->MD, same main.
     second = placer.place(prompt + [7, 8] + list(range(1000, 1030)), 16)

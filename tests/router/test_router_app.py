@@ -34,8 +34,11 @@ class FakeServer:
             return web.Response(status=200)
 
         async def server_info(request):
+            state = {"max_total_num_tokens": 10000}
+            if self.role == "relay":
+                state["pdd"] = {"handoff": {"control_address": "tcp://127.0.0.1:1"}}
             return web.json_response({"max_running_requests": 8, "dtype": "float32",
-                                      "internal_states": [{"max_total_num_tokens": 10000}]})
+                                      "internal_states": [state]})
 
         async def model_info(request):
             return web.json_response({"model_path": self.model_path,
@@ -79,9 +82,9 @@ class FakeServer:
 
 LENGTH = {"type": "length", "length": 5}
 RELAY_SCRIPT = [{"ids": [10]}, {"ids": [11]},
-                {"ids": [12], "finish": {"type": "abort"}, "meta": {"pdd_handoff": {"handed_tokens": 3}}}]
-MAIN_SCRIPT = [{"ids": [13], "cached": 40, "meta": {"pdd_first_position": 3}},
-               {"ids": [14], "cached": 40, "finish": LENGTH, "meta": {"pdd_first_position": 3}}]
+                {"ids": [12], "finish": {"type": "pdd_handoff", "handed_tokens": 3}}]
+MAIN_SCRIPT = [{"ids": [13], "cached": 40},
+               {"ids": [14], "cached": 40, "finish": LENGTH}]
 
 
 async def with_router(scripts, test, delay_s=0.0):
@@ -131,7 +134,8 @@ def test_handoff_is_spliced_through_every_api():
         sent = [s.bodies[-1] for s in (prefill, relay, main)]
         assert len({(b["rid"], b["bootstrap_room"], b["bootstrap_port"]) for b in sent}) == 1
         assert sent[0]["bootstrap_port"] == 9999 and sent[0]["bootstrap_host"] == "127.0.0.1"
-        assert sent[0]["kv_hints"]["actions"][0]["payload"] == {"pipeline": "prefill_relay_main"}
+        assert sent[0]["kv_hints"]["actions"][0]["payload"] == {
+                "pipeline": "prefill_relay_main", "relay_control": "tcp://127.0.0.1:1"}
 
         async with session.post(url + "/generate", json={**body, "stream": True}) as resp:
             chunks = await sse(resp)

@@ -32,11 +32,11 @@ def run(splicer, relay_chunks, main_chunks):
 
 def test_handoff_joins_relay_then_main_without_gap_or_duplicate():
     s = StreamSplicer(with_relay=True, decode=decode)
-    relay = [chunk([1]), chunk([1, 2]), chunk([1, 2, 3], True, pdd_handoff={"handed_tokens": 3})]
+    relay = [chunk([1]), chunk([1, 2]), chunk([1, 2, 3], True, finish_reason={"type": "pdd_handoff", "handed_tokens": 3})]
     # Main's ids start at position 3; cumulative form, as SGLang streams by default.
-    main = [chunk([4], pdd_first_position=3, cached_tokens=8),
-            chunk([4, 5], pdd_first_position=3, cached_tokens=8),
-            chunk([4, 5, 6], True, pdd_first_position=3, cached_tokens=8)]
+    main = [chunk([4], cached_tokens=8),
+            chunk([4, 5], cached_tokens=8),
+            chunk([4, 5, 6], True, cached_tokens=8)]
     updates = run(s, relay, main)
     sent = [i for u in updates for i in u.new_ids]
     assert sent == [1, 2, 3, 4, 5, 6]
@@ -46,7 +46,7 @@ def test_handoff_joins_relay_then_main_without_gap_or_duplicate():
     assert final.meta["completion_tokens"] == 6  # relay's 3 + main's 3
     assert final.meta["cached_tokens"] == 8  # main's hit, not the relay's
     assert final.meta["prompt_tokens"] == 10
-    assert "pdd_first_position" not in final.meta and "pdd_handoff" not in final.meta
+    assert final.meta["finish_reason"] == {"type": "length"}  # main's, not the relay's handoff
     assert [u.first_after_handoff for u in updates] == [False, False, False, True, False, False]
     assert s.outcome == "handoff" and s.handed_tokens == 3
     # Every update's text is the previous one extended: nothing already shown changes.
@@ -65,40 +65,17 @@ def test_relay_finishing_itself_is_the_whole_answer_and_main_is_ignored():
         s.main_chunk(chunk([9], True))
 
 
-def test_main_overlapping_handed_tokens_is_deduplicated_when_it_agrees():
-    # A main that restarts from position 1 (repeating relay tokens it agrees with).
-    s = StreamSplicer(with_relay=True, decode=decode)
-    updates = run(s, [chunk([1, 2, 3], True, pdd_handoff={"handed_tokens": 3})],
-                  [chunk([2, 3, 4], pdd_first_position=1), chunk([2, 3, 4, 5], True,
-                                                                pdd_first_position=1)])
-    assert [i for u in updates for i in u.new_ids] == [1, 2, 3, 4, 5]
-
-
-def test_main_disagreeing_with_sent_tokens_is_an_error():
-    s = StreamSplicer(with_relay=True, decode=decode)
-    s.relay_chunk(chunk([1, 2, 3], True, pdd_handoff={"handed_tokens": 3}))
-    with pytest.raises(SpliceError, match="disagree"):
-        s.main_chunk(chunk([9, 4], pdd_first_position=2))
-
-
-def test_gap_between_relay_and_main_is_an_error():
-    s = StreamSplicer(with_relay=True, decode=decode)
-    s.relay_chunk(chunk([1, 2], True, pdd_handoff={"handed_tokens": 2}))
-    with pytest.raises(SpliceError, match="gap"):
-        s.main_chunk(chunk([5], pdd_first_position=4))
-
-
 @pytest.mark.parametrize("handed", [-1, 3, "2", None])
 def test_handoff_count_beyond_what_relay_streamed_is_refused(handed):
     s = StreamSplicer(with_relay=True, decode=decode)
     with pytest.raises(SpliceError):
-        s.relay_chunk(chunk([1, 2], True, pdd_handoff={"handed_tokens": handed}))
+        s.relay_chunk(chunk([1, 2], True, finish_reason={"type": "pdd_handoff", "handed_tokens": handed}))
 
 
 def test_handoff_at_zero_tokens_means_main_makes_everything():
     s = StreamSplicer(with_relay=True, decode=decode)
-    assert s.relay_chunk(chunk([], True, pdd_handoff={"handed_tokens": 0})) is None
-    update = s.main_chunk(chunk([1, 2], True, pdd_first_position=0))
+    assert s.relay_chunk(chunk([], True, finish_reason={"type": "pdd_handoff", "handed_tokens": 0})) is None
+    update = s.main_chunk(chunk([1, 2], True))
     assert update.output_ids == [1, 2] and update.finished
 
 
@@ -110,16 +87,10 @@ def test_main_alone_passes_server_text_through():
     assert s.outcome == "main"
 
 
-def test_main_alone_must_start_at_zero():
-    s = StreamSplicer(with_relay=False, decode=decode)
-    with pytest.raises(SpliceError):
-        s.main_chunk(chunk([1], pdd_first_position=3))
-
-
 def test_matched_stop_string_is_trimmed_from_spliced_text():
     s = StreamSplicer(with_relay=True, decode=decode)
-    s.relay_chunk(chunk([1], True, pdd_handoff={"handed_tokens": 1}))
-    final = s.main_chunk(chunk([2, 3], True, pdd_first_position=1,
+    s.relay_chunk(chunk([1], True, finish_reason={"type": "pdd_handoff", "handed_tokens": 1}))
+    final = s.main_chunk(chunk([2, 3], True,
                                finish_reason={"type": "stop", "matched": " t3"}))
     assert final.text == "t1 t2"
 
