@@ -297,8 +297,9 @@ def start_wan_path(kv_mgr: Any) -> PrefillFanout:
     )
     watchdog.start()
     kv_mgr._worker_threads.append(watchdog)
+    delay_s = float(getattr(args, "pdd_debug_wan_delay_ms", 0) or 0) / 1e3
     for index in range(WAN_WORKERS):
-        queue = FastQueue()
+        queue = FastQueue() if delay_s <= 0 else _DelayedQueue(FastQueue(), delay_s)
         fanout.wan_queues.append(queue)
         thread = threading.Thread(
             target=_run_wan_worker, args=(kv_mgr, queue, index), daemon=True,
@@ -307,6 +308,24 @@ def start_wan_path(kv_mgr: Any) -> PrefillFanout:
         thread.start()
         kv_mgr._worker_threads.append(thread)
     return fanout
+
+
+class _DelayedQueue:
+    """Test-only (--pdd-debug-wan-delay-ms): every WAN chunk waits before it is sent, so the
+    relay reliably runs ahead of main (forced handoff points, the singular filter)."""
+
+    def __init__(self, inner: Any, delay_s: float):
+        self.inner = inner
+        self.delay_s = delay_s
+
+    def put(self, item: Any) -> None:
+        self.inner.put(item)
+
+    def get(self) -> Any:
+        item = self.inner.get()
+        if item is not None:
+            time.sleep(self.delay_s)
+        return item
 
 
 def _watch_relays(fanout: PrefillFanout) -> None:

@@ -105,13 +105,20 @@ class PddArgs(msgspec.Struct):
     pdd_handoff_timeout: A[
         float,
         "PDD main: seconds a main holds a request's KV waiting for its relay's tokens after "
-        "saying it is ready; past it the request is aborted and its KV freed. Default: 30.",
+        "saying it is ready; past it main decodes the request itself from the first token. "
+        "Default: 30.",
     ] = 30.0
     pdd_debug_handoff_hold: A[
         bool,
         "PDD debug (relay): honour a request's route fields debug_handoff_after_tokens and "
         "debug_handoff_mode, which force where and how the handoff happens. For tests only.",
     ] = False
+    pdd_debug_wan_delay_ms: A[
+        int,
+        "PDD debug (prefill): hold every KV chunk on the WAN path this many milliseconds before "
+        "it is sent, so a test can make main's copy slow without a WAN emulator. For tests "
+        "only. Default: 0.",
+    ] = 0
     pdd_debug_kv_digest: A[
         bool,
         "PDD debug: hash each request's prompt KV on every server (prefill after its last "
@@ -193,6 +200,8 @@ def _check_handoff_flags(cfg: Any) -> None:
         raise PddConfigError(
             f"--pdd-relay-load-watermark must be >= 0, got {cfg.pdd_relay_load_watermark}"
         )
+    if cfg.pdd_debug_wan_delay_ms < 0:
+        raise PddConfigError(f"--pdd-debug-wan-delay-ms must be >= 0, got {cfg.pdd_debug_wan_delay_ms}")
     if cfg.pdd_handoff_timeout <= 0:
         raise PddConfigError(f"--pdd-handoff-timeout must be positive, got {cfg.pdd_handoff_timeout}")
     if cfg.pdd_control_keypair is not None:

@@ -20,9 +20,11 @@ Life cycle of a P->RLD->MD request on a main:
    prefill batch). Its stream starts after the handed tokens: the client already has them from
    the relay. ``max_new_tokens`` and stop conditions see the handed tokens as output, so limits
    span the handoff.
-6. If the relay refuses (it finished the request alone: the singular filter) or never answers
-   within ``--pdd-handoff-timeout``, main aborts its copy: KV row, slots and lock are released,
-   and the prompt KV that did arrive stays in the radix cache for the conversation's next turn.
+6. If the relay refuses because it finished the request alone (the singular filter), main aborts
+   its copy: KV row, slots and lock are released, and the prompt KV stays in the radix cache for
+   the conversation's next turn. If the relay never had the request (it died, or never
+   registered with prefill) or does not answer within ``--pdd-handoff-timeout``, main decodes
+   the request itself from the first token, as plain PD: a delay, not an error.
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ from pdd_sglang.messages import (HandoffAck, HandoffReady, HandoffRefused, Hando
                                  MessageError, check_token_ids)
 
 logger = logging.getLogger(__name__)
+
+
+# Relay refusals that mean the client already has the relay's whole answer.
+RELAY_ANSWERED_ALONE = ("finished_at_relay", "aborted_at_relay")
 
 
 @dataclass
@@ -114,8 +120,11 @@ class MainHandoff:
                 self.stats.refuse("refusal_for_unknown_room")
                 return
             self.stats.event(f"relay_refused_{message.reason}")
-            self._abort(parked, f"PDD relay finished the request itself ({message.reason})",
-                        notify_relay=None)
+            if message.reason in RELAY_ANSWERED_ALONE:
+                self._abort(parked, f"PDD relay finished the request itself ({message.reason})",
+                            notify_relay=None)
+            else:  # the relay never had it (it died, or never registered): decode it here
+                self._continue_alone(parked)
         else:
             self.stats.refuse("unexpected_type")
             logger.warning("PDD main: unexpected %s from relay %s", type(message).__name__, peer)
@@ -182,8 +191,24 @@ class MainHandoff:
         for parked in list(self.parked.values()):
             if now > parked.deadline and not parked.extend_ready:
                 self.stats.event("timeout")
-                self._abort(parked, "PDD handoff timed out waiting for the relay",
-                            notify_relay="timeout")
+                self.loop.send(parked.relay, HandoffRefused(room=parked.req.bootstrap_room,
+                                                            reason="timeout"))
+                self._continue_alone(parked)
+
+    def _continue_alone(self, parked: _Parked) -> None:
+        """No relay will hand anything over: main decodes from the first token, as plain PD.
+
+        Only before any chunk is absorbed: after one, the request's KV runs past its last
+        sampled token, so it is aborted instead (the client gets a clear error).
+        """
+        del self.parked[parked.req.bootstrap_room]
+        if not parked.first_extend:
+            self.parked[parked.req.bootstrap_room] = parked
+            self._abort(parked, "PDD relay lost in the middle of a Catch-Up handoff",
+                        notify_relay=None)
+            return
+        self.scheduler.waiting_queue.append(parked.req)
+        self.stats.event("continued_alone")
 
     def _abort(self, parked: _Parked, message: str, notify_relay: Optional[str]) -> None:
         """Abort a parked request: stream the abort, free its row, slots and lock."""

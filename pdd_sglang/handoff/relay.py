@@ -102,7 +102,7 @@ class RelayHandoff:
         now = time.monotonic()
         if self.args.pdd_debug_handoff_hold:
             running_batch = self._hold_out(running_batch, now)
-            reqs.update(self.held_out)
+            reqs.update({room: req for room, (req, _) in self.held_out.items()})
         for room, pending in list(self.pending.items()):
             if room in self.finished_rooms:
                 del self.pending[room]
@@ -114,7 +114,7 @@ class RelayHandoff:
                 if req is None and not self._room_queued(room):
                     # Finished before it reached the running batch, aborted, or never here.
                     del self.pending[room]
-                    self._refuse(pending.peer, room, "unknown_or_finished_room")
+                    self._refuse(pending.peer, room, "unknown_room")
                 elif now - pending.since > READY_WAIT_S:
                     del self.pending[room]
                     self._refuse(pending.peer, room, "relay_not_ready")
@@ -252,8 +252,11 @@ class RelayHandoff:
     def _send_next_chunk(self, room: int, active: _Active) -> None:
         req = active.req
         if req.finished():
-            # Finished on its own mid Catch-Up (EOS, stop, length, abort): its answer is whole.
+            # Finished on its own mid Catch-Up (EOS, stop, length, abort): its answer is whole,
+            # and main drops the chunks it absorbed.
             self.active.pop(room, None)
+            self._refuse(active.peer, room, "aborted_at_relay" if _is_abort(req)
+                         else "finished_at_relay")
             return
         chunk = policy.next_handoff_chunk(len(req.output_ids), active.handed, active.mode, self.cfg)
         if chunk.tokens == 0 and chunk.start > 0:

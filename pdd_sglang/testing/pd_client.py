@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import random
 import threading
+import uuid
 
+from pdd_sglang.messages import HANDOFF_FINISH_TYPE
 from pdd_sglang.route import route_kv_hints
 from pdd_sglang.testing.cluster import SGLangServer
 
@@ -94,43 +96,45 @@ def generate_pdd(
     """One P->RLD->MD request, spliced the way the router does it (non-streaming).
 
     Returns ``output_ids`` (the client's answer), ``handed_tokens`` (None when the relay finished
-    the request alone), the relay's and main's raw answers, and the room.
+    the request alone, and then main's and prefill's copies are aborted, as the router does), the
+    relay's and main's raw answers (main's may be an exception), the room and the rid.
     """
     route.setdefault("relay_control", relay_control_address(relay))
-    answers = generate_fanout_lenient(prefill, [relay, main], body, bootstrap_port, route,
-                                      timeout_s)
-    relay_answer, main_answer = answers[relay.name], answers[main.name]
-    if isinstance(relay_answer, Exception):
-        raise RuntimeError(f"relay failed: {relay_answer!r}")
-    reason = relay_answer["meta_info"]["finish_reason"]
-    if reason.get("type") != "pdd_handoff":
-        return {"output_ids": relay_answer["output_ids"], "handed_tokens": None,
-                "relay": relay_answer, "main": main_answer, "room": answers["room"]}
-    if isinstance(main_answer, Exception):
-        raise RuntimeError(f"the relay handed off but main failed: {main_answer!r}")
-    handed = reason["handed_tokens"]
-    return {"output_ids": relay_answer["output_ids"][:handed] + main_answer["output_ids"],
-            "handed_tokens": handed, "mode": reason.get("mode"), "relay": relay_answer,
-            "main": main_answer, "room": answers["room"]}
-
-
-def generate_fanout_lenient(prefill, decoders, body, bootstrap_port, route, timeout_s) -> dict:
-    """Like :func:`generate_fanout` for P->RLD->MD, but a decode server's error is returned, not
-    raised: when the relay answers alone, main's copy is aborted by design."""
-    room = new_room()
-    body = {**body, "bootstrap_host": prefill.host, "bootstrap_port": bootstrap_port,
+    room, rid = new_room(), f"pdd-test-{uuid.uuid4().hex}"
+    body = {**body, "rid": rid, "bootstrap_host": prefill.host, "bootstrap_port": bootstrap_port,
             "bootstrap_room": room, "kv_hints": route_kv_hints("prefill_relay_main", **route)}
     results: dict = {}
 
     def call(server: SGLangServer) -> None:
         try:
             results[server.name] = server.post_json("/generate", body, timeout_s)
-        except Exception as err:
+        except Exception as err:  # main's copy is aborted by design when the relay answers
             results[server.name] = err
 
-    threads = [threading.Thread(target=call, args=(s,)) for s in (prefill, *decoders)]
-    for thread in threads:
+    threads = {s.name: threading.Thread(target=call, args=(s,)) for s in (prefill, relay, main)}
+    for thread in threads.values():
         thread.start()
-    for thread in threads:
+    threads[relay.name].join(timeout_s + 10)
+    relay_answer = results.get(relay.name, TimeoutError("relay did not answer"))
+    finished_alone = not isinstance(relay_answer, Exception) and (
+        relay_answer["meta_info"]["finish_reason"].get("type") != HANDOFF_FINISH_TYPE)
+    if finished_alone:
+        for server in (main, prefill):
+            try:
+                server.post_json("/abort_request", {"rid": rid}, 30)
+            except Exception:
+                pass  # already finished there
+    for thread in threads.values():
         thread.join(timeout_s + 10)
-    return {**{s.name: results.get(s.name, TimeoutError(s.name)) for s in decoders}, "room": room}
+    main_answer = results.get(main.name, TimeoutError("main did not answer"))
+    common = {"relay": relay_answer, "main": main_answer, "room": room, "rid": rid}
+    if isinstance(relay_answer, Exception):
+        raise RuntimeError(f"relay failed: {relay_answer!r}")
+    if finished_alone:
+        return {"output_ids": relay_answer["output_ids"], "handed_tokens": None, **common}
+    if isinstance(main_answer, Exception):
+        raise RuntimeError(f"the relay handed off but main failed: {main_answer!r}")
+    handed = relay_answer["meta_info"]["finish_reason"]["handed_tokens"]
+    return {"output_ids": relay_answer["output_ids"][:handed] + main_answer["output_ids"],
+            "handed_tokens": handed,
+            "mode": relay_answer["meta_info"]["finish_reason"].get("mode"), **common}

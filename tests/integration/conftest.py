@@ -38,12 +38,18 @@ def pd_pair(tiny_model, tmp_path_factory):
         yield cluster
 
 
+# Every KV chunk to main waits this long (a test-only WAN delay), so the relay runs ahead.
+WAN_DELAY_MS = 300
+CATCH_UP_CHUNK = 32
+
+
 @pytest.fixture(scope="module", params=[1, 16], ids=lambda p: f"page{p}")
 def three_roles(request, tiny_model, tmp_path_factory):
-    """PDD prefill, relay and main on one machine (no WAN emulation), over Mooncake TCP.
+    """PDD prefill, relay and main on one machine, over Mooncake TCP, plus a plain server.
 
     Two variants: page size 1, and page size 16 with chunked prefill of 64 tokens, so that a
-    prompt's KV reaches each destination in several chunks that do not fall on its prefix.
+    prompt's KV reaches each destination in several chunks that do not fall on its prefix. The
+    WAN path to main gets a test-only delay, and the relay honours forced handoff points.
     """
     page_size = request.param
     _, model_path = tiny_model
@@ -55,10 +61,15 @@ def three_roles(request, tiny_model, tmp_path_factory):
     servers = [
         SGLangServer("prefill", model_path, log_dir, extra_args=(
             "--pdd-role", "prefill", "--disaggregation-bootstrap-port", str(bootstrap_port),
-            "--pdd-relay-bootstrap-timeout", "2", "--enable-metrics", *common, *chunking)),
+            "--pdd-relay-bootstrap-timeout", "2", "--enable-metrics",
+            "--pdd-debug-wan-delay-ms", str(WAN_DELAY_MS), *common, *chunking)),
         SGLangServer("relay", model_path, log_dir, extra_args=(
-            "--pdd-role", "relay", *common, *RELAY_CPU_ARGS)),
-        SGLangServer("main", model_path, log_dir, extra_args=("--pdd-role", "main", *common)),
+            "--pdd-role", "relay", "--pdd-debug-handoff-hold", "--pdd-catch-up-chunk",
+            str(CATCH_UP_CHUNK), "--enable-metrics", *common, *RELAY_CPU_ARGS)),
+        SGLangServer("main", model_path, log_dir, extra_args=(
+            "--pdd-role", "main", "--enable-metrics", *common)),
+        # The greedy reference: one ordinary SGLang server, no disaggregation.
+        SGLangServer("plain", model_path, log_dir, extra_args=("--page-size", str(page_size))),
     ]
     with Cluster(servers) as cluster:
         cluster.bootstrap_port = bootstrap_port

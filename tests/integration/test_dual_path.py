@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pdd_sglang.testing.conversation import FIRST_WORD_ID, WORDS
-from pdd_sglang.testing.pd_client import generate_fanout
+from pdd_sglang.testing.pd_client import generate_fanout, generate_pdd, relay_control_address
 
 MAX_NEW_TOKENS = 6
 
@@ -32,10 +32,12 @@ def agentic_session(cluster, conversations: int, turns: int, system_len: int, us
             prompt = prompt + words(1000 * (conv + 1) + turn, user_len)
             body = {"input_ids": prompt,
                     "sampling_params": {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0.0}}
-            answers = generate_fanout(cluster["prefill"], [cluster["relay"], cluster["main"]],
-                                      body, cluster.bootstrap_port, "prefill_relay_main")
+            # Held at 2 tokens until main is ready, so that every request is handed off.
+            answers = generate_pdd(cluster["prefill"], cluster["relay"], cluster["main"], body,
+                                   cluster.bootstrap_port, debug_handoff_after_tokens=2)
+            answers["reference"] = cluster["plain"].post_json("/generate", body)["output_ids"]
             requests.append((list(prompt), answers))
-            prompt = prompt + answers["main"]["output_ids"]
+            prompt = prompt + answers["output_ids"]
     return requests
 
 
@@ -55,10 +57,11 @@ def test_relay_gets_full_prompt_main_gets_uncached_suffix(three_roles, tiny_mode
     state = three_roles["prefill"].pdd_state()
     relay_total = main_total = 0
     for prompt, answers in requests:
-        relay, main = answers["relay"], answers["main"]
-        # Both decoded the same prompt KV: greedy outputs agree token for token.
-        assert relay["output_ids"] == main["output_ids"]
-        rows = rows_by_role(state, relay["bootstrap_room"])
+        main = answers["main"]
+        # The relay's tokens then main's, spliced, are the plain server's, token for token.
+        assert answers["handed_tokens"] == 2
+        assert answers["output_ids"] == answers["reference"]
+        rows = rows_by_role(state, answers["room"])
         assert set(rows) == {"relay", "main"}, rows
         # Whole pages cross the wire: the relay gets every page of the prompt, the main every
         # page past the (page-aligned) prefix its radix cache matched.
@@ -79,7 +82,7 @@ def test_relay_gets_full_prompt_main_gets_uncached_suffix(three_roles, tiny_mode
     # positions now, in another batch shape: those agree to float rounding.
     digests = {s.name: s.pdd_state()["kv_digests"] for s in servers}
     for prompt, answers in requests:
-        room = str(answers["relay"]["bootstrap_room"])
+        room = str(answers["room"])
         prefill, relay, main = (digests[n][room] for n in ("prefill", "relay", "main"))
         assert relay["hashes"] == prefill["hashes"], room
         received_from = answers["main"]["meta_info"]["cached_tokens"]
@@ -136,10 +139,16 @@ def test_request_completes_via_main_when_the_relay_never_registers(three_roles):
     relay bootstrap deadline (2 s here) the main gets its KV alone and completes."""
     body = {"input_ids": words(99, 120),
             "sampling_params": {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0.0}}
+    relay_control = relay_control_address(three_roles["relay"])
+    handoffs_before = three_roles["main"].pdd_state()["handoff"]["events"]
     answers = generate_fanout(three_roles["prefill"], [three_roles["main"]], body,
-                              three_roles.bootstrap_port, "prefill_relay_main")
+                              three_roles.bootstrap_port, "prefill_relay_main",
+                              route={"relay_control": relay_control})
     main = answers["main"]
+    # Main asked the relay, which never had the request: main decoded it from the first token.
     assert len(main["output_ids"]) == MAX_NEW_TOKENS
+    events = three_roles["main"].pdd_state()["handoff"]["events"]
+    assert events.get("continued_alone", 0) == handoffs_before.get("continued_alone", 0) + 1
     rows = rows_by_role(three_roles["prefill"].pdd_state(), main["bootstrap_room"])
     assert set(rows) == {"main"}
     for server in (three_roles["prefill"], three_roles["relay"], three_roles["main"]):

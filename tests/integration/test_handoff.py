@@ -1,0 +1,158 @@
+"""The relay -> main token-ID handoff on real SGLang processes (P, RLD, MD and a plain server).
+
+Handoff points are forced with the relay's test-only hold (``--pdd-debug-handoff-hold`` and the
+route's ``debug_handoff_after_tokens``): the relay decodes to that many tokens, then waits for
+main out of its batch. The WAN path to main carries a test-only delay, so main is ready late.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pdd_sglang.messages import HandoffTokens, encode, pack_tokens
+from pdd_sglang.testing.conversation import FIRST_WORD_ID, WORDS
+from pdd_sglang.testing.pd_client import generate_pdd
+
+MAX_NEW_TOKENS = 260
+POINTS = [1, 7, 64, 65, 200]
+
+
+def words(seed: int, count: int) -> list[int]:
+    return [FIRST_WORD_ID + (seed * 131 + i * 7) % WORDS for i in range(count)]
+
+
+def greedy(max_new_tokens: int = MAX_NEW_TOKENS, **extra) -> dict:
+    return {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True, **extra}
+
+
+def assert_back_to_baseline(cluster, baselines: dict) -> None:
+    for name, before in baselines.items():
+        after = cluster[name].wait_idle()
+        assert after["in_use_tokens"] == 0 and after["locked_tokens"] == 0, (name, after)
+        assert after["free_request_slots"] == before["free_request_slots"], (name, after)
+        assert cluster[name].alive(), cluster[name].log_tail()
+        state = cluster[name].pdd_state().get("handoff")
+        if state is not None:
+            assert state.get("parked", 0) == 0 and state.get("pending", 0) == 0, state
+            assert state.get("active", 0) == 0 and state.get("held_out", 0) == 0, state
+
+
+@pytest.fixture
+def baselines(three_roles):
+    names = ("prefill", "relay", "main")
+    before = {n: three_roles[n].wait_idle() for n in names}
+    yield before
+    assert_back_to_baseline(three_roles, before)
+
+
+def run(cluster, body, **route):
+    return generate_pdd(cluster["prefill"], cluster["relay"], cluster["main"], body,
+                        cluster.bootstrap_port, **route)
+
+
+@pytest.mark.parametrize("mode", ["one-shot", "catch-up"])
+def test_greedy_output_is_the_plain_servers_at_every_handoff_point(three_roles, baselines, mode):
+    prompt = words(3, 300)
+    body = {"input_ids": prompt, "sampling_params": greedy()}
+    reference = three_roles["plain"].post_json("/generate", body)["output_ids"]
+    assert len(reference) == MAX_NEW_TOKENS
+    main_before = three_roles["main"].pdd_state()["handoff"]["events"]
+    for point in POINTS:
+        answer = run(three_roles, body, debug_handoff_after_tokens=point, debug_handoff_mode=mode)
+        assert answer.get("mode") == mode, (point, answer["relay"]["meta_info"])
+        handed = answer["handed_tokens"]
+        # One-Shot hands exactly the forced point; Catch-Up starts there and, when main was
+        # ready first, the relay keeps decoding while chunks cross.
+        assert handed == point if mode == "one-shot" else handed >= point, (point, handed)
+        assert answer["output_ids"] == reference, (mode, point, handed)
+        relay, main = answer["relay"], answer["main"]
+        # The relay streamed the first `handed` tokens, main only what came after: no position
+        # twice, none missing, and main counts the handed tokens toward max_new_tokens.
+        assert len(relay["output_ids"]) == handed
+        assert len(main["output_ids"]) == MAX_NEW_TOKENS - handed
+        assert main["meta_info"]["completion_tokens"] == MAX_NEW_TOKENS
+        assert main["meta_info"]["finish_reason"]["type"] == "length"
+    events = three_roles["main"].pdd_state()["handoff"]["events"]
+    absorbed = events["handoffs_absorbed"] - main_before.get("handoffs_absorbed", 0)
+    extends = events["extend_batches"] - main_before.get("extend_batches", 0)
+    assert absorbed == len(POINTS)
+    if mode == "catch-up":
+        # Chunks of 32 tokens: a 200-token handoff alone takes at least 7 extends.
+        assert extends >= len(POINTS) + 6
+    else:
+        assert extends == len(POINTS)
+
+
+def test_sampling_completes_with_every_position_once(three_roles, baselines):
+    total = 200
+    body = {"input_ids": words(11, 200),
+            "sampling_params": {"max_new_tokens": total, "temperature": 0.9, "top_p": 0.95,
+                                "ignore_eos": True}}
+    for point, mode in [(1, "one-shot"), (30, "catch-up"), (70, "one-shot"), (70, "catch-up")]:
+        answer = run(three_roles, body, debug_handoff_after_tokens=point, debug_handoff_mode=mode)
+        handed = answer["handed_tokens"]
+        assert handed is not None and handed >= point
+        assert len(answer["output_ids"]) == total
+        assert len(answer["main"]["output_ids"]) == total - handed
+        assert answer["main"]["meta_info"]["completion_tokens"] == total
+        assert answer["relay"]["output_ids"] == answer["output_ids"][:handed]
+
+
+def test_payload_is_a_few_bytes_per_handed_token(three_roles, baselines):
+    before = three_roles["relay"].pdd_state()["handoff"]
+    body = {"input_ids": words(21, 150), "sampling_params": greedy(150)}
+    answer = run(three_roles, body, debug_handoff_after_tokens=100, debug_handoff_mode="one-shot")
+    assert answer["handed_tokens"] == 100
+    after = three_roles["relay"].pdd_state()["handoff"]
+    payload = after["payload_bytes"] - before["payload_bytes"]
+    tokens = after["handed_tokens"] - before["handed_tokens"]
+    assert tokens == 100
+    # The same figure from the encoder: what crossed is exactly one encoded message.
+    message = HandoffTokens(room=answer["room"], seq=0, start=0,
+                            token_ids=pack_tokens(answer["output_ids"][:100]), is_last=True)
+    assert payload == len(encode(message))
+    print(f"\nhandoff payload: {payload} B for {tokens} tokens "
+          f"({(payload - 4 * tokens)} B constant + 4 B/token); the report's: ~1,500 B")
+    assert payload <= 16 * tokens + 128
+
+
+def test_stop_conditions_span_the_handoff(three_roles, baselines):
+    """A stop string after the handoff ends the request at main; before it, at the relay."""
+    prompt = words(5, 120)
+    plain = three_roles["plain"]
+    free_run = plain.post_json("/generate", {"input_ids": prompt, "sampling_params": greedy(60)})
+    tokens = free_run["output_ids"]
+    for stop_at, point in [(40, 10), (8, 30)]:
+        # The tiny model's tokenizer is word-level: token FIRST_WORD_ID + i is the word "w{i}".
+        stop = f"w{tokens[stop_at] - FIRST_WORD_ID}"
+        if any(f"w{t - FIRST_WORD_ID}".startswith(stop) for t in tokens[:stop_at]):
+            continue  # the stop string occurs earlier: not a test of this position
+        body = {"input_ids": prompt, "sampling_params": greedy(60, stop=[stop])}
+        reference = plain.post_json("/generate", body)
+        answer = run(three_roles, body, debug_handoff_after_tokens=point,
+                     debug_handoff_mode="one-shot")
+        assert answer["output_ids"] == reference["output_ids"], (stop_at, point)
+        if stop_at > point:
+            assert answer["handed_tokens"] == point
+            assert answer["main"]["meta_info"]["finish_reason"]["type"] == "stop"
+        else:
+            assert answer["handed_tokens"] is None  # the relay finished it: exactly once
+            assert answer["relay"]["meta_info"]["finish_reason"]["type"] == "stop"
+
+
+def test_singular_filter_cancels_the_wan_copy(three_roles, baselines):
+    """The relay answers before main's KV arrives: the client gets the relay's answer, main's
+    copy is aborted, and prefill drops the WAN chunks not yet sent."""
+    prompt = words(31, 1500)
+    body = {"input_ids": prompt, "sampling_params": greedy(1)}
+    reference = three_roles["plain"].post_json("/generate", body)["output_ids"]
+    answer = run(three_roles, body)
+    assert answer["handed_tokens"] is None
+    assert answer["output_ids"] == reference
+    page = three_roles.page_size
+    suffix_bytes = -(-len(prompt) // page) * page * 512
+    rows = [r for r in three_roles["prefill"].pdd_state()["transfers"]["by_request"]
+            if r["room"] == answer["room"] and r["role"] == "main"]
+    sent_to_main = sum(r["bytes"] for r in rows)
+    print(f"\nsingular: {sent_to_main} of {suffix_bytes} B of main's suffix crossed the WAN")
+    assert sent_to_main < suffix_bytes

@@ -1,0 +1,185 @@
+"""Bad handoff input against real servers: a scripted fake relay drives the real main, and a raw
+ZMQ peer pokes the real relay. Every defect is refused, counted, and the request is still
+completed or cleanly aborted, with nothing held afterwards."""
+
+from __future__ import annotations
+
+import threading
+
+import msgspec
+import pytest
+import zmq
+
+from pdd_sglang.messages import (MAX_MESSAGE_BYTES, Envelope, HandoffAck, HandoffReady,
+                                 HandoffRefused, HandoffTokens, decode, encode, pack_tokens)
+from pdd_sglang.testing.pd_client import generate_fanout, relay_control_address
+from pdd_sglang.testing.conversation import FIRST_WORD_ID, WORDS
+
+VOCAB = 1000 + FIRST_WORD_ID
+
+
+def words(seed: int, count: int) -> list[int]:
+    return [FIRST_WORD_ID + (seed * 131 + i * 7) % WORDS for i in range(count)]
+
+
+@pytest.fixture
+def cluster(three_roles):
+    if three_roles.page_size != 1:
+        pytest.skip("message checks do not depend on the page size")
+    before = {n: three_roles[n].wait_idle() for n in ("prefill", "main")}
+    yield three_roles
+    for name, pool in before.items():
+        after = three_roles[name].wait_idle()
+        assert after["in_use_tokens"] == 0 and after["locked_tokens"] == 0, (name, after)
+        assert after["free_request_slots"] == pool["free_request_slots"]
+    assert three_roles["main"].pdd_state()["handoff"]["parked"] == 0
+
+
+class FakeRelay:
+    """A ROUTER socket standing where a relay's control channel would be."""
+
+    def __init__(self):
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.ROUTER)
+        port = self.socket.bind_to_random_port("tcp://127.0.0.1")
+        self.address = f"tcp://127.0.0.1:{port}"
+        self.peer = None
+
+    def receive(self, timeout_s: float = 60.0):
+        assert self.socket.poll(int(timeout_s * 1000)), "main said nothing"
+        self.peer, data = self.socket.recv_multipart()
+        return decode(data)
+
+    def send_raw(self, data: bytes) -> None:
+        self.socket.send_multipart([self.peer, data])
+
+    def send(self, message) -> None:
+        self.send_raw(encode(message))
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+        self.context.term()
+
+
+def start_request(cluster, relay_address: str, body: dict) -> tuple[threading.Thread, dict]:
+    """A P->RLD->MD request whose relay is the fake: prefill gives up on the relay after 2 s,
+    sends main its KV, and main then says HandoffReady to the fake."""
+    result: dict = {}
+
+    def call():
+        try:
+            result.update(generate_fanout(cluster["prefill"], [cluster["main"]], body,
+                                          cluster.bootstrap_port, "prefill_relay_main",
+                                          route={"relay_control": relay_address}))
+        except Exception as err:
+            result["error"] = err
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    return thread, result
+
+
+def refused(cluster) -> dict:
+    return cluster["main"].pdd_state()["handoff"]["refused"]
+
+
+@pytest.mark.parametrize("bad", ["token_out_of_vocab", "out_of_order", "mismatch"])
+def test_main_refuses_a_bad_chunk_and_aborts_cleanly(cluster, bad):
+    fake = FakeRelay()
+    try:
+        before = refused(cluster).get(bad, 0)
+        body = {"input_ids": words(40, 80), "sampling_params": {"max_new_tokens": 20,
+                                                                 "temperature": 0.0}}
+        first_token = cluster["plain"].post_json("/generate", body)["output_ids"][0]
+        thread, result = start_request(cluster, fake.address, body)
+        ready = fake.receive()
+        assert isinstance(ready, HandoffReady)
+        other_word = FIRST_WORD_ID + (first_token - FIRST_WORD_ID + 1) % WORDS
+        chunk = {
+            "token_out_of_vocab": HandoffTokens(room=ready.room, seq=0, start=0,
+                                                token_ids=pack_tokens([VOCAB + 7]), is_last=True),
+            "out_of_order": HandoffTokens(room=ready.room, seq=1, start=5,
+                                          token_ids=pack_tokens([5, 6]), is_last=True),
+            # Position 0 is the token prefill sampled; a relay that disagrees is refused.
+            "mismatch": HandoffTokens(room=ready.room, seq=0, start=0,
+                                      token_ids=pack_tokens([other_word, 5]), is_last=True),
+        }[bad]
+        fake.send(chunk)
+        answer = fake.receive()
+        assert answer == HandoffRefused(room=ready.room, reason=bad)
+        thread.join(120)
+        # The client of main gets a clear error, not a hang; the request is gone everywhere.
+        assert "error" in result, result
+        assert refused(cluster).get(bad, 0) == before + 1
+    finally:
+        fake.close()
+
+
+def test_main_survives_garbage_duplicates_and_unknown_rooms_then_completes(cluster):
+    fake = FakeRelay()
+    try:
+        before = dict(refused(cluster))
+        body = {"input_ids": words(41, 80), "sampling_params": {"max_new_tokens": 30,
+                                                                 "temperature": 0.0}}
+        reference = cluster["plain"].post_json("/generate", body)["output_ids"]
+        thread, result = start_request(cluster, fake.address, body)
+        ready = fake.receive()
+        room = ready.room
+        # Messages main cannot read: refused and counted, the channel and the request live on.
+        fake.send_raw(b"not msgpack at all")
+        fake.send_raw(msgspec.msgpack.encode(
+            Envelope(version=99, body=HandoffReady(room=room))))
+        fake.send_raw(b"\x00" * (MAX_MESSAGE_BYTES + 1))
+        # Tokens for a room main does not hold: refused back to the sender.
+        fake.send(HandoffTokens(room=room + 1, seq=0, start=0, token_ids=pack_tokens([5]),
+                                is_last=True))
+        assert fake.receive() == HandoffRefused(room=room + 1, reason="unknown_room")
+        # A proper Catch-Up: a middle chunk, its repeat (ignored), then the last chunk.
+        first = HandoffTokens(room=room, seq=0, start=0, token_ids=pack_tokens(reference[:10]),
+                              is_last=False)
+        fake.send(first)
+        assert fake.receive() == HandoffAck(room=room, seq=0)
+        fake.send(first)
+        fake.send(HandoffTokens(room=room, seq=1, start=10,
+                                token_ids=pack_tokens(reference[10:20]), is_last=True))
+        thread.join(120)
+        assert "error" not in result, result
+        main = result["main"]
+        assert main["output_ids"] == reference[20:]
+        assert main["meta_info"]["completion_tokens"] == 30
+        after = refused(cluster)
+        for reason in ("malformed", "unknown_version", "oversized", "unknown_room",
+                       "duplicate"):
+            assert after.get(reason, 0) >= before.get(reason, 0) + 1, (reason, after)
+    finally:
+        fake.close()
+
+
+def test_relay_refuses_strangers_and_keeps_serving(cluster):
+    relay = cluster["relay"]
+    context = zmq.Context()
+    socket = context.socket(zmq.DEALER)
+    socket.connect(relay_control_address(relay))
+    try:
+        socket.send(encode(HandoffReady(room=424242)))
+        assert socket.poll(30000)
+        assert decode(socket.recv()) == HandoffRefused(room=424242, reason="unknown_room")
+        before = relay.pdd_state()["handoff"]["refused"]
+        socket.send(b"\xc1garbage")
+        socket.send(encode(HandoffAck(room=424242, seq=3)))
+        socket.send(encode(HandoffTokens(room=1, seq=0, start=0, token_ids=b"", is_last=True)))
+        import time
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            after = relay.pdd_state()["handoff"]["refused"]
+            if (after.get("malformed", 0) > before.get("malformed", 0)
+                    and after.get("unexpected_ack", 0) > before.get("unexpected_ack", 0)
+                    and after.get("unexpected_type", 0) > before.get("unexpected_type", 0)):
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail(f"relay did not count the bad messages: {before} -> {after}")
+    finally:
+        socket.close(linger=0)
+        context.term()
+    assert relay.alive()
