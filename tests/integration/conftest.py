@@ -43,7 +43,7 @@ WAN_DELAY_MS = 300
 CATCH_UP_CHUNK = 32
 
 
-@pytest.fixture(scope="module", params=[1, 16], ids=lambda p: f"page{p}")
+@pytest.fixture(scope="session", params=[1, 16], ids=lambda p: f"page{p}")
 def three_roles(request, tiny_model, tmp_path_factory):
     """PDD prefill, relay and main on one machine, over Mooncake TCP, plus a plain server.
 

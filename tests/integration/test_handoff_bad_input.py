@@ -22,10 +22,12 @@ def words(seed: int, count: int) -> list[int]:
     return [FIRST_WORD_ID + (seed * 131 + i * 7) % WORDS for i in range(count)]
 
 
+# Message checks do not depend on the page size: the page-1 cluster only.
+pytestmark = pytest.mark.parametrize("three_roles", [1], indirect=True, ids=["page1"])
+
+
 @pytest.fixture
 def cluster(three_roles):
-    if three_roles.page_size != 1:
-        pytest.skip("message checks do not depend on the page size")
     before = {n: three_roles[n].wait_idle() for n in ("prefill", "main")}
     yield three_roles
     for name, pool in before.items():

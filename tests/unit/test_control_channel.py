@@ -111,3 +111,59 @@ def test_curve_configs_must_be_complete(tmp_path):
         RelayControlServer("tcp://127.0.0.1:0", CurveConfig(tmp_path / "x.key_secret"))
     with pytest.raises(ValueError, match="relay_public_key_file"):
         MainControlClient("tcp://127.0.0.1:1", CurveConfig(tmp_path / "x.key_secret"))
+
+
+# ---- the control loop servers run: one I/O thread owns the sockets ---------------------------
+def test_control_loop_carries_a_handoff_both_ways_and_to_several_relays():
+    from pdd_sglang.control_channel import ControlLoop
+
+    relays = [ControlLoop(relay_bind="tcp://127.0.0.1:0") for _ in range(2)]
+    main = ControlLoop()
+    try:
+        for number, relay in enumerate(relays):
+            main.send(relay.address, HandoffReady(room=number))
+            peer, message = relay.wait_received(5)
+            assert message == HandoffReady(room=number)
+            relay.send(peer, HandoffAck(room=number, seq=0))
+        answers = sorted((main.wait_received(5) for _ in relays), key=lambda a: a[1].room)
+        assert [(a[0], a[1]) for a in answers] == [
+            (relays[n].address, HandoffAck(room=n, seq=0)) for n in range(2)]
+        assert main.received() == [] and relays[0].received() == []
+    finally:
+        for loop in (*relays, main):
+            loop.close()
+
+
+def test_control_loop_counts_what_it_refuses(keys):
+    from pdd_sglang.control_channel import ControlLoop
+
+    relay = ControlLoop(relay_bind="tcp://127.0.0.1:0", curve=keys["relay"])
+    stranger = ControlLoop(curve=keys["stranger"])
+    context = zmq.Context()
+    raw = context.socket(zmq.DEALER)
+    try:
+        stranger.send(relay.address, HandoffReady(room=1))
+        assert relay.wait_received(1.0) is None
+        deadline = time.monotonic() + 5
+        while relay.refusals["unauthorized_peer"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert relay.refusals["unauthorized_peer"] >= 1
+    finally:
+        raw.close(linger=0)
+        context.term()
+        stranger.close()
+        relay.close()
+    plain = ControlLoop(relay_bind="tcp://127.0.0.1:0")
+    context = zmq.Context()
+    raw = context.socket(zmq.DEALER)
+    try:
+        raw.connect(plain.address)
+        raw.send(b"\x93garbage")
+        deadline = time.monotonic() + 5
+        while plain.refusals["malformed"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert plain.refusals["malformed"] == 1
+    finally:
+        raw.close(linger=0)
+        context.term()
+        plain.close()

@@ -15,15 +15,40 @@ def as_envelope(hints: dict):
 @pytest.mark.parametrize("pipeline, destinations", [("prefill_main", 1), ("prefill_relay_main", 2),
                                                     ("relay_singular", 1)])
 def test_route_round_trips_through_kv_hints(pipeline, destinations):
-    route = route_of(as_envelope(route_kv_hints(pipeline)))
+    fields = {"relay_control": RELAY} if pipeline == "prefill_relay_main" else {}
+    route = route_of(as_envelope(route_kv_hints(pipeline, **fields)))
     assert route.pipeline == pipeline and route.destinations == destinations
+    assert route.relay_control == fields.get("relay_control")
+
+
+RELAY = "tcp://10.0.0.1:5557"
 
 
 def test_sglangs_own_envelope_type_accepts_our_hints():
     from sglang.srt.managers.kv_hints import decode_kv_hints_envelope
 
-    envelope = decode_kv_hints_envelope(route_kv_hints("prefill_relay_main"))
-    assert route_of(envelope).destinations == 2
+    envelope = decode_kv_hints_envelope(route_kv_hints(
+        "prefill_relay_main", relay_control=RELAY, debug_handoff_after_tokens=7,
+        debug_handoff_mode="catch-up"))
+    route = route_of(envelope)
+    assert route.destinations == 2 and route.relay_control == RELAY
+    assert route.debug_handoff_after_tokens == 7 and route.debug_handoff_mode == "catch-up"
+
+
+def test_default_fields_stay_off_the_wire():
+    payload = route_kv_hints("prefill_main")["actions"][0]["payload"]
+    assert payload == {"pipeline": "prefill_main"}
+
+
+@pytest.mark.parametrize("fields", [
+    {},  # P->RLD->MD without the relay's address: main could never reach it
+    {"relay_control": "10.0.0.1:5557"},
+    {"relay_control": RELAY, "debug_handoff_after_tokens": 0},
+    {"relay_control": RELAY, "debug_handoff_mode": "sideways"},
+])
+def test_bad_relay_main_routes_are_refused_at_the_source(fields):
+    with pytest.raises((msgspec.ValidationError, ValueError)):
+        route_kv_hints("prefill_relay_main", **fields)
 
 
 def test_no_hints_or_other_actions_mean_plain_pd():
@@ -42,6 +67,7 @@ def test_unknown_pipeline_is_refused_at_the_source():
     {"action_type": ROUTE_ACTION_TYPE, "action_version": "2", "payload": {"pipeline": "prefill_main"}},
     {"action_type": ROUTE_ACTION_TYPE, "action_version": "1", "payload": {"pipeline": "p2p"}},
     {"action_type": ROUTE_ACTION_TYPE, "action_version": "1", "payload": {"pipeline": "prefill_main", "x": 1}},
+    {"action_type": ROUTE_ACTION_TYPE, "action_version": "1", "payload": {"pipeline": "prefill_relay_main"}},
 ])
 def test_bad_route_actions_are_refused(action):
     with pytest.raises(RouteError):

@@ -73,3 +73,44 @@ def test_transfer_engine_loads_in_this_environment():
     from pdd_sglang.server_args import check_transfer_engine
 
     check_transfer_engine()
+
+
+@pytest.mark.parametrize("role, expected", [("prefill", False), ("relay", True), ("main", True)])
+def test_relay_and_main_leave_the_overlap_loop(role, expected):
+    decisions = _decide(role=role, disaggregation_mode="null", transfer_backend="mooncake_tcp",
+                        decode_radix_cache=False, disable_overlap_schedule=False)
+    assert decisions.get("disable_overlap_schedule", False) is expected
+
+
+def handoff_flags(**overrides):
+    from types import SimpleNamespace
+
+    values = dict(pdd_role="relay", pdd_control_port=0, pdd_catch_up_threshold=64,
+                  pdd_catch_up_chunk=64, pdd_relay_load_watermark=0.7, pdd_handoff_timeout=30.0,
+                  pdd_debug_wan_delay_ms=0, pdd_control_keypair=None,
+                  pdd_control_authorized_keys=None, pdd_control_relay_key=None)
+    values.update(overrides)
+    return SimpleNamespace(**values)
+
+
+@pytest.mark.parametrize("overrides, flag", [
+    ({"pdd_control_port": 70000}, "--pdd-control-port"),
+    ({"pdd_catch_up_chunk": 0}, "--pdd-catch-up-chunk"),
+    ({"pdd_catch_up_threshold": -1}, "--pdd-catch-up-threshold"),
+    ({"pdd_relay_load_watermark": -0.1}, "--pdd-relay-load-watermark"),
+    ({"pdd_handoff_timeout": 0}, "--pdd-handoff-timeout"),
+    ({"pdd_debug_wan_delay_ms": -5}, "--pdd-debug-wan-delay-ms"),
+    ({"pdd_control_keypair": "/k/relay.key_secret"}, "--pdd-control-authorized-keys"),
+    ({"pdd_role": "main", "pdd_control_keypair": "/k/main.key_secret"}, "--pdd-control-relay-key"),
+])
+def test_bad_handoff_flags_are_refused_by_name(overrides, flag):
+    from pdd_sglang.server_args import _check_handoff_flags
+
+    with pytest.raises(PddConfigError, match=flag):
+        _check_handoff_flags(handoff_flags(**overrides))
+
+
+def test_default_handoff_flags_pass():
+    from pdd_sglang.server_args import _check_handoff_flags
+
+    _check_handoff_flags(handoff_flags())

@@ -48,6 +48,28 @@ HOOKED_SYMBOLS = [
     ("mem_cache/radix_cache.py", "RadixCache.protected_size"),
     ("mem_cache/allocator/token.py", "TokenToKVPoolAllocator.available_size"),
     ("mem_cache/memory_pool.py", "ReqToTokenPool.available_size"),
+    # 0008 and pdd_sglang.handoff: where requests move between relay and main
+    ("disaggregation/decode.py", "SchedulerDisaggregationDecodeMixin.process_decode_queue"),
+    ("disaggregation/decode.py",
+     "SchedulerDisaggregationDecodeMixin.get_next_disagg_decode_batch_to_run"),
+    ("disaggregation/decode.py", "DecodeTransferQueue.pop_transferred"),
+    ("disaggregation/utils.py", "prepare_abort"),
+    ("managers/scheduler.py", "Scheduler.is_fully_idle"),
+    ("managers/schedule_batch.py", "BaseFinishReason"),
+    ("managers/schedule_batch.py", "FINISH_ABORT"),
+    ("managers/schedule_batch.py", "ScheduleBatch.init_new"),
+    ("managers/schedule_batch.py", "ScheduleBatch.prepare_for_extend"),
+    ("managers/schedule_batch.py", "ScheduleBatch.filter_batch"),
+    ("managers/schedule_batch.py", "ScheduleBatch.merge_batch"),
+    ("managers/schedule_batch.py", "ScheduleBatch.batch_size"),
+    ("managers/schedule_batch.py", "Req.refresh_fill_ids"),
+    ("managers/schedule_batch.py", "Req.finished"),
+    ("managers/schedule_batch.py", "ReqKvInfo.kv_committed_len"),
+    ("managers/scheduler_components/output_streamer.py", "SchedulerOutputStreamer.stream_output"),
+    ("managers/scheduler_components/batch_result_processor.py",
+     "SchedulerBatchResultProcessor.process_batch_result_prefill"),
+    ("mem_cache/common.py", "release_kv_cache"),
+    ("mem_cache/allocation.py", "alloc_for_extend"),
     # Environment switches that the CPU profile and the tests set
     ("environ.py", "Envs.SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE"),
 ]
@@ -109,3 +131,38 @@ def test_every_patch_calls_only_the_hooks_module():
     defined = {n.name for n in hooks.body if isinstance(n, ast.FunctionDef)}
     assert calls, "no patch calls pdd_sglang.hooks"
     assert calls <= defined, f"patches call undefined hooks: {calls - defined}"
+
+
+# Per-request state the handoff reads or sets on SGLang's Req (assigned in Req.__init__).
+REQ_ATTRIBUTES = [
+    "output_ids", "origin_input_ids", "full_untruncated_fill_ids", "extend_end", "prefix_len",
+    "already_computed", "cached_tokens", "cached_tokens_device", "_cache_breakdown_computed",
+    "send_token_offset", "inflight_middle_chunks", "finished_reason", "bootstrap_room",
+    "kv_hints", "sampling_params", "return_logprob", "time_stats",
+]
+
+
+@lru_cache(maxsize=None)
+def init_attributes(rel: str, cls: str) -> set[str]:
+    tree = ast.parse((SRT / rel).read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name == "__init__":
+                    return {t.attr for n in ast.walk(item)
+                            for t in getattr(n, "targets", [getattr(n, "target", None)])
+                            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
+                            and t.value.id == "self"}
+    return set()
+
+
+@pytest.mark.parametrize("attribute", REQ_ATTRIBUTES)
+def test_req_attribute_the_handoff_uses_exists(attribute):
+    assert attribute in init_attributes("managers/schedule_batch.py", "Req"), (
+        f"sglang's Req.__init__ no longer sets {attribute}")
+
+
+@pytest.mark.parametrize("attribute", ["queue"])
+def test_decode_queues_the_relay_searches_exist(attribute):
+    for cls in ("DecodePreallocQueue", "DecodeTransferQueue"):
+        assert attribute in init_attributes("disaggregation/decode.py", cls), (cls, attribute)
