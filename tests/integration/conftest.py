@@ -40,7 +40,7 @@ def pd_pair(tiny_model, tmp_path_factory):
 
 # Every KV chunk to main waits this long (a test-only WAN delay), so the relay runs ahead.
 WAN_DELAY_MS = 300
-CATCH_UP_CHUNK = 32
+CATCH_UP_CHUNK = 64
 
 
 @pytest.fixture(scope="session", params=[1, 16], ids=lambda p: f"page{p}")

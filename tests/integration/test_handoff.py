@@ -13,7 +13,7 @@ from pdd_sglang.messages import HandoffTokens, encode, pack_tokens
 from pdd_sglang.testing.conversation import FIRST_WORD_ID, WORDS
 from pdd_sglang.testing.pd_client import generate_pdd
 
-MAX_NEW_TOKENS = 260
+MAX_NEW_TOKENS = 300
 POINTS = [1, 7, 64, 65, 200]
 
 
@@ -77,8 +77,8 @@ def test_greedy_output_is_the_plain_servers_at_every_handoff_point(three_roles, 
     extends = events["extend_batches"] - main_before.get("extend_batches", 0)
     assert absorbed == len(POINTS)
     if mode == "catch-up":
-        # Chunks of 32 tokens: a 200-token handoff alone takes at least 7 extends.
-        assert extends >= len(POINTS) + 6
+        # Chunks of 64 tokens: 65 held tokens take 2 extends, a 200-token handoff at least 4.
+        assert extends >= len(POINTS) + 4
     else:
         assert extends == len(POINTS)
 
