@@ -1,20 +1,24 @@
 #!/usr/bin/env python3
-"""`make demo`: same-DC PD against naive cross-DC PD over an emulated WAN line, on real SGLang.
+"""`make demo`: same-DC PD, naive cross-DC PD and PDD over an emulated WAN line, on real SGLang.
 
 One agentic multi-turn workload (a long shared system prompt, growing histories, a skewed hit rate
 with a few long-document turns, short outputs; fixed seed, bounded concurrency) runs through the
-PDD router (started with only --prefill and --main, so every request is P->MD) on two setups:
+PDD router on three setups:
 
   same_dc_pd   prefill, main decode (decode radix cache on), router and client all in cluster A
                (network namespace pddA-<pid>); P<->MD stays on A's loopback, the line stays idle.
   cross_dc_pd  prefill, router and client in cluster A; main decode in cluster B (pddB-<pid>),
                reachable only through the emulated WAN line (rate limit, RTT, jitter): Mooncake's
                KV transfer, the bootstrap handshake and the router's HTTP all cross it.
+  pdd          prefill, relay decode, router and client in cluster A; main decode in cluster B.
+               The router places each request on P->MD or P->RLD->MD (pdd_sglang.policy); on
+               P->RLD->MD the relay decodes while main's KV crosses the line, then hands its
+               token IDs to main over the control channel, which crosses the line too.
 
-Both setups share one prefill server (its cache is flushed in between) and each has its own main
-and router. TTFT and inter-token latency are measured at the client from the stream; WAN bytes
-come from the line's kernel counters and the prefill's transfer ledger. The PDD setup (relay
-decode hiding the WAN copy) is reported as pending until the relay->main handoff (issue 4) lands.
+The setups share one prefill server and the cluster-B main (both caches are flushed in between);
+the same-DC setup has its own main, and each setup its own router. TTFT and inter-token latency
+are measured at the client from the stream; WAN bytes come from the line's kernel counters and
+the prefill's transfer ledger.
 
 Writes DIR/demo.json and DIR/ttft.png (DIR: --out, default out/demo).
 """
@@ -36,7 +40,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from pdd_sglang.testing import agentic  # noqa: E402
-from pdd_sglang.testing.cluster import Cluster, free_port  # noqa: E402
+from pdd_sglang.testing.cluster import RELAY_CPU_ARGS, Cluster, free_port  # noqa: E402
 from pdd_sglang.testing.tiny_model import TinyModelSpec, ensure_tiny_model  # noqa: E402
 from pdd_sglang.testing.wan_cluster import NetnsServer, RouterProcess, in_namespace  # noqa: E402
 from pdd_sglang.wan import WanLine, check_prerequisites, netns  # noqa: E402
@@ -55,8 +59,10 @@ FULL = agentic.WorkloadSpec(conversations=12, turns=6, document_prob=0.15)
 QUICK = agentic.WorkloadSpec(conversations=6, turns=5, system_tokens=1024, document_prob=0.15,
                              concurrency=3)
 MAX_TOTAL_TOKENS = 32768  # per server: the conversations in flight and the system prompt stay cached
-SETUPS = ("same_dc_pd", "cross_dc_pd")
-PDD_PENDING = {"status": "pending", "reason": "relay->main handoff (issue 4) not built yet"}
+SETUPS = ("same_dc_pd", "cross_dc_pd", "pdd")
+# The brief's bar, measured in one run: PDD's P99 TTFT within 1.15x same-DC PD's, naive
+# cross-DC PD's at least 2x.
+PDD_BAR, CROSS_BAR = 1.15, 2.0
 TRANSPORT = ("--disaggregation-transfer-backend", "mooncake_tcp")
 
 
@@ -154,11 +160,13 @@ def summarize(name: str, results: list, wan: dict, kv_bytes: int, duration_s: fl
 
 
 def run_setup(name: str, line: WanLine, prefill: NetnsServer, main: NetnsServer,
-              servers: list, system: list, conversations: list, spec: agentic.WorkloadSpec,
-              log_dir: Path, bootstrap_port: int, crash_after: int | None) -> dict:
+              relay: NetnsServer | None, servers: list, system: list, conversations: list,
+              spec: agentic.WorkloadSpec, log_dir: Path, bootstrap_port: int,
+              crash_after: int | None) -> dict:
     ns_a = line.namespace("a")
+    relay_args = ("--relay", relay.url) if relay is not None else ()
     router = RouterProcess(log_dir / f"router-{name}.log", [
-        "--prefill", prefill.url, str(bootstrap_port), "--main", main.url,
+        "--prefill", prefill.url, str(bootstrap_port), *relay_args, "--main", main.url,
         "--wan-gbps", repr(line.rate_mbit / 1e3), "--wan-rtt-ms", repr(line.rtt_ms),
         "--health-interval-s", "5", "--read-timeout-s", "180"],
         exec_prefix=line.exec_prefix("a"), netns_name=ns_a)
@@ -175,7 +183,7 @@ def run_setup(name: str, line: WanLine, prefill: NetnsServer, main: NetnsServer,
         if warm.error:
             raise Aborted(f"{name}: warm-up request failed: {warm.error}\n"
                           f"router log:\n{router.log_tail()}")
-        for server in (prefill, main):
+        for server in (prefill, main, *([relay] if relay else [])):
             server.wait_idle(60)
         wan_before, kv_before = line_bytes(line), ledger_main_bytes(prefill)
         progress = Progress(name, spec.conversations * spec.turns)
@@ -218,9 +226,6 @@ def print_table(setups: dict) -> None:
     print(header)
     print("-" * len(header))
     for name, s in setups.items():
-        if s.get("status") == "pending":
-            print(f"{name:<12} pending: {s['reason']}")
-            continue
         f = lambda v, unit="s": "-" if v is None else (f"{v:.2f}{unit}")  # noqa: E731
         print(f"{name:<12} {f(s['ttft_p50_s']):>9} {f(s['ttft_p90_s']):>8} {f(s['ttft_p99_s']):>8} "
               f"{f(s['itl_p50_ms'], 'ms'):>8} {f(s['itl_p99_ms'], 'ms'):>8} "
@@ -234,7 +239,7 @@ def plot(setups: dict, line_info: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"same_dc_pd": "tab:blue", "cross_dc_pd": "tab:red"}
+    colors = {"same_dc_pd": "tab:blue", "cross_dc_pd": "tab:red", "pdd": "tab:green"}
     fig, (cdf, scatter) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name in SETUPS:
         rows = [r for r in setups[name]["rows"] if r["error"] is None and r["ttft_s"] is not None]
@@ -253,14 +258,12 @@ def plot(setups: dict, line_info: dict, path: Path) -> None:
     cdf.set_xlabel("TTFT at the client (s, log)")
     cdf.set_ylabel("fraction of requests")
     cdf.set_title("TTFT distribution (dotted P90, dashed P99)")
-    cdf.text(0.02, 0.02, "PDD: pending (relay->main handoff, issue 4)", transform=cdf.transAxes,
-             fontsize=8, color="gray")
     cdf.legend(loc="lower right")
     scatter.set_xlabel("tokens main decode lacked (prompt - main's cache hit)")
     scatter.set_ylabel("TTFT (s)")
     scatter.set_title("the WAN copy grows with the uncached suffix")
     scatter.legend(loc="upper left")
-    fig.suptitle(f"P->MD over a {line_info['rate_mbit']:g} Mbit/s line, RTT {line_info['rtt_ms']:g}"
+    fig.suptitle(f"main decode behind a {line_info['rate_mbit']:g} Mbit/s line, RTT {line_info['rtt_ms']:g}"
                  f" ms +-{line_info['jitter_ms']:g} ms; KV {line_info['kv_bytes_per_token']} B/token")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -329,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     failure = None
     try:
         print(f"starting the WAN line ({args.rate_mbit:g} Mbit/s, RTT {args.rtt_ms:g} ms "
-              f"+-{args.jitter_ms:g} ms) and 3 servers (logs: {log_dir}) ...", flush=True)
+              f"+-{args.jitter_ms:g} ms) and 4 servers (logs: {log_dir}) ...", flush=True)
         line.start(log_path=str(log_dir / "wan.log"))
         ns_a, ns_b = line.namespace("a"), line.namespace("b")
         bootstrap_port = free_port()
@@ -342,23 +345,31 @@ def main(argv: list[str] | None = None) -> int:
                              netns=ns_a, extra_args=("--pdd-role", "main", *TRANSPORT), **common)
         main_b = NetnsServer("main-b", host=line.address("b"), exec_prefix=tuple(line.exec_prefix("b")),
                              netns=ns_b, extra_args=("--pdd-role", "main", *TRANSPORT), **common)
-        servers = [prefill, main_a, main_b]
+        # Beside prefill in cluster A; it binds cluster A's line address, so main-b reaches its
+        # control channel only across the line.
+        relay = NetnsServer("relay", host=line.address("a"), exec_prefix=tuple(line.exec_prefix("a")),
+                            netns=ns_a, extra_args=("--pdd-role", "relay", *TRANSPORT,
+                                                    *RELAY_CPU_ARGS), **common)
+        servers = [prefill, main_a, main_b, relay]
         cluster = Cluster(servers).__enter__()
         pids = [s.process.pid for s in servers]
         timings["startup_s"] = round(time.perf_counter() - t0, 1)
         print(f"servers ready in {timings['startup_s']:.0f} s; "
               f"{len(conversations)} conversations x {spec.turns} turns per setup, "
               f"{spec.concurrency} at a time", flush=True)
-        for name, main_server in (("same_dc_pd", main_a), ("cross_dc_pd", main_b)):
-            if setups:  # the shared prefill starts each setup with an empty cache
-                prefill.wait_idle(60)
-                status = prefill.post_raw("/flush_cache")
+        for name, main_server, relay_server in (("same_dc_pd", main_a, None),
+                                                ("cross_dc_pd", main_b, None),
+                                                ("pdd", main_b, relay)):
+            # Shared servers start each setup with an empty cache.
+            for server in {prefill, main_server} if setups else ():
+                server.wait_idle(60)
+                status = server.post_raw("/flush_cache")
                 if status != 200:
-                    raise Aborted(f"prefill /flush_cache answered {status}")
+                    raise Aborted(f"{server.name} /flush_cache answered {status}")
             started = time.perf_counter()
             setups[name] = run_setup(
-                name, line, prefill, main_server, servers, system, conversations, spec, log_dir,
-                bootstrap_port, args.inject_crash if name == SETUPS[0] else None)
+                name, line, prefill, main_server, relay_server, servers, system, conversations,
+                spec, log_dir, bootstrap_port, args.inject_crash if name == SETUPS[0] else None)
             timings[f"{name}_s"] = round(time.perf_counter() - started, 1)
         pools = {s.name: s.wait_idle(60) for s in servers}
     except Aborted as err:
@@ -382,7 +393,6 @@ def main(argv: list[str] | None = None) -> int:
               f"server processes {pids} left {left_pids}", file=sys.stderr)
         return 1
 
-    setups["pdd"] = dict(PDD_PENDING)
     line_info = {"rate_mbit": args.rate_mbit, "rtt_ms": args.rtt_ms, "jitter_ms": args.jitter_ms,
                  "queue_bytes": line.queue_bytes(), "mtu": line.mtu,
                  "kv_bytes_per_token": DEMO_MODEL.kv_bytes_per_token,
@@ -391,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
                  "forwarder_stats": line.last_stats}
     summary = {
         "setups": setups,
+        "bar": the_bar(setups),
         "workload": workload_stats(spec, system, conversations, setups),
         "line": line_info,
         "model": {**DEMO_MODEL.__dict__, "kv_bytes_per_token": DEMO_MODEL.kv_bytes_per_token,
@@ -400,7 +411,10 @@ def main(argv: list[str] | None = None) -> int:
                           "P<->MD over A's loopback",
             "cross_dc_pd": "router, client, prefill in pddA; main-b in pddB (cluster B), reached "
                            "only via the TUN delay line",
-            "prefill_shared": "one prefill serves both setups; its cache is flushed in between"},
+            "pdd": "router, client, prefill and relay in pddA; main-b in pddB; KV to main-b, "
+                   "the relay<->main control channel and main-b's HTTP cross the line",
+            "shared": "one prefill serves every setup and main-b both cluster-B setups; their "
+                      "caches are flushed in between"},
         "pools_after": pools, "leaks": leaks,
         "cleanup": {"namespaces_left": left_ns, "server_processes_left": left_pids},
         "timings": timings, "logs": str(log_dir),
@@ -415,11 +429,18 @@ def main(argv: list[str] | None = None) -> int:
 
     print()
     print_table(setups)
-    same, cross = setups["same_dc_pd"], setups["cross_dc_pd"]
-    if same["ttft_p90_s"] and cross["ttft_p90_s"]:
-        print(f"\ncross-DC / same-DC TTFT: P50 x{cross['ttft_p50_s'] / same['ttft_p50_s']:.1f}, "
-              f"P90 x{cross['ttft_p90_s'] / same['ttft_p90_s']:.1f}, "
-              f"P99 x{cross['ttft_p99_s'] / same['ttft_p99_s']:.1f}")
+    same = setups["same_dc_pd"]
+    for other in ("cross_dc_pd", "pdd"):
+        s = setups[other]
+        if same["ttft_p90_s"] and s["ttft_p90_s"]:
+            print(f"\n{other} / same_dc_pd TTFT: P50 x{s['ttft_p50_s'] / same['ttft_p50_s']:.2f}, "
+                  f"P90 x{s['ttft_p90_s'] / same['ttft_p90_s']:.2f}, "
+                  f"P99 x{s['ttft_p99_s'] / same['ttft_p99_s']:.2f}", end="")
+    bar = summary["bar"]
+    print(f"\nthe bar (P99 TTFT): PDD x{bar['pdd_over_same_dc_p99']} (<= {PDD_BAR}: "
+          f"{'met' if bar['pdd_met'] else 'NOT met'}), naive cross-DC "
+          f"x{bar['cross_dc_over_same_dc_p99']} (>= {CROSS_BAR}: "
+          f"{'met' if bar['cross_dc_met'] else 'NOT met'})")
     print(f"timings: {timings}")
     errors = sum(setups[n]["errors"] for n in SETUPS)
     print("KV slots and tree locks back to baseline on every server" if not leaks
@@ -428,6 +449,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"LEFTOVERS: namespaces {left_ns}, processes {left_pids}")
     print(f"wrote {args.out / 'demo.json'} and {png}")
     return 1 if (errors or leaks or left_ns or left_pids) else 0
+
+
+def the_bar(setups: dict) -> dict:
+    """PDD's P99 TTFT against same-DC PD's, and naive cross-DC's, from this one run."""
+    same = setups["same_dc_pd"]["ttft_p99_s"]
+    ratio = lambda name: (round(setups[name]["ttft_p99_s"] / same, 3)  # noqa: E731
+                          if same and setups[name]["ttft_p99_s"] else None)
+    pdd, cross = ratio("pdd"), ratio("cross_dc_pd")
+    return {"pdd_over_same_dc_p99": pdd, "cross_dc_over_same_dc_p99": cross,
+            "pdd_bound": PDD_BAR, "cross_dc_bound": CROSS_BAR,
+            "pdd_met": pdd is not None and pdd <= PDD_BAR,
+            "cross_dc_met": cross is not None and cross >= CROSS_BAR}
 
 
 def _cleanup(cluster, line: WanLine) -> None:

@@ -39,20 +39,24 @@ def run_demo(args: list[str], timeout_s: float) -> subprocess.CompletedProcess:
                           timeout=timeout_s, cwd=REPO)
 
 
-def test_quick_demo_orders_cross_dc_after_same_dc(tmp_path):
-    proc = run_demo(["--quick", "--out", str(tmp_path)], timeout_s=840)
+def test_quick_demo_orders_pdd_before_cross_dc(tmp_path):
+    proc = run_demo(["--quick", "--out", str(tmp_path)], timeout_s=1200)
     assert proc.returncode == 0, f"demo failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     data = json.loads((tmp_path / "demo.json").read_text())
     setups = data["setups"]
-    for name in ("same_dc_pd", "cross_dc_pd"):
+    for name in ("same_dc_pd", "cross_dc_pd", "pdd"):
         missing = [k for k in SETUP_KEYS if setups[name].get(k) is None]
         assert not missing, f"{name} lacks {missing}"
         assert setups[name]["errors"] == 0, setups[name]["error_messages"]
         assert setups[name]["requests"] == data["workload"]["requests_per_setup"]
+    for name in ("same_dc_pd", "cross_dc_pd"):
         # The router had no relay: every request took P->MD.
         assert setups[name]["pipelines"] == {"prefill_main": setups[name]["requests"]}
-    assert setups["pdd"] == {"status": "pending",
-                             "reason": "relay->main handoff (issue 4) not built yet"}
+    # With a relay, the low-hit turns went through it.
+    assert setups["pdd"]["pipelines"].get("prefill_relay_main", 0) > 0, setups["pdd"]["pipelines"]
+    # The issue's ordering, in one run: PDD hides the WAN that naive cross-DC PD pays.
+    assert setups["pdd"]["ttft_p90_s"] < setups["cross_dc_pd"]["ttft_p90_s"], setups
+    assert set(data["bar"]) >= {"pdd_over_same_dc_p99", "cross_dc_over_same_dc_p99"}
     for key in ("rate_mbit", "rtt_ms", "jitter_ms", "kv_bytes_per_token"):
         assert key in data["line"]
     assert data["workload"]["prompt_token_stats"] and data["workload"]["output_token_stats"]
