@@ -136,3 +136,12 @@ def handoff_idle(scheduler: Any) -> bool:
 
     handoff = handoff_for(scheduler)
     return handoff is None or handoff.idle()
+
+
+def handoff_abort(scheduler: Any, abort_req: Any) -> None:
+    """SGLang's /abort_request: also drop matching requests the handoff holds outside its queues."""
+    from pdd_sglang.handoff import handoff_for
+
+    handoff = handoff_for(scheduler)
+    if handoff is not None:
+        handoff.abort(abort_req)

@@ -244,6 +244,24 @@ def relay_finishes_locally(relay_finished: bool, main_ready: bool,
     return bool(cfg.singular_reactive and relay_finished and not main_ready)
 
 
+def cancel_wan_copy(uncached_tokens: int, output_tokens: int,
+                    cfg: PolicyConfig = DEFAULT_POLICY) -> bool:
+    """After the relay finished a request alone: also cancel main's WAN copy of the prompt?
+
+    Only for singular traffic: an uncached input of at least cfg.singular_min_uncached_tokens
+    with an output of at most cfg.singular_max_new_tokens, the brief's "very long input, very
+    short output" that is unlikely to be continued.  Any other request's copy completes and main
+    caches the prompt (the handoff is still cancelled): cancelling every copy whose relay was
+    faster keeps main's cache from ever receiving a long turn, so the conversation's next turns
+    miss at main, take the relay again and are cut short again, the P->RLD-only collapse.
+    """
+    _require_non_negative("uncached_tokens", uncached_tokens)
+    _require_non_negative("output_tokens", output_tokens)
+    return bool(cfg.singular_reactive
+                and uncached_tokens >= cfg.singular_min_uncached_tokens
+                and output_tokens <= cfg.singular_max_new_tokens)
+
+
 def choose_main(candidates: Sequence[MainCandidate],
                 cfg: PolicyConfig = DEFAULT_POLICY) -> int:
     """Index of the main server for a request: longest cached prefix weighed against load.

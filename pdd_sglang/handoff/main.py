@@ -104,6 +104,13 @@ class MainHandoff:
     def idle(self) -> bool:
         return not self.parked and self._running is None
 
+    def abort(self, abort_req: Any) -> None:
+        for parked in list(self.parked.values()):
+            if parked.extend_ready and self._running is not None and parked in self._running.parked:
+                continue  # its extend is in flight; SGLang aborts it once it is in the batch
+            if abort_req.abort_all or parked.req.rid.startswith(abort_req.rid):
+                self._abort(parked, "aborted by the client", notify_relay="aborted_at_main")
+
     def state(self) -> dict:
         return {**self.stats.snapshot(self.loop), "parked": len(self.parked)}
 

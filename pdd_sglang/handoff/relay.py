@@ -131,6 +131,14 @@ class RelayHandoff:
     def idle(self) -> bool:
         return not self.pending and not self.active and not self.held_out
 
+    def abort(self, abort_req: Any) -> None:
+        """Requests out of the batch (test-only hold) are not in SGLang's reach: abort them here."""
+        for room, (req, _) in list(self.held_out.items()):
+            if abort_req.abort_all or req.rid.startswith(abort_req.rid):
+                del self.held_out[room]
+                self.active.pop(room, None)
+                self._abort(req, "aborted by the client")
+
     def _hold_out(self, running_batch: Any, now: float) -> Any:
         """Test-only: a request at its forced handoff point waits for main out of the batch, so
         the handoff happens after exactly that many tokens however late main is ready."""

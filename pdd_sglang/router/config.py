@@ -95,6 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a fully loaded main is worth this many cached tokens less")
     parser.add_argument("--singular-predictive", action="store_true",
                         help="send long-uncached, short-output requests to the relay alone")
+    parser.add_argument("--singular-min-uncached-tokens", type=int,
+                        default=PolicyConfig.singular_min_uncached_tokens,
+                        help="singular traffic: at least this many uncached prompt tokens ...")
+    parser.add_argument("--singular-max-new-tokens", type=int,
+                        default=PolicyConfig.singular_max_new_tokens,
+                        help="... and at most this many output tokens; when the relay answers "
+                             "such a request alone, main's WAN copy is cancelled too")
     parser.add_argument("--tokenizer-path", default=None)
     parser.add_argument("--mirror-max-tokens", type=int, default=None,
                         help="tokens per main's prefix mirror (default: main's KV pool size)")
@@ -120,7 +127,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> RouterConfig:
         parser.error("--wan-gbps must be > 0")
     policy = PolicyConfig(hide_wan_below_s=args.hide_wan_below_s,
                           main_load_penalty_tokens=args.main_load_penalty_tokens,
-                          singular_predictive=args.singular_predictive)
+                          singular_predictive=args.singular_predictive,
+                          singular_min_uncached_tokens=args.singular_min_uncached_tokens,
+                          singular_max_new_tokens=args.singular_max_new_tokens)
     return RouterConfig(
         prefills=prefills, relays=flat(args.relay), mains=flat(args.main),
         host=args.host, port=args.port,

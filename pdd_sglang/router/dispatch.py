@@ -14,6 +14,7 @@ import time
 import uuid
 from typing import AsyncIterator
 
+from pdd_sglang import policy
 from pdd_sglang.route import route_kv_hints
 from pdd_sglang.router.metrics import RouterMetrics, TokenClock
 from pdd_sglang.router.model import ModelInfo
@@ -83,8 +84,8 @@ class Dispatcher:
             with_relay=placement.relay is not None,
             decode=lambda ids: self.model.decode(ids, job.skip_special_tokens))
         queues = {u.role: asyncio.Queue() for u in placement.decoders}
-        tasks = [self._spawn(self._pump(u, body, queues[u.role], splicer))
-                 for u in placement.decoders]
+        tasks = {u.role: self._spawn(self._pump(u, body, queues[u.role], splicer))
+                 for u in placement.decoders}
         prefill_task = self._spawn(self._prefill(placement.prefill, body, list(queues.values())))
         clean = False
         with self.pool.holding(placement.upstreams):
@@ -127,16 +128,30 @@ class Dispatcher:
                     self.metrics.errors.labels("client_disconnect").inc()
                 raise
             finally:
-                for task in tasks:
-                    task.cancel()
+                keep_main = (clean and splicer.outcome == "relay_finished"
+                             and placement.main is not None
+                             and not self._cancels_wan_copy(job, placement, splicer))
+                for role, task in tasks.items():
+                    if not (keep_main and role == "main"):
+                        task.cancel()
                 if not clean:
                     prefill_task.cancel()
                     self._abort(placement.upstreams, rid)
                 elif splicer.outcome == "relay_finished" and placement.main is not None:
-                    # The relay answered alone: main's copy (and the WAN transfer feeding it) is
-                    # dropped by the servers; say so explicitly in case they have not yet.
-                    prefill_task.cancel()
-                    self._abort([placement.main, placement.prefill], rid)
+                    if keep_main:
+                        # The relay answered alone, but main's WAN copy completes and main
+                        # caches the prompt (the relay refuses main's handoff, main frees the
+                        # request): the conversation's next turn still hits at main.
+                        self.metrics.outcomes.labels("relay_finished_main_cached", "none").inc()
+                    else:
+                        # Singular traffic: drop main's copy and the WAN transfer feeding it.
+                        prefill_task.cancel()
+                        self._abort([placement.main, placement.prefill], rid)
+
+    def _cancels_wan_copy(self, job: GenerateJob, placement: Placement,
+                          splicer: StreamSplicer) -> bool:
+        uncached = max(len(job.prompt_ids) - placement.main_cached_tokens, 0)
+        return policy.cancel_wan_copy(uncached, len(splicer.emitted), self.placer.cfg)
 
     def _abort(self, upstreams: list[Upstream], rid: str) -> None:
         for upstream in upstreams:
@@ -190,7 +205,11 @@ class Dispatcher:
         label = "main_only" if outcome == "main" else outcome
         self.metrics.outcomes.labels(label, mode).inc()
         main = placement.main
-        if main is None or outcome == "relay_finished":
+        if main is None:
+            return
+        if outcome == "relay_finished":
+            if not self._cancels_wan_copy(job, placement, splicer):
+                self.mirrors[main.url].insert(list(job.prompt_ids))  # main caches the prompt
             return
         mirror = self.mirrors[main.url]
         actual = splicer.main_cached_tokens

@@ -66,19 +66,33 @@ class RouterProcess:
     def __init__(self, log_path: Path, args: Sequence[str], *, host: str = "127.0.0.1",
                  exec_prefix: Sequence[str] = (), netns_name: Optional[str] = None):
         self.host = host
-        self.port = free_port()
-        self.url = f"http://{host}:{self.port}"
         self.log_path = Path(log_path)
         self.netns = netns_name
+        self._exec_prefix, self._args = tuple(exec_prefix), tuple(args)
         repo_root = Path(__file__).resolve().parents[2]
         self.env = {**os.environ,
                     "PYTHONPATH": os.pathsep.join(filter(None, [str(repo_root),
                                                                 os.environ.get("PYTHONPATH")]))}
-        self.command = [*exec_prefix, sys.executable, "-m", "pdd_sglang.router", "--host", host,
-                        "--port", str(self.port), *args]
+        self._new_port()
         self.process: Optional[subprocess.Popen] = None
 
-    def start(self, timeout_s: float = 300.0) -> None:
+    def _new_port(self) -> None:
+        # Free on the host; inside a namespace a server may hold it already (then: retry).
+        self.port = free_port()
+        self.url = f"http://{self.host}:{self.port}"
+        self.command = [*self._exec_prefix, sys.executable, "-m", "pdd_sglang.router",
+                        "--host", self.host, "--port", str(self.port), *self._args]
+
+    def start(self, timeout_s: float = 300.0, attempts: int = 3) -> None:
+        for attempt in range(attempts):
+            try:
+                return self._start_once(timeout_s)
+            except RuntimeError as err:
+                if "address already in use" not in str(err) or attempt == attempts - 1:
+                    raise
+                self._new_port()
+
+    def _start_once(self, timeout_s: float) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             log.write(f"$ {' '.join(self.command)}\n".encode())

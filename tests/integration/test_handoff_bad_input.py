@@ -185,3 +185,22 @@ def test_relay_refuses_strangers_and_keeps_serving(cluster):
         socket.close(linger=0)
         context.term()
     assert relay.alive()
+
+
+def test_an_abort_reaches_a_request_main_holds_for_the_handoff(cluster):
+    """SGLang's /abort_request finds requests in its own queues; one that main holds for the
+    handoff is dropped by the hook too, and the relay is told."""
+    fake = FakeRelay()
+    try:
+        rid = "pdd-test-abort-held"
+        body = {"input_ids": words(42, 60), "rid": rid,
+                "sampling_params": {"max_new_tokens": 20, "temperature": 0.0}}
+        thread, result = start_request(cluster, fake.address, body)
+        ready = fake.receive()
+        assert cluster["main"].pdd_state()["handoff"]["parked"] == 1
+        cluster["main"].post_json("/abort_request", {"rid": rid}, 30)
+        assert fake.receive() == HandoffRefused(room=ready.room, reason="aborted_at_main")
+        thread.join(120)
+        assert "error" in result, result
+    finally:
+        fake.close()

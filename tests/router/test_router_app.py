@@ -10,6 +10,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from pdd_sglang.policy import PolicyConfig
+
 from pdd_sglang.router.app import build_app
 from pdd_sglang.router.config import LinkParams, PrefillEndpoint, RouterConfig
 from pdd_sglang.router.service import RouterService
@@ -26,6 +28,7 @@ class FakeServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.aborted: list[str] = []
         self.bodies: list[dict] = []
+        self.finished_streams = 0  # streams written to the end (the client read them whole)
         self.runner = None
 
     async def start(self):
@@ -74,6 +77,7 @@ class FakeServer:
             out = {"text": " ".join(f"w{i - 4}" for i in ids), "output_ids": ids, "meta_info": meta}
             await response.write(b"data: " + json.dumps(out).encode() + b"\n\n")
         await response.write(b"data: [DONE]\n\n")
+        self.finished_streams += 1
         return response
 
     async def stop(self):
@@ -87,7 +91,7 @@ MAIN_SCRIPT = [{"ids": [13], "cached": 40},
                {"ids": [14], "cached": 40, "finish": LENGTH}]
 
 
-async def with_router(scripts, test, delay_s=0.0):
+async def with_router(scripts, test, delay_s=0.0, policy=None):
     model_path = str(ensure_tiny_model())
     prefill = FakeServer("prefill", model_path)
     relay = FakeServer("relay", model_path, scripts[0], delay_s)
@@ -95,7 +99,8 @@ async def with_router(scripts, test, delay_s=0.0):
     for server in (prefill, relay, main):
         await server.start()
     config = RouterConfig(prefills=(PrefillEndpoint(prefill.url, 9999),), relays=(relay.url,),
-                          mains=(main.url,), link=LinkParams(1.0, 0.0))  # 1 B/s: always relay
+                          mains=(main.url,), link=LinkParams(1.0, 0.0),  # 1 B/s: always relay
+                          **({"policy": policy} if policy is not None else {}))
     runner = web.AppRunner(build_app(RouterService(config)), handler_cancellation=True)
     await runner.setup()
     port = free_port()
@@ -159,9 +164,10 @@ def test_handoff_is_spliced_through_every_api():
     asyncio.run(with_router([RELAY_SCRIPT, MAIN_SCRIPT], test))
 
 
-def test_relay_finishing_alone_aborts_main():
-    relay_done = [{"ids": [10]}, {"ids": [11], "finish": {"type": "stop", "matched": 2}}]
+RELAY_DONE = [{"ids": [10]}, {"ids": [11], "finish": {"type": "stop", "matched": 2}}]
 
+
+def test_relay_finishing_alone_aborts_main_for_singular_traffic():
     async def test(session, url, prefill, relay, main):
         async with session.post(url + "/generate", json={"input_ids": [5, 6, 7]}) as resp:
             whole = await resp.json()
@@ -169,9 +175,26 @@ def test_relay_finishing_alone_aborts_main():
         assert whole["meta_info"]["pdd"]["outcome"] == "relay_finished"
         await asyncio.sleep(0.3)
         assert main.aborted == [main.bodies[-1]["rid"]]
+        assert prefill.aborted == [main.bodies[-1]["rid"]]
         assert relay.aborted == []
 
-    asyncio.run(with_router([relay_done, MAIN_SCRIPT * 20], test, delay_s=0.05))
+    # Every prompt counts as singular: 0 uncached tokens suffice, 2 output tokens are few.
+    policy = PolicyConfig(singular_min_uncached_tokens=0, singular_max_new_tokens=2)
+    asyncio.run(with_router([RELAY_DONE, MAIN_SCRIPT * 20], test, delay_s=0.05, policy=policy))
+
+
+def test_relay_finishing_alone_lets_main_cache_the_prompt_otherwise():
+    async def test(session, url, prefill, relay, main):
+        async with session.post(url + "/generate", json={"input_ids": [5, 6, 7]}) as resp:
+            whole = await resp.json()
+        assert whole["output_ids"] == [10, 11]
+        assert whole["meta_info"]["pdd"]["outcome"] == "relay_finished"
+        await asyncio.sleep(0.5)
+        # Main's copy runs on (its stream is drained, not closed): main caches the prompt.
+        assert main.aborted == [] and prefill.aborted == []
+        assert main.finished_streams == 1
+
+    asyncio.run(with_router([RELAY_DONE, MAIN_SCRIPT], test, delay_s=0.05))
 
 
 def test_client_disconnect_aborts_on_every_server():

@@ -162,3 +162,16 @@ def test_policy_module_uses_only_the_standard_library():
     modules |= {node.module.split(".")[0] for node in ast.walk(tree)
                 if isinstance(node, ast.ImportFrom) and node.module}
     assert modules <= {"__future__", "enum", "math", "dataclasses", "typing"}
+
+
+def test_wan_copy_is_cancelled_only_for_singular_traffic():
+    from pdd_sglang.policy import cancel_wan_copy
+
+    cfg = PolicyConfig(singular_min_uncached_tokens=1000, singular_max_new_tokens=8)
+    assert cancel_wan_copy(5000, 4, cfg) is True
+    assert cancel_wan_copy(5000, 9, cfg) is False  # a real answer: main should learn the turn
+    assert cancel_wan_copy(999, 1, cfg) is False  # short copy: keep main's cache aligned
+    assert cancel_wan_copy(5000, 4, PolicyConfig(singular_reactive=False,
+                                                 singular_min_uncached_tokens=1000)) is False
+    with pytest.raises(ValueError):
+        cancel_wan_copy(-1, 1, cfg)
