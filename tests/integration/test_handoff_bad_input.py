@@ -4,7 +4,9 @@ completed or cleanly aborted, with nothing held afterwards."""
 
 from __future__ import annotations
 
+import json
 import threading
+import urllib.request
 
 import msgspec
 import pytest
@@ -198,7 +200,11 @@ def test_an_abort_reaches_a_request_main_holds_for_the_handoff(cluster):
         thread, result = start_request(cluster, fake.address, body)
         ready = fake.receive()
         assert cluster["main"].pdd_state()["handoff"]["parked"] == 1
-        cluster["main"].post_json("/abort_request", {"rid": rid}, 30)
+        request = urllib.request.Request(
+            cluster["main"].url + "/abort_request", data=json.dumps({"rid": rid}).encode(),
+            headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            assert resp.status == 200
         assert fake.receive() == HandoffRefused(room=ready.room, reason="aborted_at_main")
         thread.join(120)
         assert "error" in result, result
