@@ -68,10 +68,12 @@ class PolicyConfig:
     relay_load_watermark: relay utilisation (0..1) at or above which the relay prefers ONE_SHOT
         to free its slot at once.
     singular_reactive: when the relay finishes a request before main is ready, complete it at
-        the relay and cancel the WAN copy and the handoff (the brief's singular filter).
+        the relay and cancel the handoff; main's WAN copy is cancelled too only for singular
+        traffic (cancel_wan_copy), any other copy lands so main caches the prompt.
     singular_predictive: decide singular traffic up front in choose_pipeline (off by default:
         max_new_tokens is only an upper bound of the real output length).
-    singular_min_uncached_tokens / singular_max_new_tokens: the predictive filter's thresholds.
+    singular_min_uncached_tokens / singular_max_new_tokens: what counts as singular traffic,
+        for both filters.
     main_load_penalty_tokens: in choose_main, a fully loaded main is worth this many cached
         prefix tokens less than an idle one.
     """

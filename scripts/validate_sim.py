@@ -23,8 +23,19 @@ A setup that is absent, marked with a "status" other than "done"/"ok", or withou
 listed as not measured and skipped; only measured quantities are compared.  Nothing here invents
 measured numbers: without the file the script stops with a message.
 
+When a setup carries its per-request `rows` (scripts/demo.py writes them), the simulator replays
+exactly those requests (prompt and output lengths, conversations, send times; workload.replay_rows)
+with a token-level prefix cache the size of the demo's KV pool (pools_after).  Otherwise it
+falls back to the agentic generator scaled to the file's mean prompt and output.  The line's
+goodput is its rate times the payload share of a packet (MTU less 52 header bytes) times the
+share of packets the forwarder did not drop (forwarder_stats), when the file states them.
+
+`--derive` prints the CPU profile numbers that configs/hardware/cpu_demo.toml takes from the
+same-DC rows (a least-squares line of TTFT against uncached tokens, and the ITL P50).
+
 Known limit: the demo's client is closed-loop (a fixed number of conversations in flight); the
-simulator's arrivals are open-loop at the rate in [cluster] (or workload.rate_per_s if given).
+simulator replays its measured send times open-loop (or, without rows, arrives at the rate in
+[cluster]), so it cannot slow its client down when the servers fall behind.
 """
 
 from __future__ import annotations
@@ -42,7 +53,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pdd_sglang.sim.cluster import ClusterConfig, Setup, simulate  # noqa: E402
 from pdd_sglang.sim.profiles import CONFIG_ROOT, load_table  # noqa: E402
-from pdd_sglang.sim.workload import AgenticConfig, generate_agentic  # noqa: E402
+from pdd_sglang.sim.workload import AgenticConfig, generate_agentic, replay_rows  # noqa: E402
+from pdd_sglang.sim.profiles import InstanceCost, load_hardware, load_model  # noqa: E402
+
+TCP_IP_HEADER_BYTES = 52        # IPv4 20 + TCP 20 + timestamps option 12
 
 QUANTITIES = (("ttft_p50_s", "ttft_p50_s"), ("ttft_p90_s", "ttft_p90_s"),
               ("ttft_p99_s", "ttft_p99_s"), ("itl_p50_ms", "itl_p50_ms"),
@@ -86,6 +100,10 @@ def profiles_from_file(table: dict, measured: dict, tmp: Path) -> tuple[str, str
     if _number(line, "rate_mbit"):
         link["bytes_per_s"] = _number(line, "rate_mbit") * 1e6 / 8
         sources["line rate"] = f"{_number(line, 'rate_mbit'):g} Mbit/s (measured file)"
+        share = goodput_share(line)
+        if share < 1.0:
+            link["bytes_per_s"] *= share
+            sources["goodput share"] = f"{share:.3f} of the rate (MTU and drops, measured file)"
     if _number(line, "rtt_ms") is not None:
         link["rtt_s"] = _number(line, "rtt_ms") / 1e3
         sources["RTT"] = f"{_number(line, 'rtt_ms'):g} ms (measured file)"
@@ -105,6 +123,20 @@ def profiles_from_file(table: dict, measured: dict, tmp: Path) -> tuple[str, str
     return str(link_path), str(model_path), sources
 
 
+def goodput_share(line: dict) -> float:
+    """Payload bytes per line byte: headers of a full packet, and retransmissions of the packets
+    the forwarder dropped (A to B, the direction the KV crosses)."""
+    share = 1.0
+    mtu = _number(line, "mtu")
+    if mtu and mtu > TCP_IP_HEADER_BYTES:
+        share *= (mtu - TCP_IP_HEADER_BYTES) / mtu
+    stats = ((line.get("forwarder_stats") or {}).get("a_to_b") or {})
+    packets, drops = _number(stats, "packets"), _number(stats, "drops")
+    if packets and drops is not None and 0 <= drops < packets:
+        share *= 1 - drops / packets
+    return share
+
+
 def _to_toml(data: dict) -> str:
     return "".join(f"{key} = {json.dumps(value)}\n" for key, value in data.items()
                    if isinstance(value, (int, float, str)))
@@ -115,13 +147,15 @@ def demo_workload(table: dict, measured: dict, requests: int | None) -> AgenticC
     line = measured.get("line") or {}
     base = AgenticConfig()
     scale = table["context_scale"]
-    prompt_mean = _number(workload, "prompt_tokens") or _number(line, "prompt_tokens")
+    prompt_mean = (_number(workload, "prompt_tokens") or _number(workload, "prompt_token_stats")
+                   or _number(line, "prompt_tokens"))
     if prompt_mean:          # scale the generator so its mean prompt matches the measured one
         requests_probe, _ = generate_agentic(replace(base, duration_s=600.0))
         mean = sum(r.input_tokens for r in requests_probe) / len(requests_probe)
         scale = prompt_mean / mean
     out_scale = table["output_scale"]
-    output_mean = _number(workload, "output_tokens") or _number(line, "output_tokens")
+    output_mean = (_number(workload, "output_tokens") or _number(workload, "output_token_stats")
+                   or _number(line, "output_tokens"))
     if output_mean:
         out_scale = output_mean / ((base.short_output_max + base.long_output_max) / 4)
     rate = _number(workload, "rate_per_s") or table["rate_per_s"]
@@ -138,7 +172,24 @@ def demo_workload(table: dict, measured: dict, requests: int | None) -> AgenticC
                    seed=int(workload.get("seed", table["seed"])), **scaled)
 
 
-def demo_cluster(table: dict, setup: Setup, wan_link: str, model: str) -> ClusterConfig:
+def usable_rows(entry: dict) -> list:
+    keys = ("conversation", "turn", "prompt_tokens", "sent_at")
+    rows = entry.get("rows") or []
+    if rows and all(isinstance(r, dict) and all(r.get(k) is not None for k in keys)
+                    for r in rows):
+        return rows
+    return []
+
+
+def kv_pool_tokens(measured: dict) -> int | None:
+    pools = measured.get("pools_after") or {}
+    sizes = [p.get("max_total_num_tokens") for p in pools.values() if isinstance(p, dict)]
+    sizes = [int(x) for x in sizes if isinstance(x, (int, float)) and x > 0]
+    return min(sizes) if sizes else None
+
+
+def demo_cluster(table: dict, setup: Setup, wan_link: str, model: str, cache_tokens: int = 1_000_000,
+                 block_tokens: int = 512) -> ClusterConfig:
     return ClusterConfig(setup=setup, model=model, prefill_hardware="cpu_demo",
                          relay_hardware="cpu_demo", main_hardware="cpu_demo",
                          wan_link=wan_link, rdma_link=table["rdma_link"],
@@ -147,7 +198,8 @@ def demo_cluster(table: dict, setup: Setup, wan_link: str, model: str) -> Cluste
                          main_instances=table["main_instances"],
                          relay_max_running=table["max_running"],
                          main_max_running=table["max_running"],
-                         prefill_cache_tokens=1_000_000, main_cache_tokens=1_000_000)
+                         prefill_cache_tokens=cache_tokens, main_cache_tokens=cache_tokens,
+                         block_tokens=block_tokens)
 
 
 def compare(measured: dict) -> list:
@@ -161,12 +213,21 @@ def compare(measured: dict) -> list:
         wan_link, model, sources = profiles_from_file(table, measured, Path(tmp))
         for what, source in sources.items():
             print(f"configured from the file: {what} = {source}")
+        system = int(_number(measured.get("workload") or {}, "system_prompt_tokens")
+                     or _number(measured.get("workload") or {}, "system_tokens") or 0)
+        pool = kv_pool_tokens(measured) or 1_000_000
         for name, numbers in done.items():
-            count = numbers.get("requests")
-            workload = demo_workload(table, measured, int(count) if count else None)
-            requests, warmup = generate_agentic(workload)
-            summary, _ = simulate(demo_cluster(table, Setup(name), wan_link, model),
-                                  requests, warmup)
+            replay = usable_rows(numbers)
+            if replay:
+                print(f"{name}: replaying its {len(replay)} measured requests")
+                requests, warmup = replay_rows(replay, system, block_tokens=1)
+                cfg = demo_cluster(table, Setup(name), wan_link, model, pool, block_tokens=1)
+            else:
+                count = numbers.get("requests")
+                workload = demo_workload(table, measured, int(count) if count else None)
+                requests, warmup = generate_agentic(workload)
+                cfg = demo_cluster(table, Setup(name), wan_link, model)
+            summary, _ = simulate(cfg, requests, warmup)
             for key, attribute in QUANTITIES:
                 real = numbers.get(key)
                 if not isinstance(real, (int, float)):
@@ -177,10 +238,45 @@ def compare(measured: dict) -> list:
     return rows
 
 
+def derive_cpu_profile(measured: dict) -> dict:
+    """The cpu_demo numbers implied by the same-DC rows: TTFT = a + b * uncached tokens (least
+    squares over every request), so the prefill rate is 1/b tokens/s at the rows' contexts and
+    a is the per-request latency that no token count explains; the decode step is the ITL P50.
+    These are fitted to same-DC measurements only: cross-DC and PDD stay out of sample."""
+    entry = (measured.get("setups") or {}).get("same_dc_pd") or {}
+    rows = [r for r in usable_rows(entry) if isinstance(r.get("ttft_s"), (int, float))
+            and isinstance(r.get("cached_tokens"), (int, float))]
+    if len(rows) < 3:
+        raise SystemExit("validate_sim --derive: the same-DC setup needs per-request rows")
+    new = [r["prompt_tokens"] - r["cached_tokens"] for r in rows]
+    ttft = [r["ttft_s"] for r in rows]
+    n, mean_u, mean_t = len(rows), sum(new) / len(rows), sum(ttft) / len(rows)
+    slope = (sum((u - mean_u) * (t - mean_t) for u, t in zip(new, ttft))
+             / sum((u - mean_u) ** 2 for u in new))
+    intercept = mean_t - slope * mean_u
+    hardware, model = load_hardware("cpu_demo"), load_model("tiny_cpu")
+    flops = sum((2 * model.active_params + model.attention_flops_per_token_pair
+                 * (r["cached_tokens"] + u / 2)) * u for r, u in zip(rows, new))
+    rate = flops / (slope * sum(new))
+    cost = InstanceCost(hardware, model)
+    context = int(sum(r["prompt_tokens"] for r in rows) / n)
+    roofline_step = cost.forward_seconds(1, context) - hardware.step_overhead_s
+    itl = _number(entry, "itl_p50_ms")
+    out = {"rows": n, "ttft_intercept_s": intercept, "ttft_slope_s_per_token": slope,
+           "prefill_tokens_per_s": 1 / slope, "effective_prefill_flops": rate,
+           "prefill_mfu": rate / hardware.peak_flops,
+           "dispatch_latency_s": intercept - hardware.prefill_overhead_s}
+    if itl:
+        out["step_overhead_s"] = itl / 1e3 - roofline_step
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--measured", type=Path, required=True,
                         help="demo.json from the real CPU run (see the module docstring)")
+    parser.add_argument("--derive", action="store_true",
+                        help="print the cpu_demo profile numbers the same-DC rows imply")
     args = parser.parse_args(argv)
     if not args.measured.is_file():
         print(f"validate_sim: no measured file at {args.measured}. Run the real CPU demo first "
@@ -191,6 +287,10 @@ def main(argv=None) -> int:
     if not isinstance(measured.get("setups"), dict):
         print("validate_sim: the measured file has no 'setups' object", file=sys.stderr)
         return 2
+    if args.derive:
+        for key, value in derive_cpu_profile(measured).items():
+            print(f"{key:24s} {value:.6g}")
+        return 0
     rows = compare(measured)
     if not rows:
         print("validate_sim: no setup in the file has measured numbers yet", file=sys.stderr)

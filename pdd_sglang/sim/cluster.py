@@ -57,6 +57,7 @@ class ClusterConfig:
     drain_limit_s: float = 1800.0             # stop this long after the last arrival
     seed: int = 0
     prefill_mfu: float | None = None          # overrides the prefill hardware's (calibration)
+    block_tokens: int = 512                   # prefix-cache granularity (the trace's 512)
 
     def with_(self, **changes) -> "ClusterConfig":
         return replace(self, **changes)
@@ -100,8 +101,10 @@ class Cluster:
         if cfg.prefill_mfu is not None:
             prefill_hardware = replace(prefill_hardware, prefill_mfu=cfg.prefill_mfu)
         prefill_cost = InstanceCost(prefill_hardware, self.model)
+        self.dispatch_latency_s = prefill_hardware.dispatch_latency_s
         self.prefills = [PrefillServer(self.sim, i, prefill_cost,
-                                       BlockPrefixCache(cfg.prefill_cache_tokens),
+                                       BlockPrefixCache(cfg.prefill_cache_tokens,
+                                                        cfg.block_tokens),
                                        self._on_prefill_done)
                          for i in range(cfg.prefill_instances)]
         # One RDMA NIC per prefill GPU: a request's KV leaves through its lane's NIC.
@@ -112,7 +115,8 @@ class Cluster:
         behind_wan = cfg.setup is not Setup.SAME_DC_PD
         main_cache = cfg.use_drc and behind_wan
         self.mains = [DecodeServer(self.sim, "main", i, main_cost, cfg.main_max_running,
-                                   BlockPrefixCache(cfg.main_cache_tokens) if main_cache else None)
+                                   BlockPrefixCache(cfg.main_cache_tokens, cfg.block_tokens)
+                                   if main_cache else None)
                       for i in range(cfg.main_instances)]
         for main in self.mains:
             main.delivery_delay_s = self.wan.one_way_s if behind_wan else 0.0
@@ -176,6 +180,12 @@ class Cluster:
 
     # --- request lifecycle ---------------------------------------------------------------
     def _on_arrival(self, job: Job) -> None:
+        if self.dispatch_latency_s > 0:
+            self.schedule(self.dispatch_latency_s, self._dispatch, job)
+        else:
+            self._dispatch(job)
+
+    def _dispatch(self, job: Job) -> None:
         candidates = [p.candidate(job.request) for p in self.prefills]
         self.prefills[policy.choose_main(candidates, self.cfg.policy)].submit(job)
 
@@ -192,6 +202,7 @@ class Cluster:
             self._send_to_main(job, main)
             return
         uncached = request.input_tokens - (main.candidate(request).cached_prefix_tokens)
+        job.main_uncached_tokens = uncached      # the router's prediction, kept for the filter
         job.pipeline = policy.choose_pipeline(
             uncached, request.output_tokens, self.kv_bytes_per_token, self.wan.rate,
             self.wan.profile.rtt_s, self.cfg.policy)
@@ -232,14 +243,20 @@ class Cluster:
     def _main_has_kv(self, job: Job) -> None:
         job.wan_flow = None
         job.main_ready = True
-        if job.cancelled_wan:          # the relay finished first; the copy still lands
-            if job.main.cache is not None:
-                job.main.cache.insert(job.request.prompt_blocks)
+        if job.handoff_cancelled:      # the relay answered alone; the copy still landed
+            self.main_keeps_prompt(job)
             return
         if job.pipeline is Pipeline.PREFILL_RELAY_MAIN and not job.relay_abandoned:
             self.handoff.main_ready(job)
             return
         self._main_decodes_from_start(job)
+
+    def main_keeps_prompt(self, job: Job) -> None:
+        """A copy landed without a handoff: main caches the prompt (the relay's output never
+        reached it) and frees the request, as SGLang's main does when the relay refuses."""
+        if job.main.cache is not None:
+            job.main.cache.insert(job.request.prompt_blocks)
+        job.main.release(job)
 
     def _main_decodes_from_start(self, job: Job) -> None:
         """P->MD: main emits the first token (computed by prefill) and decodes the rest."""

@@ -210,8 +210,16 @@ def detect_collapse(cluster) -> bool:
     return backlog > slots and quarters[3]["ttft_p50_s"] >= 10 * quarters[0]["ttft_p50_s"]
 
 
+# Cancels main's copy whenever the relay answers first, whatever the request: serving's rule
+# before policy.cancel_wan_copy, kept in F7 to show what the singular thresholds prevent.
+CANCEL_EVERY_RELAY_FIRST_COPY = PolicyConfig(singular_min_uncached_tokens=0,
+                                             singular_max_new_tokens=2 ** 31)
+
+
 def singular_filter_study(quick: bool) -> dict:
-    """F7: no singular filter, the reactive one (default), reactive plus predictive."""
+    """F7: no filter (the relay holds each request until main is aligned), the reactive filter
+    (default: relay-first finishes drop the handoff, only singular copies are cancelled),
+    reactive plus predictive, and cancelling every relay-first copy."""
     cfg, workload = operating_point(True)
     workload = replace(workload, duration_s=600.0 if quick else 1800.0)
     requests, warmup = generate_agentic(workload)
@@ -219,6 +227,7 @@ def singular_filter_study(quick: bool) -> dict:
         "off": PolicyConfig(singular_reactive=False),
         "reactive": PolicyConfig(),
         "reactive+predictive": PolicyConfig(singular_predictive=True),
+        "cancel-all": CANCEL_EVERY_RELAY_FIRST_COPY,
     }
     return {name: simulate(cfg.with_(setup=Setup.PDD, policy=p), requests, warmup)[0]
             for name, p in variants.items()}

@@ -115,6 +115,8 @@ def draw_all(out: Path, data: dict, results: dict, paper: dict, measured) -> Non
     right.set_ylabel("relay slot-seconds")
     left.set_title("F7: singular filter, WAN bytes")
     right.set_title("relay load")
+    for axis in (left, right):
+        axis.tick_params(axis="x", labelrotation=20)
     _save(fig, out, "f7.png")
 
     fig, ax = plt.subplots(figsize=(8, 4))

@@ -3,8 +3,12 @@
 Timeline of a P->RLD->MD request: the WAN copy lands at main; main tells the relay (one-way
 WAN delay); the relay picks a mode (policy.choose_handoff_mode) and sends token ids in chunks
 (policy.next_handoff_chunk); main recomputes their KV in one extend riding in its next forward
-pass and emits the next token.  If the relay finishes first, policy.relay_finishes_locally
-decides whether the WAN copy is cancelled.
+pass and emits the next token.
+
+If the relay finishes first (policy.relay_finishes_locally), the handoff is dropped and the
+relay's slot freed; the WAN copy is cancelled only for singular traffic
+(policy.cancel_wan_copy, the router's rule).  Every other copy still lands and main caches the
+prompt, so the conversation's next turn hits at main instead of taking the relay again.
 """
 
 from __future__ import annotations
@@ -73,7 +77,7 @@ class HandoffProtocol:
         self.sim.schedule(self.wan.message_delay(CONTROL_MESSAGE_BYTES), ReadyAtRelay(self, job))
 
     def begin(self, job) -> None:
-        if job.cancelled_wan:
+        if job.handoff_cancelled:
             return
         job.main_ready_at_relay = True
         if job.user_done:
@@ -121,14 +125,23 @@ class HandoffProtocol:
     def relay_finished(self, job) -> None:
         """The relay produced the request's last token."""
         cluster = self.cluster
+        cluster.finish(job, "relay", self.sim.now)
         if job.pipeline is not Pipeline.PREFILL_RELAY_MAIN or cluster.cfg.setup.value == "prld_only":
-            cluster.finish(job, "relay", self.sim.now)
             cluster.release_relay(job)
             return
-        cluster.finish(job, "relay", self.sim.now)
         if not policy.relay_finishes_locally(True, job.main_ready_at_relay, self.cfg):
             return      # the relay keeps the KV until main is aligned (handoff still runs)
         cluster.release_relay(job)
+        job.handoff_cancelled = True
+        if policy.cancel_wan_copy(job.main_uncached_tokens, job.request.output_tokens, self.cfg):
+            self._cancel_copy(job)
+        elif job.main_ready:
+            cluster.main_keeps_prompt(job)
+        # else the copy is still queued or in flight: cluster._main_has_kv caches the prompt
+        # when it lands and frees main's reservation.
+
+    def _cancel_copy(self, job) -> None:
+        """Singular traffic: stop main's WAN copy (the bytes not yet sent are saved)."""
         job.cancelled_wan = True
         main = job.main
         flow = job.wan_flow
@@ -138,9 +151,10 @@ class HandoffProtocol:
             main.release(job)
         elif flow is not None or job.main_ready:
             # Fully sent already (landing now or landed): nothing to save; main keeps the
-            # prompt in its DRC, on landing (cluster._main_has_kv) or here if it has landed.
-            main.release(job)
-            if job.main_ready and main.cache is not None:
-                main.cache.insert(job.request.prompt_blocks)
+            # prompt, on landing (cluster._main_has_kv) or here if it has landed.
+            if job.main_ready:
+                self.cluster.main_keeps_prompt(job)
+            else:
+                main.release(job)
         else:
             main.withdraw(job)

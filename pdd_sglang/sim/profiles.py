@@ -28,6 +28,10 @@ class HardwareProfile:
     # attention, SGLang's deployment of MLA models with expert parallelism: each GPU runs the
     # attention of its own requests, the MoE layers are shared by all GPUs of the instance.
     attention_parallel_gpus: int = 0        # 0: the whole instance (plain tensor parallelism)
+    # Latency every request pays before prefill that occupies no instance: HTTP hops, the PD
+    # bootstrap handshake, scheduler polling.  Measurable on the CPU demo, where it dwarfs the
+    # tiny model's compute; 0 for the GPU profiles (their calibrated MFU absorbs it).
+    dispatch_latency_s: float = 0.0
 
     @property
     def attention_gpus(self) -> int:

@@ -16,7 +16,8 @@ class Job:
                  "wan_bytes", "first_token_s", "finish_s", "finished_at", "completions",
                  "main_ready", "main_ready_at_relay", "relay_started", "user_done",
                  "handoff_mode", "handed_tokens", "handoff_rounds", "handoff_gap_s",
-                 "relay_last_token_s", "token_times", "cancelled_wan", "relay_abandoned",
+                 "relay_last_token_s", "token_times", "cancelled_wan", "handoff_cancelled",
+                 "main_uncached_tokens", "relay_abandoned",
                  "main_reserved", "prefill_index", "prefill_lane", "relay_hold_since_s")
 
     def __init__(self, request):
@@ -43,7 +44,9 @@ class Job:
         self.handoff_gap_s = math.nan
         self.relay_last_token_s = math.nan
         self.token_times = []
-        self.cancelled_wan = False
+        self.cancelled_wan = False          # main's WAN copy was cut (singular traffic)
+        self.handoff_cancelled = False      # the relay answered alone; no handoff
+        self.main_uncached_tokens = 0
         self.relay_abandoned = False
         self.main_reserved = False
         self.prefill_index = 0

@@ -192,3 +192,42 @@ def ideal_prefix_hits(requests: Iterable[Request], warmup: Iterable[Request] = (
         hits.append(cached / request.input_tokens)
         seen.update(request.prompt_blocks)
     return hits
+
+
+def replay_rows(rows: Iterable[dict], system_tokens: int, block_tokens: int = 1) -> tuple:
+    """(requests, warmup) replaying a measured run's per-request rows (scripts/demo.py's
+    demo.json: conversation, turn, prompt_tokens, output_tokens, sent_at).
+
+    Every conversation starts with the shared system prompt, and a turn re-sends the previous
+    turn's prompt and answer, so its blocks extend the previous context's.  Arrivals are the
+    measured send times: the demo's closed-loop client is replayed open-loop.  Warmup is the
+    demo's one unmeasured request holding the system prompt.  block_tokens=1 matches SGLang's
+    token-level radix cache on CPU (page size 1)."""
+    rows = sorted(rows, key=lambda r: (r["sent_at"], r["conversation"], r["turn"]))
+    if not rows:
+        return [], []
+    system = list(range(system_tokens // block_tokens))
+    next_id = [len(system)]
+
+    def fresh(count):
+        start = next_id[0]
+        next_id[0] += count
+        return list(range(start, start + count))
+
+    streams: dict = {}
+    start = rows[0]["sent_at"]
+    requests = []
+    for row in rows:
+        stream = streams.setdefault(row["conversation"], list(system))
+        prompt = int(row["prompt_tokens"])
+        output = int(row.get("output_tokens") or row.get("max_new_tokens") or 1)
+        # a new turn's prompt diverges from the stream where its fresh tokens begin
+        del stream[prompt // block_tokens:]
+        stream.extend(fresh(prompt // block_tokens - len(stream)))
+        tail = fresh(1) if prompt % block_tokens else []
+        prompt_blocks = tuple(stream) + tuple(tail)
+        stream.extend(fresh((prompt + output) // block_tokens - len(stream)))
+        requests.append(Request(len(requests), row["sent_at"] - start, prompt, max(output, 1),
+                                prompt_blocks, tuple(stream), int(row["conversation"])))
+    warmup = [Request(-1, -1.0, max(system_tokens, 1), 1, tuple(system), tuple(system), -1)]
+    return requests, warmup

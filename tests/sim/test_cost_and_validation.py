@@ -84,3 +84,43 @@ def test_validate_sim_without_any_measured_setup_says_so(tmp_path):
     path.write_text(json.dumps({"setups": {"pdd": {"status": "pending"}}}))
     assert validate.main(["--measured", str(path)]) == 1
     assert validate.main(["--measured", str(tmp_path / "missing.json")]) == 2
+
+
+# The lead's measured `scripts/demo.py --quick` run (2026-11-29 17:36), kept as measured.
+DEMO_QUICK = ROOT / "tests/sim/fixtures/demo_quick_2026-11-29.json"
+
+
+def test_cpu_profile_numbers_are_the_ones_derived_from_the_same_dc_rows():
+    validate = _validate_module()
+    derived = validate.derive_cpu_profile(json.loads(DEMO_QUICK.read_text()))
+    hardware = load_hardware("cpu_demo")
+    assert hardware.prefill_mfu == pytest.approx(derived["prefill_mfu"], rel=0.01)
+    assert hardware.dispatch_latency_s == pytest.approx(derived["dispatch_latency_s"], rel=0.01)
+    assert hardware.step_overhead_s == pytest.approx(derived["step_overhead_s"], rel=0.01)
+
+
+def test_simulated_cpu_demo_ttft_is_within_2x_of_the_measured_one(capsys):
+    validate = _validate_module()
+    rows = validate.compare(json.loads(DEMO_QUICK.read_text()))
+    ratios = {(setup, key): ratio for setup, key, _, _, ratio in rows}
+    assert "same_dc_pd: replaying its 30 measured requests" in capsys.readouterr().out
+    # same-DC is fitted (see cpu_demo.toml); cross-DC is out of sample: only the line differs
+    for setup in ("same_dc_pd", "cross_dc_pd"):
+        for key in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s"):
+            assert 0.5 <= ratios[(setup, key)] <= 2.0, (setup, key, ratios[(setup, key)])
+    assert 0.5 <= ratios[("cross_dc_pd", "wan_bytes")] <= 2.0
+
+
+def test_replayed_turns_extend_the_previous_context_and_share_the_system_prompt():
+    from pdd_sglang.sim.workload import replay_rows
+    rows = [{"conversation": 0, "turn": 0, "prompt_tokens": 110, "output_tokens": 5, "sent_at": 10.0},
+            {"conversation": 1, "turn": 0, "prompt_tokens": 120, "output_tokens": 3, "sent_at": 10.5},
+            {"conversation": 0, "turn": 1, "prompt_tokens": 130, "output_tokens": 4, "sent_at": 12.0}]
+    requests, warmup = replay_rows(rows, system_tokens=100)
+    a, b, a2 = requests
+    assert [r.arrival_s for r in requests] == [0.0, 0.5, 2.0]
+    assert warmup[0].prompt_blocks == tuple(range(100))
+    assert a.prompt_blocks[:100] == b.prompt_blocks[:100] == tuple(range(100))
+    assert a.prompt_blocks[100] != b.prompt_blocks[100]
+    assert len(a.context_blocks) == 115 and a2.prompt_blocks[:115] == a.context_blocks
+    assert len(set(a2.prompt_blocks[115:]) & set(a.context_blocks + b.context_blocks)) == 0
