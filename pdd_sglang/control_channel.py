@@ -27,10 +27,25 @@ from typing import Optional
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils.monitor import recv_monitor_message
 
 from pdd_sglang.messages import MessageError, decode, encode
 
 logger = logging.getLogger(__name__)
+
+# A main notices a dead relay from ZMQ itself: the TCP connection drops (process gone), or ZMQ's
+# heartbeats go unanswered this long (line cut, host hung).
+HEARTBEAT_INTERVAL_MS = 1000
+HEARTBEAT_TIMEOUT_MS = 5000
+
+
+@dataclass(frozen=True)
+class PeerState:
+    """Not a wire message: the loop's note that the connection to ``address`` came up or went
+    down."""
+
+    address: str
+    connected: bool
 
 
 @dataclass(frozen=True)
@@ -134,7 +149,27 @@ class MainControlClient(_Endpoint):
             self.socket.curve_publickey = public
             self.socket.curve_secretkey = secret
             self.socket.curve_serverkey = relay_public
+        self.socket.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_INTERVAL_MS)
+        self.socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        self.socket.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
+        self.monitor = self.socket.get_monitor_socket(
+            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self.connected = False
         self.socket.connect(relay_address)
+
+    def connection_events(self) -> list[bool]:
+        """Connection changes since the last call: True connected, False lost."""
+        changes = []
+        while self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)["event"]
+            self.connected = event == zmq.EVENT_CONNECTED
+            changes.append(self.connected)
+        return changes
+
+    def close(self) -> None:
+        self.socket.disable_monitor()
+        self.monitor.close(linger=0)
+        super().close()
 
     def receive(self, timeout_ms: int):
         if not self.socket.poll(timeout_ms):
@@ -153,7 +188,9 @@ class ControlLoop:
     scheduler calls :meth:`send` (queued, then a one-byte wake-up over an ``inproc`` pair) and
     drains :meth:`received` once per step. On a relay the loop binds one
     :class:`RelayControlServer` and a peer is a ROUTER identity; on a main it connects one
-    :class:`MainControlClient` per relay address on first use, and a peer is that address.
+    :class:`MainControlClient` per relay address on first use, and a peer is that address;
+    when a relay's connection comes up or goes down, :meth:`received` yields
+    ``(address, PeerState(address, connected))``.
     """
 
     def __init__(self, relay_bind: Optional[str] = None, curve: Optional[CurveConfig] = None):
@@ -228,15 +265,26 @@ class ControlLoop:
                 poller = zmq.Poller()
                 poller.register(self._wake_pull, zmq.POLLIN)
                 sockets = {}
+                monitors = {}
                 for peer, endpoint in ([(None, self._server)] if self._server else []) + list(
                         self._clients.items()):
                     poller.register(endpoint.socket, zmq.POLLIN)
                     sockets[endpoint.socket] = (peer, endpoint)
+                    if peer is not None:
+                        poller.register(endpoint.monitor, zmq.POLLIN)
+                        monitors[endpoint.monitor] = (peer, endpoint)
                 for socket, _ in poller.poll(1000):
                     if socket is self._wake_pull:
                         while self._wake_pull.poll(0):
                             self._wake_pull.recv()
                         self._flush_outbox()
+                        continue
+                    if socket in monitors:
+                        peer, endpoint = monitors[socket]
+                        for connected in endpoint.connection_events():
+                            if not connected:
+                                logger.warning("PDD control channel: lost relay %s", peer)
+                            self._inbox.put((peer, PeerState(peer, connected)))
                         continue
                     peer, endpoint = sockets[socket]
                     item = endpoint.receive(0)

@@ -70,7 +70,7 @@ def receiver_metadata(receiver: Any, decode_prefix_len) -> tuple:
 # ---- prefill side: patch 0006 -----------------------------------------------------------
 def start_prefill_fanout(kv_mgr: Any) -> None:
     """Start the WAN transfer path of a prefill KV manager."""
-    from pdd_sglang.prefill_fanout import start_wan_path
+    from pdd_sglang.prefill_wan_path import start_wan_path
 
     start_wan_path(kv_mgr)
 

@@ -3,11 +3,14 @@
 Life cycle of a request on a PDD prefill (P->RLD->MD):
 
 1. The relay and the main each register for the room with their transfer metadata, plus one
-   :class:`~pdd_sglang.messages.DestinationHello` frame: role, how many destinations the room has
-   (so SGLang waits for both), and the prefix that destination already holds (0 on the relay; on
-   the main, what its decode radix cache matched).
-2. SGLang's scheduler starts sending from the smallest of those prefixes
-   (:meth:`PrefillFanout.room_send_start`), chunk by chunk, as prefill computes them.
+   :class:`~pdd_sglang.messages.DestinationHello` frame: role, how many destinations the room has,
+   and the prefix that destination already holds (0 on the relay; on the main, what its decode
+   radix cache matched).
+2. Prefill starts computing as soon as the relay has registered (:meth:`PrefillFanout.
+   _start_on_relay`): the relay's time to first token must not wait for the main, whose
+   registration crosses the WAN. SGLang sends from the smallest prefix
+   (:meth:`PrefillFanout.room_send_start`: the relay's 0), chunk by chunk, as prefill computes
+   them. Chunks sent before the main registered are kept and replayed to it when it does.
 3. A local transfer worker takes each chunk. It sends the relay's part itself and hands the same
    chunk to the WAN path (:meth:`PrefillFanout.destinations_on_this_path`), whose own workers
    send the main's part, so a multi-second WAN copy never holds up a relay transfer behind it.
@@ -20,7 +23,9 @@ Rooms without hellos (plain SGLang PD, or P->MD) take SGLang's own path unchange
 
 Faults: a relay that has not registered ``--pdd-relay-bootstrap-timeout`` seconds after the main
 did is dropped, and the room proceeds to the main alone (a late relay is refused with a Failed
-status, so it frees its slots); a destination whose prefix claim exceeds the prompt fails the room
+status, so it frees its slots). A main that has not registered ``--pdd-main-bootstrap-timeout``
+seconds after its relay, once the relay has all its KV, is dropped the same way: the room
+concludes, prefill frees its KV, the relay answers alone, a late main is refused. A destination whose prefix claim exceeds the prompt fails the room
 cleanly; malformed, mismatched and repeated hellos are refused and counted.
 """
 
@@ -40,10 +45,9 @@ logger = logging.getLogger(__name__)
 
 # Mooncake's metadata message has 10 positional frames; a PDD destination appends its hello.
 HELLO_FRAME_INDEX = 10
-WAN_WORKERS = 4
 MAX_TRACKED_ROOMS = 65536
 STALE_ROOM_S = 600.0
-_on_wan_path = threading.local()
+on_wan_path = threading.local()
 
 
 @dataclasses.dataclass
@@ -52,11 +56,21 @@ class RoomFanout:
     done: dict = dataclasses.field(default_factory=dict)  # session -> ok
     first_hello_at: float = dataclasses.field(default_factory=time.monotonic)
     relay_dropped: bool = False
+    main_dropped: bool = False
+    # Chunks sent while the room's main had not registered yet: replayed to it when it does.
+    unsent_to_main: list = dataclasses.field(default_factory=list)
 
     @property
     def expected(self) -> int:
         declared = max((h.destinations for h in self.hellos.values()), default=1)
-        return declared - (1 if self.relay_dropped else 0)
+        return declared - (1 if self.relay_dropped else 0) - (1 if self.main_dropped else 0)
+
+    def has(self, role: str) -> bool:
+        return any(h.role == role for h in self.hellos.values())
+
+    def awaits_main(self) -> bool:
+        """A P->RLD->MD room that started on its relay's registration, main not yet here."""
+        return self.has("relay") and not self.has("main") and not self.main_dropped
 
 
 class PrefillFanout:
@@ -69,6 +83,8 @@ class PrefillFanout:
         self.refused_hellos = 0
         self.relays_dropped = 0
         self.relay_bootstrap_timeout_s = 5.0
+        self.main_bootstrap_timeout_s = 30.0
+        self.mains_dropped = 0
         self.wan_queues: list = []
         self.wan_engine = None  # pdd_sglang.wan_engine.WanTransferEngine, set at start
 
@@ -96,33 +112,53 @@ class PrefillFanout:
             self.refused_hellos += 1
             logger.warning("PDD: refused destination hello from %s for room %s: %s", session, room, err)
             return
+        replay: list = []
         with self._lock:
             fanout = self._room(room)
-            late_relay = fanout.relay_dropped and hello.role == "relay"
-            if not late_relay and session in fanout.hellos:
+            late = (fanout.relay_dropped and hello.role == "relay") or (
+                fanout.main_dropped and hello.role == "main")
+            if not late and session in fanout.hellos:
                 logger.warning("PDD: %s registered twice for room %s; keeping the first", session, room)
                 return
-            if not late_relay:
+            if not late:
+                # The role first: the engine for a replayed chunk is chosen by it.
+                LEDGER.set_role(session, hello.role)
                 fanout.hellos[session] = hello
-        if late_relay:
-            self._refuse_late_relay(room, session, info)
+                start_now = hello.role == "relay" and fanout.expected == 2 and not fanout.has("main")
+                if hello.role == "main":
+                    replay, fanout.unsent_to_main = fanout.unsent_to_main, []
+        if late:
+            self._refuse_late(room, session, info, hello.role)
             return
-        LEDGER.set_role(session, hello.role)
+        if hello.role == "relay" and start_now:
+            self._start_on_relay(room)
+        for chunk in replay:
+            self._to_wan_path(chunk)
 
-    def _refuse_late_relay(self, room: int, session: str, info: Any) -> None:
+    def _start_on_relay(self, room: int) -> None:
+        """Let prefill compute now; SGLang itself would wait for every destination."""
+        from sglang.srt.disaggregation.base.conn import KVPoll
+
+        infos = self.kv_mgr.transfer_infos.get(room)
+        if not infos:
+            return
+        self.kv_mgr.req_to_decode_prefix_len[room] = self.room_send_start(room, infos)
+        self.kv_mgr.update_status(room, KVPoll.WaitingForInput)
+
+    def _refuse_late(self, room: int, session: str, info: Any, role: str) -> None:
         from sglang.srt.disaggregation.base.conn import KVPoll
 
         # Out of SGLang's table before its bootstrap thread counts destinations again.
         self.kv_mgr.transfer_infos.get(room, {}).pop(session, None)
         logger.warning(
-            "PDD: relay %s registered for room %s after prefill went on without it; refused",
-            session, room,
+            "PDD: %s %s registered for room %s after prefill went on without it; refused",
+            role, session, room,
         )
         if info is not None:
             self.kv_mgr.send_kv_status_message(
                 targets=[(info.endpoint, info.dst_port)], bootstrap_room=room,
                 status=KVPoll.Failed,
-                failure_reason="PDD: the relay registered after the bootstrap deadline",
+                failure_reason=f"PDD: the {role} registered after the bootstrap deadline",
             )
 
     def drop_silent_relays(self, now: float | None = None) -> list[int]:
@@ -161,6 +197,41 @@ class PrefillFanout:
             self.kv_mgr.update_status(room, KVPoll.WaitingForInput)
         return dropped
 
+    def drop_silent_mains(self, now: float | None = None) -> list[int]:
+        """Rooms whose relay has all its KV but whose main never registered: conclude them.
+
+        Prefill holds a room's KV until every destination has its part; a main that never comes
+        (dead, or its request never reached it) must not pin that KV. The relay answers alone.
+        """
+        from sglang.srt.disaggregation.base.conn import KVPoll
+
+        now = time.monotonic() if now is None else now
+        dropped = []
+        with self._lock:
+            for room, fanout in self._rooms.items():
+                relay_done = any(
+                    ok and fanout.hellos.get(session) is not None
+                    and fanout.hellos[session].role == "relay"
+                    for session, ok in fanout.done.items()
+                )
+                if (relay_done and fanout.awaits_main()
+                        and now - fanout.first_hello_at > self.main_bootstrap_timeout_s):
+                    fanout.main_dropped = True
+                    fanout.unsent_to_main = []
+                    dropped.append(room)
+        for room in dropped:
+            self.mains_dropped += 1
+            logger.warning(
+                "PDD: no main registered for room %s within %.1f s of its relay; the relay "
+                "answers alone and prefill frees the room's KV", room, self.main_bootstrap_timeout_s,
+            )
+            # The relay has had its Success; nobody else is waiting on this room.
+            self.kv_mgr.conclude_transfer(bootstrap_room=room, status=KVPoll.Success, targets=[])
+            if self.kv_mgr._staging_outstanding.get(room, 0) <= 0:
+                self.kv_mgr.transfer_infos.pop(room, None)
+                self.kv_mgr.req_to_decode_prefix_len.pop(room, None)
+        return dropped
+
     def is_pdd_room(self, room: int) -> bool:
         with self._lock:
             return room in self._rooms and bool(self._rooms[room].hellos)
@@ -174,21 +245,31 @@ class PrefillFanout:
         return min(p or 0 for p in prefixes)
 
     # ---- 3. which destinations this worker sends to -------------------------------------
-    def destinations_on_this_path(self, kv_chunk: Any, reqs: list) -> list:
+    def destinations_on_this_path(self, kv_chunk: Any, reqs: Any) -> list:
+        reqs = list(reqs)  # a live view of SGLang's table, which registrations change
+        wan_worker = getattr(on_wan_path, "active", False)
         with self._lock:
             fanout = self._rooms.get(kv_chunk.room)
             hellos = dict(fanout.hellos) if fanout else {}
+            if hellos and not wan_worker and fanout.awaits_main():
+                # Decided under the same lock as the main's registration: each chunk reaches
+                # main exactly once, either replayed at registration or forwarded below.
+                fanout.unsent_to_main.append(_uncounted(kv_chunk))
         if not hellos or not self.wan_queues:
-            return list(reqs)
-        wan = [r for r in reqs if _is_wan(hellos.get(r.mooncake_session_id))]
-        if getattr(_on_wan_path, "active", False):
+            return reqs
+        # Only destinations whose hello this chunk's decision saw: a main registering meanwhile
+        # gets the chunk from its replay, not from here as well.
+        known = [r for r in reqs if r.mooncake_session_id in hellos]
+        wan = [r for r in known if _is_wan(hellos[r.mooncake_session_id])]
+        if wan_worker:
             return wan
         if wan:
-            # A copy, counted afresh by the WAN worker that dequeues it: SGLang's per-room
-            # in-flight count must see both paths, or a room could be torn down mid-send.
-            wan_chunk = dataclasses.replace(kv_chunk, staging_counted=False)
-            self.wan_queues[kv_chunk.room % len(self.wan_queues)].put(wan_chunk)
-        return [r for r in reqs if r not in wan]
+            self._to_wan_path(kv_chunk)
+        return [r for r in known if r not in wan]
+
+    def _to_wan_path(self, kv_chunk: Any) -> None:
+        if self.wan_queues:
+            self.wan_queues[kv_chunk.room % len(self.wan_queues)].put(_uncounted(kv_chunk))
 
     # ---- 4. pages past each destination's own prefix -----------------------------------
     def chunk_for_destination(self, room_chunk: Any, req: Any) -> Any:
@@ -248,6 +329,12 @@ class PrefillFanout:
         return fanout
 
 
+def _uncounted(kv_chunk: Any) -> Any:
+    """A copy that the WAN worker dequeuing it counts afresh: SGLang's per-room in-flight count
+    must see both paths, or a room could be torn down mid-send."""
+    return dataclasses.replace(kv_chunk, staging_counted=False)
+
+
 def _is_wan(hello: Optional[DestinationHello]) -> bool:
     return hello is not None and hello.role == "main"
 
@@ -276,71 +363,3 @@ def skip_prefix_pages(chunk: Any, skip_tokens: int, page_size: int) -> Any:
         index_slice=slice(max(start - skip_pages, 0), max(stop - skip_pages, 0)),
         num_kv_tokens=None if tokens is None else max(tokens - drop * page_size, 0),
     )
-
-
-def start_wan_path(kv_mgr: Any) -> PrefillFanout:
-    """Attach a fan-out to a prefill KV manager and start its WAN transfer workers."""
-    from sglang.srt.disaggregation.common.utils import FastQueue
-
-    from sglang.srt.runtime_context import get_server_args
-
-    from pdd_sglang.wan_engine import open_wan_engine
-
-    fanout = PrefillFanout(kv_mgr)
-    kv_mgr.pdd_fanout = fanout
-    args = get_server_args()
-    if getattr(args, "pdd_role", None) == "prefill":
-        fanout.wan_engine = open_wan_engine(kv_mgr, args.pdd_wan_transfer_protocol, args.pdd_wan_ib_device)
-        fanout.relay_bootstrap_timeout_s = float(args.pdd_relay_bootstrap_timeout)
-    watchdog = threading.Thread(
-        target=_watch_relays, args=(fanout,), daemon=True, name="pdd-relay-watchdog"
-    )
-    watchdog.start()
-    kv_mgr._worker_threads.append(watchdog)
-    delay_s = float(getattr(args, "pdd_debug_wan_delay_ms", 0) or 0) / 1e3
-    for index in range(WAN_WORKERS):
-        queue = FastQueue() if delay_s <= 0 else _DelayedQueue(FastQueue(), delay_s)
-        fanout.wan_queues.append(queue)
-        thread = threading.Thread(
-            target=_run_wan_worker, args=(kv_mgr, queue, index), daemon=True,
-            name=f"pdd-wan-transfer-{index}",
-        )
-        thread.start()
-        kv_mgr._worker_threads.append(thread)
-    return fanout
-
-
-class _DelayedQueue:
-    """Test-only (--pdd-debug-wan-delay-ms): every WAN chunk waits before it is sent, so the
-    relay reliably runs ahead of main (forced handoff points, the singular filter)."""
-
-    def __init__(self, inner: Any, delay_s: float):
-        self.inner = inner
-        self.delay_s = delay_s
-
-    def put(self, item: Any) -> None:
-        self.inner.put(item)
-
-    def get(self) -> Any:
-        item = self.inner.get()
-        if item is not None:
-            time.sleep(self.delay_s)
-        return item
-
-
-def _watch_relays(fanout: PrefillFanout) -> None:
-    while not getattr(fanout.kv_mgr, "_stopped", False):
-        time.sleep(0.25)
-        try:
-            fanout.drop_silent_relays()
-        except Exception:  # a watchdog must outlive one bad room
-            logger.exception("PDD: relay watchdog failed")
-
-
-def _run_wan_worker(kv_mgr: Any, queue: Any, index: int) -> None:
-    import concurrent.futures
-
-    _on_wan_path.active = True
-    executor = concurrent.futures.ThreadPoolExecutor(1)
-    # SGLang's own transfer loop, fed by this path's queue: one implementation of sending.
-    kv_mgr.transfer_worker(queue, executor, None, 1000 + index)

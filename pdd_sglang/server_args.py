@@ -63,6 +63,13 @@ class PddArgs(msgspec.Struct):
         "relay; past it the request goes to the main alone (and a late relay is refused). "
         "Default: 5.",
     ] = 5.0
+    pdd_main_bootstrap_timeout: A[
+        float,
+        "PDD prefill: seconds to wait for a P->RLD->MD request's main after its relay "
+        "registered (prefill starts on the relay alone); past it, once the relay has its KV, the "
+        "relay answers alone, prefill frees the request's KV, and a late main is refused. "
+        "Default: 30.",
+    ] = 30.0
     pdd_control_port: A[
         int,
         "PDD relay: port of the relay <-> main control channel (ZMQ ROUTER, token-ID handoff). "
@@ -202,6 +209,10 @@ def _check_handoff_flags(cfg: Any) -> None:
         )
     if cfg.pdd_debug_wan_delay_ms < 0:
         raise PddConfigError(f"--pdd-debug-wan-delay-ms must be >= 0, got {cfg.pdd_debug_wan_delay_ms}")
+    for flag in ("pdd_relay_bootstrap_timeout", "pdd_main_bootstrap_timeout"):
+        if getattr(cfg, flag) <= 0:
+            raise PddConfigError(
+                f"--{flag.replace('_', '-')} must be positive, got {getattr(cfg, flag)}")
     if cfg.pdd_handoff_timeout <= 0:
         raise PddConfigError(f"--pdd-handoff-timeout must be positive, got {cfg.pdd_handoff_timeout}")
     if cfg.pdd_control_keypair is not None:

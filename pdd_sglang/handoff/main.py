@@ -23,8 +23,9 @@ Life cycle of a P->RLD->MD request on a main:
 6. If the relay refuses because it finished the request alone (the singular filter), main aborts
    its copy: KV row, slots and lock are released, and the prompt KV stays in the radix cache for
    the conversation's next turn. If the relay never had the request (it died, or never
-   registered with prefill) or does not answer within ``--pdd-handoff-timeout``, main decodes
-   the request itself from the first token, as plain PD: a delay, not an error.
+   registered with prefill), its connection drops (ZMQ's disconnect or heartbeat timeout), or it
+   does not answer within ``--pdd-handoff-timeout``, main decodes the request itself from the
+   first token, as plain PD: a delay, not an error.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any, Optional
 
+from pdd_sglang.control_channel import PeerState
 from pdd_sglang.handoff.channel import HandoffStats, main_loop
 from pdd_sglang.handoff.relay import route_for
 from pdd_sglang.messages import (HandoffAck, HandoffReady, HandoffRefused, HandoffTokens,
@@ -75,6 +77,7 @@ class MainHandoff:
         self.stats = HandoffStats("main")
         self.parked: dict[int, _Parked] = {}
         self._running: Optional[_RunningExtend] = None
+        self.relays_down: set[str] = set()  # connections ZMQ saw drop and not come back
 
     # ---- hooks -----------------------------------------------------------------------------
     def hold(self, transferred: list) -> list:
@@ -85,6 +88,10 @@ class MainHandoff:
             route = route_for(req)
             if route is None or route.pipeline != "prefill_relay_main" or req.finished():
                 passed.append(req)
+                continue
+            if route.relay_control in self.relays_down:
+                self.stats.event("relay_down_continued_alone")
+                passed.append(req)  # nobody to hand anything over: decode it here, as plain PD
                 continue
             room = req.bootstrap_room
             self.parked[room] = _Parked(req, route.relay_control, now,
@@ -119,7 +126,9 @@ class MainHandoff:
 
     # ---- messages --------------------------------------------------------------------------
     def _on_message(self, peer: str, message: Any) -> None:
-        if isinstance(message, HandoffTokens):
+        if isinstance(message, PeerState):
+            self._on_relay_connection(message)
+        elif isinstance(message, HandoffTokens):
             self._on_tokens(peer, message)
         elif isinstance(message, HandoffRefused):
             parked = self.parked.get(message.room)
@@ -135,6 +144,19 @@ class MainHandoff:
         else:
             self.stats.refuse("unexpected_type")
             logger.warning("PDD main: unexpected %s from relay %s", type(message).__name__, peer)
+
+    def _on_relay_connection(self, state: PeerState) -> None:
+        if state.connected:
+            self.relays_down.discard(state.address)
+            return
+        # The relay is gone (process dead, line cut past ZMQ's heartbeat timeout): its requests
+        # will get no tokens. Decode them here from the first token instead of waiting for
+        # --pdd-handoff-timeout.
+        self.relays_down.add(state.address)
+        self.stats.event("relay_lost")
+        for parked in [p for p in self.parked.values() if p.relay == state.address]:
+            if not parked.extend_ready:
+                self._continue_alone(parked)
 
     def _on_tokens(self, peer: str, message: HandoffTokens) -> None:
         parked = self.parked.get(message.room)

@@ -95,6 +95,20 @@ class Dispatcher:
                     if source not in queues:
                         raise SpliceError(f"{pipeline}: the relay handed off but there is no main")
                     item = await queues[source].get()
+                    if source == "relay" and (item is _END or isinstance(item, BaseException)) \
+                            and "main" in queues:
+                        # The relay died before any handoff: main decodes from the first
+                        # token; the client sees a pause, not an error.
+                        logger.warning("%s: relay %s lost (%s); going on with main %s", rid,
+                                       placement.relay.url, item if item is not _END
+                                       else "stream ended", placement.main.url)
+                        self.metrics.errors.labels("relay_lost").inc()
+                        if isinstance(item, UpstreamError) and item.cause in (
+                                "upstream_connection", "upstream_timeout"):
+                            self.health.report_failure(placement.relay)
+                        splicer.relay_lost()
+                        self._abort([placement.relay], rid)
+                        continue
                     if isinstance(item, BaseException):
                         raise item
                     if item is _END:
@@ -192,6 +206,8 @@ class Dispatcher:
             "predicted_wan_s": placement.predicted_wan_s,
             "relay_fallback": placement.relay_fallback,
             "handed_tokens": splicer.handed_tokens,
+            "relay_lost_at": splicer.relay_lost_at,
+            "diverged": splicer.diverged,
             "ttft_s": clock.ttft_s,
             "handoff_gap_s": clock.handoff_gap_s,
         }

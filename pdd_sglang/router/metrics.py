@@ -22,9 +22,11 @@ class RouterMetrics:
         self.outcomes = Counter(
             "pdd_router_handoff", "Finished requests by how the answer was made: main_only "
             "(P->MD), handoff (relay then main; mode as the relay reported it, else 'unknown'), "
-            "relay_finished (the relay completed it, main's copy aborted)",
+            "relay_finished (the relay completed it, main's copy aborted or cached), "
+            "relay_lost (the relay died before a handoff; main decoded from the first token)",
             ["outcome", "mode"], registry=r)
-        self.errors = Counter("pdd_router_errors", "Requests failed or refused, by cause",
+        self.errors = Counter("pdd_router_errors", "Requests failed or refused, by cause "
+                              "(relay_lost: recovered by main, not failed)",
                               ["cause"], registry=r)
         self.ttft = Histogram("pdd_router_time_to_first_token_seconds",
                               "Request arrival at the router to the first token sent",

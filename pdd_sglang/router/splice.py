@@ -7,6 +7,9 @@ The contract with the servers (pdd_sglang.handoff):
   - relay finishes the request itself (EOS, stop, length; no ``pdd_handoff``): the relay's answer
     is the whole answer, and main's is ignored (the caller aborts main's copy).
   - P->MD: main's answer is the whole answer.
+  - the relay's stream breaks before any handoff (the relay died): main decodes the request from
+    the first token (pdd_sglang.handoff.main notices the lost relay), and the client's stream
+    goes on from main at the next position it has not seen (:meth:`StreamSplicer.relay_lost`).
 
 Tokens are placed by *position*, never by arrival: a position already sent to the client must hold
 the same token in every later chunk (else SpliceError: the two servers disagree), a position past
@@ -60,7 +63,9 @@ class StreamSplicer:
     handed_tokens: Optional[int] = None
     handoff_info: Optional[dict] = None  # the relay's pdd_handoff dict (mode etc., if it says)
     main_cached_tokens: Optional[int] = None  # set by the caller as soon as main reports it
-    outcome: Optional[str] = None  # "main", "relay_finished" or "handoff" once finished
+    outcome: Optional[str] = None  # "main", "relay_finished", "handoff", "relay_lost" at the end
+    relay_lost_at: Optional[int] = None  # positions the client had from the relay when it died
+    diverged: bool = False  # after relay_lost: main sampled other tokens at those positions
     phase: str = field(init=False)
     _base_text: str = field(default="", init=False)
     _base_decoded: str = field(default="", init=False)
@@ -95,15 +100,28 @@ class StreamSplicer:
         self._base_decoded = self.decode(self.emitted)
         return self._update(new_ids, chunk.meta, False, "relay") if new_ids else None
 
+    def relay_lost(self) -> None:
+        """The relay's stream broke before it handed anything over: go on with main's stream."""
+        if self.phase != "relay" or not self.with_relay:
+            raise SpliceError(f"relay lost in phase {self.phase!r}")
+        self.phase = "main"
+        self.relay_lost_at = len(self.emitted)
+        self._base_text = self.text
+        self._base_decoded = self.decode(self.emitted)
+
     # ---- main ---------------------------------------------------------------------------
     def main_chunk(self, chunk: UpstreamChunk) -> Optional[SplicedUpdate]:
         if self.phase != "main":
             raise SpliceError(f"main chunk in phase {self.phase!r}")
         if self.main_cached_tokens is None:
             self.main_cached_tokens = chunk.meta.get("cached_tokens")
-        first = self.handed_tokens or 0
+        first = self._main_start(chunk, self.handed_tokens or 0)
         first_after_handoff = self.with_relay and not self._main_started
-        new_ids = self._place(chunk.output_ids, first)
+        # Main streaming from position 0 after the client had tokens from the relay means it went
+        # on alone (the relay died, or main's wait for the relay timed out): the client keeps what
+        # it has, and gets main's tokens from the next position it has not seen.
+        seen = self.handed_tokens if self.handed_tokens is not None else (self.relay_lost_at or 0)
+        new_ids = self._place(chunk.output_ids, first, lenient=first == 0 < seen)
         if new_ids:
             self._main_started = True
         if self.with_relay:
@@ -117,20 +135,40 @@ class StreamSplicer:
             self.text = chunk.text if chunk.text is not None else self.decode(self.emitted)
         if chunk.finished:
             self.phase = "done"
-            self.outcome = "handoff" if self.with_relay else "main"
+            self.outcome = ("relay_lost" if self.relay_lost_at is not None
+                            else "handoff" if self.with_relay else "main")
             return self._update(new_ids, chunk.meta, True, "main", first_after_handoff and bool(new_ids))
         if not new_ids:
             return None
         return self._update(new_ids, chunk.meta, False, "main", first_after_handoff)
 
     # ---- helpers ------------------------------------------------------------------------
-    def _place(self, ids: list[int], first: int) -> list[int]:
-        """Check ``ids`` (at positions first..) against what was sent; return the new tail."""
+    @staticmethod
+    def _main_start(chunk: UpstreamChunk, expected: int) -> int:
+        """The position of main's first streamed token.
+
+        SGLang's ``completion_tokens`` counts every output token the request holds, the handed
+        ones included, while main streams only from where its stream started; the difference is
+        that start. Without the count, main started where it was expected to.
+        """
+        total = chunk.meta.get("completion_tokens")
+        if isinstance(total, int) and total >= len(chunk.output_ids):
+            return total - len(chunk.output_ids)
+        return expected
+
+    def _place(self, ids: list[int], first: int, lenient: bool = False) -> list[int]:
+        """Check ``ids`` (at positions first..) against what was sent; return the new tail.
+
+        ``lenient``: a disagreement on positions the client already has is recorded
+        (``diverged``: a sampled answer drawn twice) instead of refused; those cannot be unsent.
+        """
         if first > len(self.emitted):
             raise SpliceError(f"gap: tokens start at position {first}, {len(self.emitted)} sent")
         overlap = min(len(self.emitted) - first, len(ids))
         if self.emitted[first:first + overlap] != list(ids[:overlap]):
-            raise SpliceError(f"servers disagree on positions {first}..{first + overlap}")
+            if not lenient:
+                raise SpliceError(f"servers disagree on positions {first}..{first + overlap}")
+            self.diverged = True
         new_ids = list(ids[overlap:])
         self.emitted.extend(new_ids)
         return new_ids

@@ -87,8 +87,9 @@ class FakeServer:
 LENGTH = {"type": "length", "length": 5}
 RELAY_SCRIPT = [{"ids": [10]}, {"ids": [11]},
                 {"ids": [12], "finish": {"type": "pdd_handoff", "handed_tokens": 3}}]
-MAIN_SCRIPT = [{"ids": [13], "cached": 40},
-               {"ids": [14], "cached": 40, "finish": LENGTH}]
+# As SGLang counts them: completion_tokens includes the 3 handed tokens main holds but does not stream.
+MAIN_SCRIPT = [{"ids": [13], "cached": 40, "meta": {"completion_tokens": 4}},
+               {"ids": [14], "cached": 40, "finish": LENGTH, "meta": {"completion_tokens": 5}}]
 
 
 async def with_router(scripts, test, delay_s=0.0, policy=None):

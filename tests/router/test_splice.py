@@ -100,3 +100,49 @@ def test_chunks_without_new_tokens_emit_nothing_until_the_end():
     assert s.main_chunk(chunk([1])) is not None
     assert s.main_chunk(chunk([1])) is None
     assert s.main_chunk(chunk([1], True)).finished
+
+
+def test_a_lost_relay_hands_the_stream_to_main_from_the_next_unseen_position():
+    s = StreamSplicer(with_relay=True, decode=decode)
+    assert s.relay_chunk(chunk([1])).new_ids == [1]
+    assert s.relay_chunk(chunk([1, 2])).new_ids == [2]
+    s.relay_lost()  # the relay died after streaming two tokens
+    assert s.phase == "main" and s.relay_lost_at == 2
+    # Main decodes from the first token: positions 0-1 are skipped, the client goes on at 2.
+    assert s.main_chunk(chunk([1], completion_tokens=1)) is None
+    update = s.main_chunk(chunk([1, 2, 3], completion_tokens=3))
+    assert update.new_ids == [3] and update.output_ids == [1, 2, 3]
+    final = s.main_chunk(chunk([1, 2, 3, 4], True, completion_tokens=4))
+    assert final.finished and final.output_ids == [1, 2, 3, 4] and final.text == "t1 t2 t3 t4"
+    assert s.outcome == "relay_lost" and not s.diverged
+
+
+def test_a_lost_relay_with_a_sampled_prefix_that_main_drew_differently_is_marked_diverged():
+    s = StreamSplicer(with_relay=True, decode=decode)
+    s.relay_chunk(chunk([1, 2]))
+    s.relay_lost()
+    update = s.main_chunk(chunk([1, 9, 5], True))  # main drew 9 where the client saw 2
+    assert update.new_ids == [5] and update.output_ids == [1, 2, 5] and s.diverged
+
+
+def test_main_that_went_on_alone_after_the_relay_handed_off_is_placed_from_its_real_start():
+    # The relay handed 3 tokens, but main's wait had timed out and it decoded from token 0:
+    # SGLang's completion_tokens (3 for 3 streamed ids) gives it away.
+    s = StreamSplicer(with_relay=True, decode=decode)
+    s.relay_chunk(chunk([1, 2, 3], True, finish_reason={"type": "pdd_handoff", "handed_tokens": 3}))
+    update = s.main_chunk(chunk([1, 2, 3, 4], True, completion_tokens=4))
+    assert update.new_ids == [4] and update.output_ids == [1, 2, 3, 4] and not s.diverged
+    # A real handoff: main streams from position 3 and counts the handed tokens.
+    s = StreamSplicer(with_relay=True, decode=decode)
+    s.relay_chunk(chunk([1, 2, 3], True, finish_reason={"type": "pdd_handoff", "handed_tokens": 3}))
+    with pytest.raises(SpliceError, match="disagree"):
+        s.main_chunk(chunk([7, 4], True, completion_tokens=4))  # claims positions 2-3
+
+
+def test_a_relay_cannot_be_lost_after_the_handoff():
+    s = StreamSplicer(with_relay=True, decode=decode)
+    s.relay_chunk(chunk([1], True, finish_reason={"type": "pdd_handoff", "handed_tokens": 1}))
+    with pytest.raises(SpliceError):
+        s.relay_lost()
+    with pytest.raises(SpliceError):
+        StreamSplicer(with_relay=False, decode=decode).relay_lost()

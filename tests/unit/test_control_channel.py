@@ -125,13 +125,41 @@ def test_control_loop_carries_a_handoff_both_ways_and_to_several_relays():
             peer, message = relay.wait_received(5)
             assert message == HandoffReady(room=number)
             relay.send(peer, HandoffAck(room=number, seq=0))
-        answers = sorted((main.wait_received(5) for _ in relays), key=lambda a: a[1].room)
+        answers = sorted(messages_only(main, 2), key=lambda a: a[1].room)
         assert [(a[0], a[1]) for a in answers] == [
             (relays[n].address, HandoffAck(room=n, seq=0)) for n in range(2)]
-        assert main.received() == [] and relays[0].received() == []
+        assert messages_only(main, 0) == [] and relays[0].received() == []
     finally:
         for loop in (*relays, main):
             loop.close()
+
+
+def messages_only(loop, count, timeout_s=5.0):
+    """The next ``count`` protocol messages a main loop received, skipping connection notes."""
+    from pdd_sglang.control_channel import PeerState
+
+    got, deadline = [], time.monotonic() + timeout_s
+    while len(got) < count and time.monotonic() < deadline:
+        item = loop.wait_received(0.1)
+        if item is not None and not isinstance(item[1], PeerState):
+            got.append(item)
+    return got + [item for item in loop.received() if not isinstance(item[1], PeerState)]
+
+
+def test_a_main_learns_at_once_that_its_relay_is_gone():
+    from pdd_sglang.control_channel import ControlLoop, PeerState
+
+    relay = ControlLoop(relay_bind="tcp://127.0.0.1:0")
+    main = ControlLoop()
+    address = relay.address
+    try:
+        main.send(address, HandoffReady(room=1))
+        assert relay.wait_received(5)[1] == HandoffReady(room=1)
+        assert main.wait_received(5) == (address, PeerState(address, True))
+        relay.close()  # the relay process goes away: its TCP connection drops
+        assert main.wait_received(10) == (address, PeerState(address, False))
+    finally:
+        main.close()
 
 
 def test_control_loop_counts_what_it_refuses(keys):

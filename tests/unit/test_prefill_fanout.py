@@ -67,6 +67,8 @@ class FakeKvManager:
         self.status = {}
         self.sent = []
         self.failures = []
+        self.concluded = []
+        self._staging_outstanding = {}
 
     def update_status(self, room, status):
         self.status[room] = status
@@ -76,6 +78,9 @@ class FakeKvManager:
 
     def conclude_failure(self, *, bootstrap_room, failure_reason):
         self.failures.append((bootstrap_room, failure_reason))
+
+    def conclude_transfer(self, *, bootstrap_room, status, targets=None, failure_reason=None):
+        self.concluded.append((bootstrap_room, status, tuple(targets or ())))
 
 
 def register(fanout, kv, room, session, role, destinations=2, prefix=0, port=1):
@@ -146,16 +151,87 @@ def test_the_wan_path_gets_its_own_counted_copy_of_a_chunk():
     fanout = PrefillFanout(kv)
     register(fanout, kv, room=4, session="relay", role="relay")
     register(fanout, kv, room=4, session="main", role="main", port=2)
-    queue = []
-    fanout.wan_queues.append(SimpleNamespace(put=queue.append))
-
-    @dataclasses.dataclass
-    class CountedChunk(Chunk):
-        staging_counted: bool = True
-
+    queue = wan_queue(fanout)
     chunk = CountedChunk(4, np.arange(8, dtype=np.int32), slice(0, 8))
     relay_req = SimpleNamespace(mooncake_session_id="relay")
     main_req = SimpleNamespace(mooncake_session_id="main")
     assert fanout.destinations_on_this_path(chunk, [relay_req, main_req]) == [relay_req]
     (wan_chunk,) = queue
     assert wan_chunk is not chunk and wan_chunk.staging_counted is False
+
+
+@dataclasses.dataclass
+class CountedChunk(Chunk):
+    staging_counted: bool = True
+
+
+def wan_queue(fanout):
+    queue = []
+    fanout.wan_queues.append(SimpleNamespace(put=queue.append))
+    return queue
+
+
+def test_prefill_starts_on_the_relay_and_replays_earlier_chunks_to_a_late_main():
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    kv = FakeKvManager()
+    fanout = PrefillFanout(kv)
+    queue = wan_queue(fanout)
+    register(fanout, kv, room=7, session="relay", role="relay")
+    # Started without the main: SGLang alone would wait for both destinations.
+    assert kv.status[7] == KVPoll.WaitingForInput and kv.req_to_decode_prefix_len[7] == 0
+    relay_req = SimpleNamespace(mooncake_session_id="relay")
+    first = CountedChunk(7, np.arange(8, dtype=np.int32), slice(0, 8))
+    assert fanout.destinations_on_this_path(first, [relay_req]) == [relay_req]
+    assert queue == []  # no main yet: kept, not sent
+    # The main registers while a second chunk is on its way: SGLang's table already lists it,
+    # but this chunk's decision saw no main hello, so only the relay gets it here...
+    second = CountedChunk(7, np.arange(8, 16, dtype=np.int32), slice(8, 16))
+    main_req = SimpleNamespace(mooncake_session_id="main")
+    assert fanout.destinations_on_this_path(second, [relay_req]) == [relay_req]
+    register(fanout, kv, room=7, session="main", role="main", prefix=8, port=2)
+    # ...and both chunks reach main once, by replay, each counted afresh on the WAN path.
+    assert [c.index_slice for c in queue] == [slice(0, 8), slice(8, 16)]
+    assert not any(c.staging_counted for c in queue)
+    # From now on chunks go to both paths as usual.
+    third = CountedChunk(7, np.arange(16, 24, dtype=np.int32), slice(16, 24))
+    assert fanout.destinations_on_this_path(third, [relay_req, main_req]) == [relay_req]
+    assert [c.index_slice for c in queue][-1] == slice(16, 24) and len(queue) == 3
+    assert fanout._rooms[7].unsent_to_main == []
+
+
+def test_a_main_that_registered_first_waits_for_its_relay_as_before():
+    kv = FakeKvManager()
+    fanout = PrefillFanout(kv)
+    register(fanout, kv, room=8, session="main", role="main", prefix=16)
+    assert 8 not in kv.status  # SGLang's own count starts the room once the relay is in
+    register(fanout, kv, room=8, session="relay", role="relay", port=2)
+    assert 8 not in kv.status
+
+
+def test_silent_main_is_dropped_after_the_relay_has_its_kv_and_a_late_one_refused():
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    kv = FakeKvManager()
+    fanout = PrefillFanout(kv)
+    wan_queue(fanout)
+    fanout.main_bootstrap_timeout_s = 3.0
+    relay = register(fanout, kv, room=12, session="relay", role="relay")
+    relay.room = 12
+    relay_req = SimpleNamespace(mooncake_session_id="relay")
+    fanout.destinations_on_this_path(CountedChunk(12, np.arange(4, dtype=np.int32), slice(0, 4)),
+                                     [relay_req])
+    start = fanout._rooms[12].first_hello_at
+    # Past the deadline but the relay's copy is not done: prefill must keep the KV.
+    assert fanout.drop_silent_mains(now=start + 10) == []
+    fanout.destination_sent(relay, True)
+    assert kv.sent == [((("127.0.0.1", 1),), 12, KVPoll.Success)]  # the relay starts decoding
+    assert fanout.drop_silent_mains(now=start + 2) == []
+    assert fanout.drop_silent_mains(now=start + 4) == [12]
+    assert kv.concluded == [(12, KVPoll.Success, ())]  # prefill frees the room's KV
+    assert 12 not in kv.transfer_infos and fanout.mains_dropped == 1
+    assert fanout._rooms[12].unsent_to_main == []
+    kv.transfer_infos[12] = {}
+    register(fanout, kv, room=12, session="main", role="main", port=2)
+    assert "main" not in kv.transfer_infos[12]
+    assert kv.sent[-1] == ((("127.0.0.1", 2),), 12, KVPoll.Failed)
