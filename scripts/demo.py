@@ -41,15 +41,11 @@ sys.path.insert(0, str(REPO))
 
 from pdd_sglang.testing import agentic  # noqa: E402
 from pdd_sglang.testing.cluster import RELAY_CPU_ARGS, Cluster, free_port  # noqa: E402
-from pdd_sglang.testing.tiny_model import TinyModelSpec, ensure_tiny_model  # noqa: E402
+from pdd_sglang.testing.tiny_model import WAN_DEMO_MODEL, ensure_tiny_model  # noqa: E402
 from pdd_sglang.testing.wan_cluster import NetnsServer, RouterProcess, in_namespace  # noqa: E402
 from pdd_sglang.wan import WanLine, check_prerequisites, netns  # noqa: E402
 
-# The demo's model: still tiny for the CPU, but with 4 layers x 8 KV heads x head dim 32 in float32
-# its KV costs 8 KiB per token, so a 1000-token document is 8 MB on the wire.
-DEMO_MODEL = TinyModelSpec(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                           num_attention_heads=8, num_key_value_heads=8,
-                           max_position_embeddings=8192)
+DEMO_MODEL = WAN_DEMO_MODEL  # 8 KiB of KV per token: a 1000-token document is 8 MB on the wire
 # The line: at 10 Mbit/s a 1000-token document's KV (8.2 MB) takes about 6.6 s to cross, a
 # high-hit turn's suffix (about 80 tokens, 0.65 MB) about 0.5 s plus a few 40 ms round trips.
 # (Slower than a real leased line, like the model is smaller than a real one: on 2 shared CPU

@@ -179,8 +179,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--quick", action="store_true", help="shorter runs (< 2 min, 2 cores)")
     parser.add_argument("--measured-handoff", type=Path,
-                        help="JSON from the real handoff microbenchmark: {kv: {...}, token_ids: "
-                             "{...}} with payload_bytes, mean_ms, max_ms, std_ms")
+                        help="handoff.json from scripts/bench_handoff.py (or any JSON with "
+                             "{kv: {...}, token_ids: {...}}: payload_bytes, mean_ms, max_ms, "
+                             "std_ms)")
     parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--calibrate", action="store_true",
                         help="only bisect the prefill MFU that puts same-DC PD's TTFT P50 at the "
@@ -192,6 +193,8 @@ def main(argv=None) -> int:
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
     measured = json.loads(args.measured_handoff.read_text()) if args.measured_handoff else None
+    if measured is not None and "handoff" in measured:
+        measured = measured["handoff"]  # scripts/bench_handoff.py's handoff.json
     started = time.time()
     data = {}
     with ProcessPoolExecutor(max_workers=args.workers) as pool:

@@ -50,6 +50,9 @@ class RouterConfig:
     read_timeout_s: float = 600.0
     startup_timeout_s: float = 600.0
     incremental_streaming_output: bool = False
+    # On P->RLD->MD, how long main's request may wait for the previous turn's WAN copy to land
+    # (router/landing.py). Keep it under the prefill's --pdd-main-bootstrap-timeout.
+    main_wait_for_landing_s: float = 20.0
 
 
 def _split_prefill_args(values: Sequence[str]) -> tuple[PrefillEndpoint, ...]:
@@ -110,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--connect-timeout-s", type=float, default=10.0)
     parser.add_argument("--read-timeout-s", type=float, default=600.0)
     parser.add_argument("--startup-timeout-s", type=float, default=600.0)
+    parser.add_argument("--main-wait-for-landing-s", type=float, default=20.0,
+                        help="on P->RLD->MD, send a turn to main only once the WAN copy of the "
+                             "turn it extends has landed there, waiting at most this long (keep "
+                             "it under the prefill's --pdd-main-bootstrap-timeout); 0: never wait")
     parser.add_argument("--incremental-streaming-output", action="store_true",
                         help="stream only new text and ids per /generate chunk (as SGLang's flag)")
     return parser
@@ -140,4 +147,5 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> RouterConfig:
         connect_timeout_s=args.connect_timeout_s, read_timeout_s=args.read_timeout_s,
         startup_timeout_s=args.startup_timeout_s,
         incremental_streaming_output=args.incremental_streaming_output,
+        main_wait_for_landing_s=args.main_wait_for_landing_s,
     )

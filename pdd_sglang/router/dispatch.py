@@ -16,6 +16,7 @@ from typing import AsyncIterator
 
 from pdd_sglang import policy
 from pdd_sglang.route import route_kv_hints
+from pdd_sglang.router.landing import LandingCopies
 from pdd_sglang.router.metrics import RouterMetrics, TokenClock
 from pdd_sglang.router.model import ModelInfo
 from pdd_sglang.router.placement import Placement, Placer
@@ -39,8 +40,11 @@ class StreamEndedEarly(RuntimeError):
 class Dispatcher:
     def __init__(self, pool: ServerPool, placer: Placer, mirrors: dict[str, PrefixMirror],
                  client: UpstreamClient, health: HealthMonitor, metrics: RouterMetrics,
-                 model: ModelInfo):
+                 model: ModelInfo, landing: LandingCopies | None = None,
+                 main_wait_for_landing_s: float = 20.0):
         self.pool = pool
+        self.landing = landing if landing is not None else placer.landing
+        self.main_wait_for_landing_s = main_wait_for_landing_s
         self.placer = placer
         self.mirrors = mirrors
         self.client = client
@@ -84,7 +88,9 @@ class Dispatcher:
             with_relay=placement.relay is not None,
             decode=lambda ids: self.model.decode(ids, job.skip_special_tokens))
         queues = {u.role: asyncio.Queue() for u in placement.decoders}
-        tasks = {u.role: self._spawn(self._pump(u, body, queues[u.role], splicer))
+        main_after = self._main_waits_for(job, placement)
+        tasks = {u.role: self._spawn(self._pump(u, body, queues[u.role], splicer,
+                                                main_after if u is placement.main else None))
                  for u in placement.decoders}
         prefill_task = self._spawn(self._prefill(placement.prefill, body, list(queues.values())))
         clean = False
@@ -155,8 +161,14 @@ class Dispatcher:
                     if keep_main:
                         # The relay answered alone, but main's WAN copy completes and main
                         # caches the prompt (the relay refuses main's handoff, main frees the
-                        # request): the conversation's next turn still hits at main.
+                        # request): the conversation's next turn still hits at main, and waits
+                        # for this copy to land rather than pull the same pages again.
                         self.metrics.outcomes.labels("relay_finished_main_cached", "none").inc()
+                        landing = self.landing.add(placement.main.url, job.prompt_ids,
+                                                   placement.main_cached_tokens)
+                        tasks["main"].add_done_callback(
+                            lambda _, url=placement.main.url, landing=landing:
+                            self.landing.landed(url, landing))
                     else:
                         # Singular traffic: drop main's copy and the WAN transfer feeding it.
                         prefill_task.cancel()
@@ -171,9 +183,24 @@ class Dispatcher:
         for upstream in upstreams:
             self._spawn(self.client.abort(upstream, rid))
 
+    def _main_waits_for(self, job: GenerateJob, placement: Placement) -> asyncio.Event | None:
+        """On P->RLD->MD: the landing copy of the turn this one extends, if any."""
+        if (placement.pipeline is not policy.Pipeline.PREFILL_RELAY_MAIN
+                or placement.main is None or self.main_wait_for_landing_s <= 0):
+            return None
+        landing = self.landing.predecessor(placement.main.url, job.prompt_ids)
+        return None if landing is None else landing.done
+
     async def _pump(self, upstream: Upstream, body: dict, queue: asyncio.Queue,
-                    splicer: StreamSplicer) -> None:
+                    splicer: StreamSplicer, after: asyncio.Event | None = None) -> None:
         try:
+            if after is not None and not after.is_set():
+                # The relay streams meanwhile; prefill holds main's KV until main registers.
+                try:
+                    await asyncio.wait_for(after.wait(), self.main_wait_for_landing_s)
+                    self.metrics.main_waits.labels("landed").inc()
+                except asyncio.TimeoutError:
+                    self.metrics.main_waits.labels("timed_out").inc()
             async for chunk in self.client.generate_stream(upstream, body):
                 if upstream.role == "main" and splicer.main_cached_tokens is None:
                     splicer.main_cached_tokens = chunk.meta.get("cached_tokens")

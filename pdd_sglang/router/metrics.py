@@ -25,6 +25,9 @@ class RouterMetrics:
             "relay_finished (the relay completed it, main's copy aborted or cached), "
             "relay_lost (the relay died before a handoff; main decoded from the first token)",
             ["outcome", "mode"], registry=r)
+        self.main_waits = Counter(
+            "pdd_router_main_waits", "P->RLD->MD requests whose main waited for the WAN copy of "
+            "the turn they extend, by how the wait ended (landed, timed_out)", ["end"], registry=r)
         self.errors = Counter("pdd_router_errors", "Requests failed or refused, by cause "
                               "(relay_lost: recovered by main, not failed)",
                               ["cause"], registry=r)

@@ -11,6 +11,7 @@ from typing import Optional, Sequence
 
 from pdd_sglang import policy
 from pdd_sglang.router.config import LinkParams
+from pdd_sglang.router.landing import LandingCopies
 from pdd_sglang.router.prefix_mirror import PrefixMirror
 from pdd_sglang.router.servers import MAIN, PREFILL, RELAY, NoHealthyServer, ServerPool, Upstream
 
@@ -54,9 +55,11 @@ class Placement:
 
 class Placer:
     def __init__(self, pool: ServerPool, mirrors: dict[str, PrefixMirror], link: LinkParams,
-                 kv_bytes_per_token: float, cfg: policy.PolicyConfig):
+                 kv_bytes_per_token: float, cfg: policy.PolicyConfig,
+                 landing: Optional[LandingCopies] = None):
         self.pool = pool
         self.mirrors = mirrors  # by main URL
+        self.landing = landing if landing is not None else LandingCopies()
         self.link = link
         self.kv_bytes_per_token = kv_bytes_per_token
         self.cfg = cfg
@@ -65,7 +68,10 @@ class Placer:
         mains = self.pool.healthy(MAIN)
         if not mains:
             raise NoHealthyServer(MAIN)
-        matches = [self.mirrors[m.url].match_length(prompt_ids) for m in mains]
+        # What each main holds now: a copy still crossing the WAN is not there yet.
+        matches = [self.landing.cached_now(m.url, prompt_ids,
+                                           self.mirrors[m.url].match_length(prompt_ids))
+                   for m in mains]
         candidates = [policy.MainCandidate(cached_prefix_tokens=match,
                                            running_requests=min(m.outstanding,
                                                                 m.max_running_requests),

@@ -11,6 +11,7 @@ from pdd_sglang.router.config import RouterConfig
 from pdd_sglang.router.dispatch import Dispatcher
 from pdd_sglang.router.metrics import RouterMetrics
 from pdd_sglang.router.model import ModelInfo, load_model_info
+from pdd_sglang.router.landing import LandingCopies
 from pdd_sglang.router.placement import Placer
 from pdd_sglang.router.prefix_mirror import PrefixMirror
 from pdd_sglang.router.servers import MAIN, PREFILL, HealthMonitor, ServerPool, Upstream
@@ -47,10 +48,12 @@ class RouterService:
             budget = (self.config.mirror_max_tokens or upstream.kv_pool_tokens
                       or DEFAULT_MIRROR_TOKENS)
             self.mirrors[upstream.url] = PrefixMirror(budget)
+        landing = LandingCopies()
         placer = Placer(self.pool, self.mirrors, self.config.link, self.model.kv_bytes_per_token,
-                        self.config.policy)
+                        self.config.policy, landing)
         self.dispatcher = Dispatcher(self.pool, placer, self.mirrors, self.client, self.health,
-                                     self.metrics, self.model)
+                                     self.metrics, self.model, landing,
+                                     self.config.main_wait_for_landing_s)
         self.health.on_recovered = self._learn
         self.health.start()
         logger.info("PDD router ready: model %s, context %d, %.0f KV bytes/token, %s",

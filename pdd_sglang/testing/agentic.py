@@ -95,6 +95,7 @@ class RequestResult:
     output_ids: list = field(default_factory=list)
     cached_tokens: Optional[int] = None
     pipeline: Optional[str] = None
+    outcome: Optional[str] = None  # the router's: main, handoff, relay_finished, relay_lost
     router_ttft_s: Optional[float] = None
     error: Optional[str] = None
 
@@ -155,6 +156,7 @@ def stream_generate(host: str, port: int, body: dict, timeout_s: float,
         result.cached_tokens = meta.get("cached_tokens")
         pdd = meta.get("pdd") or {}
         result.pipeline = pdd.get("pipeline")
+        result.outcome = pdd.get("outcome")
         result.router_ttft_s = pdd.get("ttft_s")
         if len(result.output_ids) != result.max_new_tokens:
             result.error = (f"got {len(result.output_ids)} tokens, asked for "

@@ -91,13 +91,15 @@ def generate_pdd(
     body: dict,
     bootstrap_port: int,
     timeout_s: float = 300.0,
+    keep_main_copy: bool = False,
     **route,
 ) -> dict:
     """One P->RLD->MD request, spliced the way the router does it (non-streaming).
 
     Returns ``output_ids`` (the client's answer), ``handed_tokens`` (None when the relay finished
-    the request alone, and then main's and prefill's copies are aborted, as the router does), the
-    relay's and main's raw answers (main's may be an exception), the room and the rid.
+    the request alone, and then main's and prefill's copies are aborted, as the router does for
+    singular traffic; ``keep_main_copy``: left to finish, as it does for the rest), the relay's
+    and main's raw answers (main's may be an exception), the room and the rid.
     """
     route.setdefault("relay_control", relay_control_address(relay))
     room, rid = new_room(), f"pdd-test-{uuid.uuid4().hex}"
@@ -118,7 +120,7 @@ def generate_pdd(
     relay_answer = results.get(relay.name, TimeoutError("relay did not answer"))
     finished_alone = not isinstance(relay_answer, Exception) and (
         relay_answer["meta_info"]["finish_reason"].get("type") != HANDOFF_FINISH_TYPE)
-    if finished_alone:
+    if finished_alone and not keep_main_copy:
         for server in (main, prefill):
             try:
                 server.post_json("/abort_request", {"rid": rid}, 30)

@@ -47,6 +47,14 @@ class TinyModelSpec:
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
+# The model of the WAN demo and the fault suite: still tiny for the CPU, but with 4 layers x 8 KV
+# heads x head dim 32 in float32 its KV costs 8 KiB per token, so a 1000-token document is 8 MB on
+# the wire and its copy over a 10-20 Mbit/s emulated line takes seconds.
+WAN_DEMO_MODEL = TinyModelSpec(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                               num_attention_heads=8, num_key_value_heads=8,
+                               max_position_embeddings=8192)
+
+
 def default_cache_root() -> Path:
     return Path(os.environ.get("PDD_CACHE_DIR", Path.home() / ".cache" / "pdd-sglang"))
 

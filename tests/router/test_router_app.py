@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import aiohttp
 import pytest
@@ -29,6 +30,8 @@ class FakeServer:
         self.aborted: list[str] = []
         self.bodies: list[dict] = []
         self.finished_streams = 0  # streams written to the end (the client read them whole)
+        self.arrived_at: list[float] = []  # time.monotonic() of each /generate
+        self.finished_at: list[float] = []  # ... and of each stream written to the end
         self.runner = None
 
     async def start(self):
@@ -63,6 +66,7 @@ class FakeServer:
     async def generate(self, request):
         body = await request.json()
         self.bodies.append(body)
+        self.arrived_at.append(time.monotonic())
         if self.role == "prefill":
             return web.json_response({"text": "", "output_ids": [], "meta_info": {}})
         response = web.StreamResponse()
@@ -78,6 +82,7 @@ class FakeServer:
             await response.write(b"data: " + json.dumps(out).encode() + b"\n\n")
         await response.write(b"data: [DONE]\n\n")
         self.finished_streams += 1
+        self.finished_at.append(time.monotonic())
         return response
 
     async def stop(self):
@@ -226,3 +231,24 @@ def test_bad_requests_never_reach_a_server(body, status):
         assert not prefill.bodies and not relay.bodies and not main.bodies
 
     asyncio.run(with_router([RELAY_SCRIPT, MAIN_SCRIPT], test))
+
+
+def test_the_next_turn_reaches_main_only_once_the_previous_copy_has_landed():
+    async def test(session, url, prefill, relay, main):
+        for prompt in ([5, 6, 7], [5, 6, 7, 8]):  # turn 2 extends turn 1
+            async with session.post(url + "/generate", json={"input_ids": prompt}) as resp:
+                whole = await resp.json()
+            assert whole["meta_info"]["pdd"]["outcome"] == "relay_finished"
+        for _ in range(100):  # main's two streams, 1.2 s each, one after the other
+            if main.finished_streams == 2:
+                break
+            await asyncio.sleep(0.1)
+        # Turn 1's copy (main's stream, 1.2 s) was still landing when turn 2 came: main got
+        # turn 2 only after it, while the relay and prefill got it at once.
+        assert len(main.arrived_at) == 2 and main.finished_streams == 2
+        assert main.arrived_at[1] >= main.finished_at[0]
+        assert relay.arrived_at[1] < main.finished_at[0]
+        async with session.get(url + "/metrics") as resp:
+            assert 'pdd_router_main_waits_total{end="landed"} 1.0' in await resp.text()
+
+    asyncio.run(with_router([RELAY_DONE, MAIN_SCRIPT * 6], test, delay_s=0.1))
