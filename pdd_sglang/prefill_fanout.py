@@ -130,6 +130,8 @@ class PrefillFanout:
         if late:
             self._refuse_late(room, session, info, hello.role)
             return
+        logger.debug("PDD room %s: %s %s registered (prefill starts now: %s)", room, hello.role,
+                     session, hello.role == "relay" and start_now)
         if hello.role == "relay" and start_now:
             self._start_on_relay(room)
         for chunk in replay:

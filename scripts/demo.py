@@ -29,6 +29,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -332,18 +333,24 @@ def main(argv: list[str] | None = None) -> int:
         line.start(log_path=str(log_dir / "wan.log"))
         ns_a, ns_b = line.namespace("a"), line.namespace("b")
         bootstrap_port = free_port()
-        common = dict(model_path=model, log_dir=log_dir, max_total_tokens=MAX_TOTAL_TOKENS)
-        prefill = NetnsServer("prefill", host=line.address("a"), exec_prefix=tuple(line.exec_prefix("a")),
+        common = dict(model_path=model, log_dir=log_dir, max_total_tokens=MAX_TOTAL_TOKENS,
+                      env={"OMP_NUM_THREADS": "1"})
+        cores = cpu_plan()
+
+        def where(side: str, role: str) -> tuple:
+            return (*line.exec_prefix(side), *cores[role])
+
+        prefill = NetnsServer("prefill", host=line.address("a"), exec_prefix=where("a", "prefill"),
                               netns=ns_a, extra_args=(
                                   "--pdd-role", "prefill", "--disaggregation-bootstrap-port",
                                   str(bootstrap_port), *TRANSPORT), **common)
-        main_a = NetnsServer("main-a", host="127.0.0.1", exec_prefix=tuple(line.exec_prefix("a")),
+        main_a = NetnsServer("main-a", host="127.0.0.1", exec_prefix=where("a", "decode"),
                              netns=ns_a, extra_args=("--pdd-role", "main", *TRANSPORT), **common)
-        main_b = NetnsServer("main-b", host=line.address("b"), exec_prefix=tuple(line.exec_prefix("b")),
+        main_b = NetnsServer("main-b", host=line.address("b"), exec_prefix=where("b", "decode"),
                              netns=ns_b, extra_args=("--pdd-role", "main", *TRANSPORT), **common)
         # Beside prefill in cluster A; it binds cluster A's line address, so main-b reaches its
         # control channel only across the line.
-        relay = NetnsServer("relay", host=line.address("a"), exec_prefix=tuple(line.exec_prefix("a")),
+        relay = NetnsServer("relay", host=line.address("a"), exec_prefix=where("a", "decode"),
                             netns=ns_a, extra_args=("--pdd-role", "relay", *TRANSPORT,
                                                     *RELAY_CPU_ARGS), **common)
         servers = [prefill, main_a, main_b, relay]
@@ -411,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
                    "the relay<->main control channel and main-b's HTTP cross the line",
             "shared": "one prefill serves every setup and main-b both cluster-B setups; their "
                       "caches are flushed in between"},
+        "cpu_affinity": {role: " ".join(argv[2:]) or "any" for role, argv in cpu_plan().items()},
         "pools_after": pools, "leaks": leaks,
         "cleanup": {"namespaces_left": left_ns, "server_processes_left": left_pids},
         "timings": timings, "logs": str(log_dir),
@@ -445,6 +453,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"LEFTOVERS: namespaces {left_ns}, processes {left_pids}")
     print(f"wrote {args.out / 'demo.json'} and {png}")
     return 1 if (errors or leaks or left_ns or left_pids) else 0
+
+
+def cpu_plan() -> dict:
+    """Which cores each role runs on: prefill on its own core, every decode server on the others.
+
+    In the systems being emulated each role has its own accelerator; on a small CPU machine the
+    three servers of PDD would otherwise compete for the cores that same-DC PD's two servers
+    share, and PDD's TTFT would measure that contention rather than the WAN. Pinning prefill
+    alone gives it the same speed in every setup; the decode servers share what is left (relay
+    and main together in PDD, main alone in the PD setups). One OpenMP thread per server keeps
+    processes from spinning on each other's cores.
+    """
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2 or not shutil.which("taskset"):
+        return {"prefill": (), "decode": ()}
+    rest = ",".join(str(c) for c in cpus[1:])
+    return {"prefill": ("taskset", "-c", str(cpus[0])), "decode": ("taskset", "-c", rest)}
 
 
 def the_bar(setups: dict) -> dict:

@@ -2,7 +2,7 @@
 
 Runs ``scripts/demo.py --quick`` as a subprocess (the real entry point: real SGLang servers in the
 WAN emulator's namespaces, the PDD router, a streaming client) and checks its JSON: the WAN line
-must cost cross-DC PD on P90 TTFT, nothing errors or leaks, and every key the figures read is
+must cost cross-DC PD on P90 TTFT, PDD must beat naive cross-DC PD there, nothing errors or leaks, and every key the figures read is
 there. A second run kills a server mid-run and checks that the demo still stops everything.
 Needs root and /dev/net/tun (CI has both); skips with the reason otherwise.
 """
@@ -59,8 +59,11 @@ def test_quick_demo_runs_three_setups_and_orders_cross_dc_after_same_dc(tmp_path
     for key in ("rate_mbit", "rtt_ms", "jitter_ms", "kv_bytes_per_token"):
         assert key in data["line"]
     assert data["workload"]["prompt_token_stats"] and data["workload"]["output_token_stats"]
-    same, cross = setups["same_dc_pd"], setups["cross_dc_pd"]
+    same, cross, pdd = setups["same_dc_pd"], setups["cross_dc_pd"], setups["pdd"]
     assert cross["ttft_p90_s"] > same["ttft_p90_s"], (same, cross)
+    # PDD hides part of the WAN: its P90 TTFT is below naive cross-DC PD's (issue 7's ordering;
+    # measured 7.1 vs 10.5, 9.0 vs 12.2 and 6.4 vs 11.5 s in the last three --quick runs).
+    assert pdd["ttft_p90_s"] < cross["ttft_p90_s"], (pdd, cross)
     # Every byte of main's KV crossed the line in cross-DC PD, none did in same-DC PD.
     assert cross["wan_bytes_a_to_b"] >= cross["kv_bytes_to_main"] > 0
     assert same["wan_bytes"] < 100_000, same["wan_bytes"]

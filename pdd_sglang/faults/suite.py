@@ -1,0 +1,202 @@
+"""Run a steady load through the router on a real P / RLD / MD cluster across the emulated WAN,
+inject each fault in turn, and measure what it cost.
+
+Per fault: requests sent, completed, errored (with a reason the client can read) and lost (no
+answer within the client's timeout: must be 0); KV slots and tree-locked tokens in use on every
+server after the load has drained, against the baseline taken before the fault (must match); and
+the recovery time, from the injection to the first completed answer of a request sent after it.
+
+Topology (as ``make demo``'s PDD setup): prefill, relay, router and clients in cluster A; main in
+cluster B, reachable only through the line. Timeouts are the WAN-fitting values in
+:data:`SERVER_TIMEOUTS` and :data:`SGLANG_TIMEOUT_ENV`, the ones the README recommends.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+from pdd_sglang.faults.faults import Fault, wait_for
+from pdd_sglang.faults.load import SteadyLoad, tally
+from pdd_sglang.testing.cluster import RELAY_CPU_ARGS, Cluster, free_port
+from pdd_sglang.testing.tiny_model import WAN_DEMO_MODEL, ensure_tiny_model
+from pdd_sglang.testing.wan_cluster import NetnsServer, RouterProcess, in_namespace
+from pdd_sglang.wan import WanLine
+
+TRANSPORT = ("--disaggregation-transfer-backend", "mooncake_tcp")
+# PDD's own deadlines, per path: seconds, not SGLang's 300 s defaults.
+SERVER_TIMEOUTS = {
+    "prefill": ("--pdd-relay-bootstrap-timeout", "3", "--pdd-main-bootstrap-timeout", "15",
+                "--pdd-wan-transfer-timeout", "10"),
+    "relay": (),
+    "main": ("--pdd-handoff-timeout", "10"),
+}
+# SGLang's PD deadlines: a decode server notices a dead prefill by its bootstrap heartbeat, and
+# gives up on a request whose KV never comes.
+SGLANG_TIMEOUT_ENV = {
+    "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "2",
+    "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "2",
+    "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "30",
+    "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "30",
+}
+MAX_TOTAL_TOKENS = 16384
+
+
+@dataclass
+class FaultCluster:
+    """The line, the three servers and the router; every piece stopped by :meth:`stop`."""
+
+    line: WanLine
+    prefill: NetnsServer
+    relay: NetnsServer
+    main: NetnsServer
+    router: Optional[RouterProcess] = None
+    cluster: Optional[Cluster] = None
+
+    @property
+    def servers(self) -> list:
+        return [self.prefill, self.relay, self.main]
+
+    @classmethod
+    def start(cls, log_dir: Path, rate_mbit: float, rtt_ms: float, seed: int = 0) -> "FaultCluster":
+        line = WanLine(rate_mbit, rtt_ms, 0.0, seed=seed)
+        line.start(log_path=str(log_dir / "wan.log"))
+        model = ensure_tiny_model(WAN_DEMO_MODEL)
+        common = dict(model_path=model, log_dir=log_dir, max_total_tokens=MAX_TOTAL_TOKENS,
+                      env={**SGLANG_TIMEOUT_ENV, "OMP_NUM_THREADS": "1"})
+        bootstrap_port, control_port = free_port(), free_port()
+
+        def server(name: str, side: str, host: str, *args: str) -> NetnsServer:
+            return NetnsServer(name, host=host, exec_prefix=tuple(line.exec_prefix(side)),
+                               netns=line.namespace(side), extra_args=(*args, *TRANSPORT),
+                               **common)
+
+        self = cls(
+            line=line,
+            prefill=server("prefill", "a", line.address("a"), "--pdd-role", "prefill",
+                           "--disaggregation-bootstrap-port", str(bootstrap_port),
+                           *SERVER_TIMEOUTS["prefill"]),
+            # A fixed control port: a restarted relay is found where it was.
+            relay=server("relay", "a", line.address("a"), "--pdd-role", "relay",
+                         "--pdd-control-port", str(control_port), *RELAY_CPU_ARGS),
+            main=server("main", "b", line.address("b"), "--pdd-role", "main",
+                        *SERVER_TIMEOUTS["main"]),
+        )
+        try:
+            self.cluster = Cluster(self.servers).__enter__()
+            self.router = RouterProcess(log_dir / "router.log", [
+                "--prefill", self.prefill.url, str(bootstrap_port), "--relay", self.relay.url,
+                "--main", self.main.url, "--wan-gbps", repr(rate_mbit / 1e3),
+                "--wan-rtt-ms", repr(rtt_ms), "--health-interval-s", "1",
+                "--health-failures-to-remove", "1", "--read-timeout-s", "60"],
+                exec_prefix=line.exec_prefix("a"), netns_name=line.namespace("a"))
+            self.router.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def client(self) -> Callable[[], object]:
+        return lambda: in_namespace(self.line.namespace("a"))
+
+    def pools(self) -> dict:
+        """Tokens each server holds in KV slots or tree locks once idle (waits up to 60 s)."""
+        return {s.name: s.wait_idle(60) for s in self.servers}
+
+    def stop(self) -> None:
+        for step in (lambda: self.router and self.router.stop(),
+                     lambda: self.cluster and self.cluster.stop(),
+                     lambda: [s.stop(grace_s=5.0) for s in self.servers],
+                     self.line.stop):
+            try:
+                step()
+            except Exception:  # noqa: BLE001 - every piece gets its chance to stop
+                pass
+
+
+def held_tokens(pools: dict) -> dict:
+    return {name: pool["in_use_tokens"] + pool["locked_tokens"] for name, pool in pools.items()}
+
+
+def run_fault(cluster: FaultCluster, fault: Fault, *, warmup_s: float, after_s: float,
+              seed: int, answer_timeout_s: float = 120.0,
+              progress: Callable[[str], None] = lambda _: None) -> dict:
+    baseline = held_tokens(cluster.pools())
+    load = SteadyLoad(cluster.router.host, cluster.router.port, fault.profile, seed=seed,
+                      answer_timeout_s=answer_timeout_s, thread_setup=cluster.client())
+    load.start()
+    try:
+        time.sleep(warmup_s)
+        # Inject while requests are in flight, so the fault catches some mid-way.
+        wait_for(lambda: len(load.in_flight()) >= min(2, fault.profile.concurrency), 30)
+        progress(f"{fault.name}: injecting ({len(load.in_flight())} requests in flight)")
+        injected = time.monotonic()
+        fault.inject(cluster)
+        time.sleep(fault.hold_s)
+        progress(f"{fault.name}: recovering")
+        fault.recover(cluster)
+        recovered_at = time.monotonic()
+
+        def first_good_answer() -> Optional[float]:
+            done = [s.ended for s in list(load.sent)
+                    if s.started > injected and s.ended is not None and s.status == "completed"]
+            return min(done) if done else None
+
+        wait_for(lambda: first_good_answer() is not None, answer_timeout_s)
+        time.sleep(after_s)
+    finally:
+        progress(f"{fault.name}: draining")
+        load.stop()
+    good = first_good_answer()
+    after = held_tokens(cluster.pools())
+    counts = tally(load.sent)
+    errors = sorted({s.result.error[:160] for s in load.sent if s.status == "errored"})
+    outcomes: dict = {}
+    for s in load.sent:
+        if s.status == "completed":
+            outcomes[s.result.outcome or "unknown"] = outcomes.get(s.result.outcome or "unknown", 0) + 1
+    return {
+        **counts,
+        "leaked_slots": sum(after.values()) - sum(baseline.values()),
+        "recovery_s": None if good is None else round(good - injected, 2),
+        "restart_s": round(recovered_at - injected - fault.hold_s, 2),
+        "held_tokens_before": baseline, "held_tokens_after": after,
+        "completed_by_outcome": outcomes, "errors": errors[:8],
+        "expectation": fault.expectation,
+        "profile": {"shared_tokens": fault.profile.shared_tokens,
+                    "unique_tokens": fault.profile.unique_tokens,
+                    "output_tokens": fault.profile.output_tokens,
+                    "concurrency": fault.profile.concurrency},
+        "hold_s": fault.hold_s,
+    }
+
+
+def run_suite(faults: Sequence[Fault], log_dir: Path, *, rate_mbit: float, rtt_ms: float,
+              warmup_s: float, after_s: float, seed: int = 0,
+              progress: Callable[[str], None] = print) -> dict:
+    started = time.monotonic()
+    progress(f"starting the line ({rate_mbit:g} Mbit/s, RTT {rtt_ms:g} ms) and P, RLD, MD, router "
+             f"(logs: {log_dir})")
+    cluster = FaultCluster.start(log_dir, rate_mbit, rtt_ms, seed)
+    results: dict[str, Any] = {}
+    try:
+        for number, fault in enumerate(faults):
+            if cluster.router is None or not cluster.router.alive():
+                raise RuntimeError(f"the router died before {fault.name}")
+            results[fault.name] = run_fault(cluster, fault, warmup_s=warmup_s, after_s=after_s,
+                                            seed=seed * 1000 + number, progress=progress)
+            progress(f"{fault.name}: {_line(results[fault.name])}")
+    finally:
+        cluster.stop()
+    return {"faults": results,
+            "line": {"rate_mbit": rate_mbit, "rtt_ms": rtt_ms},
+            "timeouts": {"servers": {k: list(v) for k, v in SERVER_TIMEOUTS.items()},
+                         "sglang_env": SGLANG_TIMEOUT_ENV},
+            "duration_s": round(time.monotonic() - started, 1), "logs": str(log_dir)}
+
+
+def _line(row: dict) -> str:
+    return (f"sent {row['sent']}, completed {row['completed']}, errored {row['errored']}, "
+            f"lost {row['lost']}, leaked {row['leaked_slots']}, recovery {row['recovery_s']} s")

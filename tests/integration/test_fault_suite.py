@@ -1,0 +1,57 @@
+"""The fault suite's short configuration on real servers: no request lost, no KV slot leaked.
+
+Real prefill, relay and main (the tiny CPU model) and the router, main behind the emulated WAN
+line; a steady load while the relay dies, main dies before its handoffs, and the line stalls past
+the WAN transfer timeout (``scripts/fault_suite.py --quick``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from pdd_sglang.faults import faults
+from pdd_sglang.faults.suite import run_suite
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    if os.geteuid() != 0 or not Path("/dev/net/tun").exists():
+        pytest.skip("the WAN emulator needs root and /dev/net/tun")
+    log_dir = tmp_path_factory.mktemp("fault-logs")
+    result = run_suite(faults.QUICK, log_dir, rate_mbit=20.0, rtt_ms=20.0, warmup_s=4.0,
+                       after_s=3.0, progress=lambda text: print(text, flush=True))
+    print(json.dumps(result["faults"], indent=1))
+    yield result
+    # Logs stay for a failed run (pytest keeps its last tmp dirs); a clean one drops them.
+    shutil.rmtree(log_dir, ignore_errors=True)
+
+
+@pytest.mark.parametrize("name", [f.name for f in faults.QUICK])
+def test_no_request_is_lost_and_no_slot_leaks(report, name):
+    row = report["faults"][name]
+    assert row["sent"] > 0 and row["sent"] == row["completed"] + row["errored"] + row["lost"]
+    assert row["lost"] == 0, row
+    assert row["leaked_slots"] == 0, row
+    # Service came back: a request sent after the fault completed.
+    assert row["recovery_s"] is not None, row
+    # Every failure told the client why.
+    assert all(error.strip() for error in row["errors"])
+
+
+def test_a_dead_relay_costs_its_requests_a_pause_not_an_error(report):
+    row = report["faults"]["relay_dies"]
+    # Requests the relay was decoding went on at main from the first token.
+    assert row["completed_by_outcome"].get("relay_lost", 0) >= 1, row
+    assert row["errored"] == 0, row
+
+
+def test_requests_before_their_handoff_survive_a_dead_main(report):
+    row = report["faults"]["main_dies_before_handoff"]
+    assert row["completed_by_outcome"].get("relay_finished", 0) >= 1, row
