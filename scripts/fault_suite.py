@@ -61,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{'recovery s':>10}")
     bad = False
     for name, row in report["faults"].items():
+        if "error" in row:
+            print(f"{name:26} not measured: {row['error']}")
+            bad = True
+            continue
         print(f"{name:26} {row['sent']:5} {row['completed']:5} {row['errored']:5} "
               f"{row['lost']:5} {row['leaked_slots']:7} {str(row['recovery_s']):>10}")
         bad |= row["lost"] > 0 or row["leaked_slots"] != 0

@@ -89,10 +89,10 @@ class WanStall(Fault):
     hold_s: float = 20.0
 
     def inject(self, cluster):
-        os.kill(cluster.line.forwarder_pid(), signal.SIGSTOP)
+        os.kill(cluster.line.forwarder_pid, signal.SIGSTOP)
 
     def recover(self, cluster):
-        os.kill(cluster.line.forwarder_pid(), signal.SIGCONT)
+        os.kill(cluster.line.forwarder_pid, signal.SIGCONT)
 
 
 WAN_STALL = WanStall()

@@ -185,8 +185,14 @@ def run_suite(faults: Sequence[Fault], log_dir: Path, *, rate_mbit: float, rtt_m
         for number, fault in enumerate(faults):
             if cluster.router is None or not cluster.router.alive():
                 raise RuntimeError(f"the router died before {fault.name}")
-            results[fault.name] = run_fault(cluster, fault, warmup_s=warmup_s, after_s=after_s,
-                                            seed=seed * 1000 + number, progress=progress)
+            try:
+                results[fault.name] = run_fault(cluster, fault, warmup_s=warmup_s,
+                                                after_s=after_s, seed=seed * 1000 + number,
+                                                progress=progress)
+            except Exception as err:  # noqa: BLE001 - one broken fault must not hide the others
+                results[fault.name] = {"error": f"{type(err).__name__}: {err}"}
+                progress(f"{fault.name}: the suite itself failed: {results[fault.name]['error']}")
+                continue
             progress(f"{fault.name}: {_line(results[fault.name])}")
     finally:
         cluster.stop()

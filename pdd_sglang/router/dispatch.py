@@ -31,6 +31,11 @@ logger = logging.getLogger("pdd_sglang.router")
 _END = object()
 
 
+def _from(item, upstream: Upstream) -> bool:
+    """Whether ``item`` is an error that ``upstream`` caused."""
+    return isinstance(item, UpstreamError) and item.upstream is upstream
+
+
 class StreamEndedEarly(RuntimeError):
     def __init__(self, upstream: Upstream):
         super().__init__(f"{upstream.role} {upstream.url} closed its stream before finishing")
@@ -101,8 +106,16 @@ class Dispatcher:
                     if source not in queues:
                         raise SpliceError(f"{pipeline}: the relay handed off but there is no main")
                     item = await queues[source].get()
-                    if source == "relay" and (item is _END or isinstance(item, BaseException)) \
-                            and "main" in queues:
+                    if (source == "relay" and "main" in queues and splicer.emitted
+                            and _from(item, placement.prefill)):
+                        # Prefill failed after the relay had its KV (e.g. main's WAN copy
+                        # failed): the relay finishes the request; main's failure, if any, is
+                        # its own and is ignored until a handoff.
+                        logger.warning("%s: prefill failed after the relay started (%s); the "
+                                       "relay goes on", rid, item)
+                        continue
+                    if source == "relay" and "main" in queues and (
+                            item is _END or _from(item, placement.relay)):
                         # The relay died before any handoff: main decodes from the first
                         # token; the client sees a pause, not an error.
                         logger.warning("%s: relay %s lost (%s); going on with main %s", rid,
