@@ -99,6 +99,12 @@ def destination_sent(kv_mgr: Any, req: Any, ok: bool) -> None:
     kv_mgr.pdd_fanout.destination_sent(req, ok)
 
 
+def destination_failed(kv_mgr: Any, req: Any) -> bool:
+    """True when PDD takes a failed destination out of its room and the room goes on."""
+    fanout = getattr(kv_mgr, "pdd_fanout", None)
+    return fanout is not None and fanout.destination_failed(req)
+
+
 def engine_for_session(kv_mgr: Any, session: str) -> Any:
     """The Mooncake engine for one destination: the WAN engine for a main (patch 0006)."""
     fanout = getattr(kv_mgr, "pdd_fanout", None)

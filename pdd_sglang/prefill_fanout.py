@@ -57,6 +57,7 @@ class RoomFanout:
     first_hello_at: float = dataclasses.field(default_factory=time.monotonic)
     relay_dropped: bool = False
     main_dropped: bool = False
+    started_on_relay: bool = False
     # Chunks sent while the room's main had not registered yet: replayed to it when it does.
     unsent_to_main: list = dataclasses.field(default_factory=list)
 
@@ -70,7 +71,7 @@ class RoomFanout:
 
     def awaits_main(self) -> bool:
         """A P->RLD->MD room that started on its relay's registration, main not yet here."""
-        return self.has("relay") and not self.has("main") and not self.main_dropped
+        return self.started_on_relay and not self.has("main") and not self.main_dropped
 
 
 class PrefillFanout:
@@ -133,6 +134,8 @@ class PrefillFanout:
         logger.debug("PDD room %s: %s %s registered (prefill starts now: %s)", room, hello.role,
                      session, hello.role == "relay" and start_now)
         if hello.role == "relay" and start_now:
+            with self._lock:
+                fanout.started_on_relay = True
             self._start_on_relay(room)
         for chunk in replay:
             self._to_wan_path(chunk)
@@ -216,23 +219,56 @@ class PrefillFanout:
                     and fanout.hellos[session].role == "relay"
                     for session, ok in fanout.done.items()
                 )
-                if (relay_done and fanout.awaits_main()
+                if ((relay_done or fanout.relay_dropped) and fanout.awaits_main()
                         and now - fanout.first_hello_at > self.main_bootstrap_timeout_s):
                     fanout.main_dropped = True
                     fanout.unsent_to_main = []
-                    dropped.append(room)
-        for room in dropped:
+                    dropped.append((room, fanout.relay_dropped))
+        for room, relay_lost in dropped:
             self.mains_dropped += 1
             logger.warning(
                 "PDD: no main registered for room %s within %.1f s of its relay; the relay "
                 "answers alone and prefill frees the room's KV", room, self.main_bootstrap_timeout_s,
             )
-            # The relay has had its Success; nobody else is waiting on this room.
-            self.kv_mgr.conclude_transfer(bootstrap_room=room, status=KVPoll.Success, targets=[])
+            # The relay has had its Success (or is gone); nobody else is waiting on this room.
+            self.kv_mgr.conclude_transfer(
+                bootstrap_room=room, status=KVPoll.Failed if relay_lost else KVPoll.Success,
+                targets=[], failure_reason="PDD: the relay died and no main registered" if relay_lost else None)
             if self.kv_mgr._staging_outstanding.get(room, 0) <= 0:
                 self.kv_mgr.transfer_infos.pop(room, None)
                 self.kv_mgr.req_to_decode_prefix_len.pop(room, None)
-        return dropped
+        return [room for room, _ in dropped]
+
+    def destination_failed(self, req: Any) -> bool:
+        """A transfer to ``req``'s destination failed. A relay drops out of its room, which goes
+        on to main (main decodes from the first token once it misses the relay); any other
+        failure is SGLang's to handle (the room fails)."""
+        from sglang.srt.disaggregation.base.conn import KVPoll
+
+        room, session = req.room, req.mooncake_session_id
+        with self._lock:
+            fanout = self._rooms.get(room)
+            hello = fanout.hellos.get(session) if fanout is not None else None
+            if (hello is None or hello.role != "relay" or fanout.main_dropped
+                    or fanout.relay_dropped or session in fanout.done):
+                return False
+            # The hello stays (the room's shape); SGLang's table loses the relay, so no later
+            # chunk is sent to it.
+            fanout.relay_dropped = True
+            complete = fanout.has("main") and len(fanout.done) >= fanout.expected
+            all_ok = complete and all(fanout.done.values())
+            if complete:
+                self._rooms.pop(room, None)
+        self.relays_dropped += 1
+        self.kv_mgr.transfer_infos.get(room, {}).pop(session, None)
+        logger.warning("PDD: the transfer to relay %s of room %s failed; the room goes on to its "
+                       "main alone", session, room)
+        if complete:  # main had all its KV already: the room is done
+            main = next(iter(self.kv_mgr.transfer_infos.get(room, {}).values()), None)
+            self.kv_mgr.conclude_transfer(
+                bootstrap_room=room, status=KVPoll.Success if all_ok else KVPoll.Failed,
+                targets=[] if main is None else [(main.endpoint, main.dst_port)])
+        return True
 
     def is_pdd_room(self, room: int) -> bool:
         with self._lock:

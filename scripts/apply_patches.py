@@ -11,8 +11,11 @@ recorded when it installed the wheel (the dist-info RECORD):
 * pristine: its hash equals RECORD's;
 * patched, wholly or by the first k of its hunks (an older, shorter series): reverse-applying
   those hunks gives RECORD's hash back;
-* foreign: neither (edited by hand, another version, or a patch since changed): we refuse and
-  change nothing.
+* ours, from an earlier version of the series (a patch since changed): the file is exactly what
+  this tool last installed (its hash is in the manifest ``<site-packages>/.pdd-patches/manifest.json``)
+  and the wheel's own copy was kept beside it (``.pdd-patches/pristine/``): the series is applied
+  afresh to that copy, so pulling a changed series needs no reinstall;
+* foreign: none of these (edited by hand, another version): we refuse and change nothing.
 
 All work happens on copies in a temporary directory; the installed files are replaced (one atomic
 rename each) only after every hunk of the series has applied cleanly, so no run leaves the tree
@@ -26,6 +29,7 @@ import base64
 import hashlib
 import importlib.metadata
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -153,6 +157,29 @@ class Installation:
             if path not in self.recorded:
                 raise PatchError(f"{path} is not a file of {self.package} {installed}")
 
+    # ---- what this tool installed before (upgrades of the series) -----------------------
+    @property
+    def keep_dir(self) -> Path:
+        return self.site_packages / ".pdd-patches"
+
+    def manifest(self) -> dict:
+        try:
+            return json.loads((self.keep_dir / "manifest.json").read_text())
+        except (FileNotFoundError, ValueError):
+            return {}
+
+    def pristine_copy(self, path: str) -> Path:
+        return self.keep_dir / "pristine" / path
+
+    def ours_from_earlier_series(self, path: str) -> bool:
+        kept = self.pristine_copy(path)
+        return (self.manifest().get(path) == sha256_hex(self.site_packages / path)
+                and kept.exists() and sha256_hex(kept) == self.recorded[path])
+
+    def source(self, path: str, states: dict) -> Path:
+        """The file a transform starts from: the wheel's kept copy for an earlier series."""
+        return self.pristine_copy(path) if states[path] == "earlier" else self.site_packages / path
+
     def hunks_for(self, path: str) -> list[FileHunks]:
         return [h for h in self.hunks if h.path == path]
 
@@ -177,6 +204,8 @@ class Installation:
                 if sha256_hex(copy) == self.recorded[path]:
                     states[path] = applied
                     break
+            if states[path] == "foreign" and self.ours_from_earlier_series(path):
+                states[path] = "earlier"
         return states
 
     def transform(self, workdir: Path, states: dict, reverse: bool) -> dict[str, Path]:
@@ -185,12 +214,15 @@ class Installation:
         out = {}
         for path, applied in states.items():
             chain = self.hunks_for(path)
-            todo = list(reversed(chain[:applied])) if reverse else chain[applied:]
-            if not todo:
+            if applied == "earlier":  # start again from the wheel's own copy
+                todo = [] if reverse else chain
+            else:
+                todo = list(reversed(chain[:applied])) if reverse else chain[applied:]
+            if not todo and applied != "earlier":
                 continue
             copy = workdir / "build" / path
             copy.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(self.site_packages / path, copy)
+            shutil.copyfile(self.source(path, states), copy)
             for hunks in todo:
                 run_patch(workdir / "build", hunks, reverse=reverse)
             if reverse and sha256_hex(copy) != self.recorded[path]:
@@ -199,12 +231,21 @@ class Installation:
         return out
 
     def install(self, built: dict[str, Path]) -> None:
+        manifest = self.manifest()
         for path, copy in built.items():
             target = self.site_packages / path
+            kept = self.pristine_copy(path)
+            if not kept.exists() and sha256_hex(target) == self.recorded[path]:
+                kept.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(target, kept)  # the wheel's file, for a later series
             staged = target.with_name(target.name + ".pdd-new")
             shutil.copyfile(copy, staged)
             shutil.copymode(target, staged)
             os.replace(staged, target)
+            manifest[path] = sha256_hex(target)
+        if built:
+            self.keep_dir.mkdir(parents=True, exist_ok=True)
+            (self.keep_dir / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
 
 
 def refuse_foreign(states: dict[str, str]) -> None:
@@ -255,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def fully_applied(inst: Installation, states: dict, path: str) -> bool:
-    return states[path] == len(inst.hunks_for(path))
+    return states[path] == len(inst.hunks_for(path))  # "earlier" is not
 
 
 def report_check(inst: Installation, states: dict) -> int:

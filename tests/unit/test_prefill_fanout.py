@@ -235,3 +235,35 @@ def test_silent_main_is_dropped_after_the_relay_has_its_kv_and_a_late_one_refuse
     register(fanout, kv, room=12, session="main", role="main", port=2)
     assert "main" not in kv.transfer_infos[12]
     assert kv.sent[-1] == ((("127.0.0.1", 2),), 12, KVPoll.Failed)
+
+
+def test_a_relay_whose_transfer_fails_drops_out_and_the_room_goes_on_to_main():
+    kv = FakeKvManager()
+    fanout = PrefillFanout(kv)
+    queue = wan_queue(fanout)
+    relay = register(fanout, kv, room=21, session="relay", role="relay")
+    relay.room = 21
+    relay_req = SimpleNamespace(mooncake_session_id="relay")
+    first = CountedChunk(21, np.arange(8, dtype=np.int32), slice(0, 8))
+    fanout.destinations_on_this_path(first, [relay_req])
+    # The relay dies while its copy is in flight: PDD takes it out instead of failing the room.
+    assert fanout.destination_failed(relay) is True
+    assert "relay" not in kv.transfer_infos[21] and fanout.relays_dropped == 1
+    assert fanout.destination_failed(relay) is False  # once
+    # Main registers later and still gets every chunk, then the room concludes on main alone.
+    main = register(fanout, kv, room=21, session="main", role="main", port=2)
+    main.room = 21
+    assert [c.index_slice for c in queue] == [slice(0, 8)]
+    fanout.destination_sent(main, True)
+    assert kv.concluded and kv.concluded[-1][0] == 21
+
+
+def test_a_failed_main_is_left_to_sglang():
+    kv = FakeKvManager()
+    fanout = PrefillFanout(kv)
+    register(fanout, kv, room=22, session="relay", role="relay")
+    main = register(fanout, kv, room=22, session="main", role="main", port=2)
+    main.room = 22
+    assert fanout.destination_failed(main) is False  # SGLang fails the room as usual
+    plain = SimpleNamespace(room=23, mooncake_session_id="x")
+    assert fanout.destination_failed(plain) is False

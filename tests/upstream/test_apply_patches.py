@@ -111,3 +111,31 @@ def test_series_lists_exactly_the_patch_files():
     listed = set(apply_patches.read_series())
     on_disk = {p.name for p in (REPO / "patches").glob("*.patch")}
     assert listed == on_disk
+
+
+def test_a_changed_series_replaces_an_earlier_one_without_a_reinstall(site_copy, tmp_path):
+    assert run(site_copy, "--revert").returncode == 0
+    # An earlier version of the series: one added line of one patch worded differently.
+    earlier = tmp_path / "earlier-patches"
+    shutil.copytree(REPO / "patches", earlier)
+    name = next(n for n in apply_patches.read_series() if "fanout" in n)
+    text = (earlier / name).read_text()
+    assert "# PDD: a dead relay drops out; main's part goes on." in text
+    (earlier / name).write_text(text.replace("PDD: a dead relay drops out; main's part goes on.",
+                                             "PDD: an earlier wording of this comment.", 1))
+    assert run(site_copy, "--patch-dir", str(earlier)).returncode == 0
+    older = digest(site_copy)
+    # The current series finds its file patched by the earlier one: not applied, not foreign.
+    assert run(site_copy, "--check").returncode == 1
+    proc = run(site_copy)
+    assert proc.returncode == 0, proc.stderr
+    assert run(site_copy, "--check").returncode == 0
+    assert digest(site_copy) != older
+    assert run(site_copy, "--revert").returncode == 0
+    assert digest(site_copy) == recorded(site_copy)
+    # A hand edit is still refused, whatever the manifest says.
+    assert run(site_copy).returncode == 0
+    victim = site_copy / touched_paths()[-1]
+    victim.write_text(victim.read_text() + "\n# edited by hand\n")
+    refused = run(site_copy)
+    assert refused.returncode == 2 and "modified by something else" in refused.stderr

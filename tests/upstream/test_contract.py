@@ -39,6 +39,9 @@ HOOKED_SYMBOLS = [
     ("disaggregation/mooncake/conn.py", "TransferInfo.room"),
     ("disaggregation/mooncake/conn.py", "TransferInfo.mooncake_session_id"),
     ("disaggregation/mooncake/conn.py", "TransferInfo.is_dummy"),
+    # 0006's failed-destination hook: SGLang's dead-session bookkeeping it sits beside
+    ("disaggregation/mooncake/conn.py", "MooncakeKVManager._poison_unsettled_send"),
+    ("disaggregation/common/conn.py", "CommonKVManager.conclude_failure"),
     # 0004 and pdd_sglang.observability: pool and tree state
     ("managers/scheduler_components/internal_state.py",
      "SchedulerInternalStateController.get_internal_state"),
