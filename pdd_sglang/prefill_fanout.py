@@ -240,9 +240,8 @@ class PrefillFanout:
         return [room for room, _ in dropped]
 
     def destination_failed(self, req: Any) -> bool:
-        """A transfer to ``req``'s destination failed. A relay drops out of its room, which goes
-        on to main (main decodes from the first token once it misses the relay); any other
-        failure is SGLang's to handle (the room fails)."""
+        """A transfer to ``req``'s destination failed: a relay drops out and its room goes on to
+        main (which decodes from the first token); any other failure is SGLang's (the room fails)."""
         from sglang.srt.disaggregation.base.conn import KVPoll
 
         room, session = req.room, req.mooncake_session_id
@@ -368,8 +367,7 @@ class PrefillFanout:
 
 
 def _uncounted(kv_chunk: Any) -> Any:
-    """A copy that the WAN worker dequeuing it counts afresh: SGLang's per-room in-flight count
-    must see both paths, or a room could be torn down mid-send."""
+    """A copy the WAN worker counts afresh: SGLang's per-room in-flight count sees both paths."""
     return dataclasses.replace(kv_chunk, staging_counted=False)
 
 
