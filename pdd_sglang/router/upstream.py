@@ -26,6 +26,9 @@ class UpstreamError(RuntimeError):
         self.message = message
 
 
+UPSTREAM_KEEPALIVE_S = 2.0
+
+
 class UpstreamClient:
     def __init__(self, connect_timeout_s: float, read_timeout_s: float):
         self.connect_timeout_s = connect_timeout_s
@@ -33,8 +36,12 @@ class UpstreamClient:
         self._session: Optional[aiohttp.ClientSession] = None
 
     async def start(self) -> None:
-        # No pool limit: each in-flight request holds one stream per server.
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        # No pool limit: each in-flight request holds one stream per server. Idle pooled
+        # connections are dropped before the servers' own keep-alive (uvicorn: 5 s) closes them:
+        # reusing one the server has just closed fails the request with "Server disconnected"
+        # (seen across the emulated WAN, where the race window is an RTT wide).
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(
+            limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S))
 
     async def close(self) -> None:
         if self._session is not None:
