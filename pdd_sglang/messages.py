@@ -43,10 +43,23 @@ class DestinationHello(msgspec.Struct, tag=True, frozen=True, forbid_unknown_fie
     prefix_tokens: int
 
 
-class HandoffReady(msgspec.Struct, tag=True, frozen=True, forbid_unknown_fields=True):
-    """Main to relay: main holds the room's whole prompt KV and can take the request over."""
+# Bytes of a KV digest (blake2b): what main received across the WAN, checked by the relay.
+KV_DIGEST_BYTES = 16
+
+
+class HandoffReady(msgspec.Struct, tag=True, frozen=True, forbid_unknown_fields=True,
+                   omit_defaults=True):
+    """Main to relay: main holds the room's whole prompt KV and can take the request over.
+
+    With ``--pdd-enable-kv-digest``, ``kv_digest`` fingerprints the prompt KV main received
+    across the WAN (positions ``kv_digest_start`` onward; the rest was in main's cache), and the
+    relay compares it with its own copy, which came over the local path. Without it both fields
+    are left out of the encoding, which is then the same as before they existed.
+    """
 
     room: int
+    kv_digest: bytes = b""
+    kv_digest_start: int = 0
 
 
 class HandoffTokens(msgspec.Struct, tag=True, frozen=True, forbid_unknown_fields=True):
@@ -142,6 +155,10 @@ def _validate(body) -> None:
             raise MessageError("out_of_range", f"seq={body.seq} start={body.start}")
         if len(body.token_ids) % 4 or len(body.token_ids) // 4 > MAX_HANDOFF_TOKENS:
             raise MessageError("out_of_range", f"{len(body.token_ids)} bytes of token ids")
+    elif isinstance(body, HandoffReady):
+        if len(body.kv_digest) not in (0, KV_DIGEST_BYTES) or body.kv_digest_start < 0:
+            raise MessageError("out_of_range", f"a {len(body.kv_digest)}-byte KV digest from "
+                                               f"position {body.kv_digest_start}")
     elif isinstance(body, HandoffAck) and body.seq < 0:
         raise MessageError("out_of_range", f"seq={body.seq}")
     elif isinstance(body, HandoffRefused) and not (0 < len(body.reason) <= 64):

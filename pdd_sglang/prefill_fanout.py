@@ -259,9 +259,15 @@ class PrefillFanout:
             if complete:
                 self._rooms.pop(room, None)
         self.relays_dropped += 1
-        self.kv_mgr.transfer_infos.get(room, {}).pop(session, None)
+        relay = self.kv_mgr.transfer_infos.get(room, {}).pop(session, None)
         logger.warning("PDD: the transfer to relay %s of room %s failed; the room goes on to its "
                        "main alone", session, room)
+        if relay is not None:
+            # A relay that is still up frees the request's slots now rather than at its
+            # waiting timeout (a dead one never reads this; the send gives up after 1 s).
+            self.kv_mgr.send_kv_status_message(
+                targets=[(relay.endpoint, relay.dst_port)], bootstrap_room=room,
+                status=KVPoll.Failed, failure_reason="PDD: the KV transfer to this relay failed")
         if complete:  # main had all its KV already: the room is done
             main = next(iter(self.kv_mgr.transfer_infos.get(room, {}).values()), None)
             self.kv_mgr.conclude_transfer(

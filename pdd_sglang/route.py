@@ -29,6 +29,9 @@ class Route(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaul
     # the relay holds this many tokens, and in this mode.
     debug_handoff_after_tokens: Optional[int] = None
     debug_handoff_mode: Optional[Literal["one-shot", "catch-up"]] = None
+    # Test-only, honoured by a main started with --pdd-debug-corrupt-wan-kv: damage this
+    # request's KV as it lands, as a flipped bit on the WAN would.
+    debug_corrupt_wan_kv: Optional[bool] = None
 
     def __post_init__(self) -> None:
         if self.pipeline == "prefill_relay_main" and not self.relay_control:

@@ -115,6 +115,20 @@ class PddArgs(msgspec.Struct):
         "saying it is ready; past it main decodes the request itself from the first token. "
         "Default: 30.",
     ] = 30.0
+    pdd_enable_kv_digest: A[
+        bool,
+        "PDD relay/main: check the prompt KV main received across the WAN against the relay's "
+        "copy (which came over the local path). Main sends a digest of the pages it received "
+        "with HandoffReady, on the control channel (CURVE-authenticated when configured); on a "
+        "mismatch the relay finishes the request itself and main drops its copy uncached. "
+        "Hashes every received KV row on the CPU: set it on both relay and main. Default: off.",
+    ] = False
+    pdd_debug_corrupt_wan_kv: A[
+        bool,
+        "PDD debug (main): honour a request's route field debug_corrupt_wan_kv, which changes "
+        "one value of the KV the request received across the WAN before the digest is taken, "
+        "to exercise --pdd-enable-kv-digest. For tests only.",
+    ] = False
     pdd_debug_handoff_hold: A[
         bool,
         "PDD debug (relay): honour a request's route fields debug_handoff_after_tokens and "

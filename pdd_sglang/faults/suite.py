@@ -152,7 +152,7 @@ def run_fault(cluster: FaultCluster, fault: Fault, *, warmup_s: float, after_s: 
     good = first_good_answer()
     after = held_tokens(cluster.pools())
     counts = tally(load.sent)
-    errors = sorted({s.result.error[:160] for s in load.sent if s.status == "errored"})
+    errors = sorted({s.result.error[:400] for s in load.sent if s.status == "errored"})
     outcomes: dict = {}
     for s in load.sent:
         if s.status == "completed":

@@ -6,7 +6,10 @@ Life cycle of a P->RLD->MD request on a main:
    only the unmatched suffix across the WAN (``prefill_fanout``).
 2. When the KV has landed, :meth:`MainHandoff.hold` keeps the request out of SGLang's waiting
    queue (it holds its KV row, its slots and its tree lock) and sends ``HandoffReady(room)`` to
-   the relay named in the request's route.
+   the relay named in the request's route; with ``--pdd-enable-kv-digest`` it carries a digest
+   of the KV main received across the WAN, and if the relay's copy disagrees
+   (``HandoffRefused("kv_digest_mismatch")``) the relay answers the request and main drops its
+   copy without caching it.
 3. ``HandoffTokens`` arrive: positions ``start`` onward of the relay's output. Each message is
    checked (room, order, overlap with what main already has, vocabulary) before a token is
    used; a bad one is refused, counted, answered with ``HandoffRefused`` (the relay then
@@ -23,9 +26,9 @@ Life cycle of a P->RLD->MD request on a main:
 6. If the relay refuses because it finished the request alone (the singular filter), main aborts
    its copy: KV row, slots and lock are released, and the prompt KV stays in the radix cache for
    the conversation's next turn. If the relay never had the request (it died, or never
-   registered with prefill), its connection drops (ZMQ's disconnect or heartbeat timeout), or it
-   does not answer within ``--pdd-handoff-timeout``, main decodes the request itself from the
-   first token, as plain PD: a delay, not an error.
+   registered with prefill), aborted it (its KV transfer failed), its connection drops (ZMQ's
+   disconnect or heartbeat timeout), or it does not answer within ``--pdd-handoff-timeout``,
+   main decodes the request itself from the first token, as plain PD: a delay, not an error.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any, Optional
 
+from pdd_sglang import kv_digest
 from pdd_sglang.control_channel import PeerState
 from pdd_sglang.handoff.channel import HandoffStats, main_loop
 from pdd_sglang.handoff.relay import route_for
@@ -45,8 +49,10 @@ from pdd_sglang.messages import (HandoffAck, HandoffReady, HandoffRefused, Hando
 logger = logging.getLogger(__name__)
 
 
-# Relay refusals that mean the client already has the relay's whole answer.
-RELAY_ANSWERED_ALONE = ("finished_at_relay", "aborted_at_relay")
+# The relay refusal that means the client already has the relay's whole answer. Any other
+# (``aborted_at_relay`` included: its KV never came, or it timed out) leaves main to decode the
+# request; a client that went away has the router abort main's copy directly.
+RELAY_ANSWERED_ALONE = ("finished_at_relay",)
 
 
 @dataclass
@@ -96,9 +102,23 @@ class MainHandoff:
             room = req.bootstrap_room
             self.parked[room] = _Parked(req, route.relay_control, now,
                                         now + self.args.pdd_handoff_timeout)
-            self.loop.send(route.relay_control, HandoffReady(room=room))
+            self.loop.send(route.relay_control, self._ready(req))
             self.stats.event("ready_sent")
         return passed
+
+    def _ready(self, req: Any) -> HandoffReady:
+        """HandoffReady, with the digest of the KV that crossed the WAN if asked to."""
+        room = req.bootstrap_room
+        if not self.args.pdd_enable_kv_digest:
+            return HandoffReady(room=room)
+        received_from = int(req.kv.cache_protected_len)  # before it: main's own cache
+        route = route_for(req)
+        if (self.args.pdd_debug_corrupt_wan_kv and route is not None and route.debug_corrupt_wan_kv
+                and received_from < len(req.origin_input_ids)):
+            kv_digest.corrupt_one_value(self.scheduler, req, received_from)
+        hashes = kv_digest.token_hashes(self.scheduler, req, received_from)
+        return HandoffReady(room=room, kv_digest=kv_digest.range_digest(hashes),
+                            kv_digest_start=received_from)
 
     def step(self, running_batch: Any) -> tuple[Any, Optional[Any]]:
         """``(running_batch, extend_batch_to_run_now or None)``, between two decode steps."""
@@ -139,7 +159,11 @@ class MainHandoff:
             if message.reason in RELAY_ANSWERED_ALONE:
                 self._abort(parked, f"PDD relay finished the request itself ({message.reason})",
                             notify_relay=None)
-            else:  # the relay never had it (it died, or never registered): decode it here
+            elif message.reason == "kv_digest_mismatch":
+                # The relay answers the request; the damaged copy must not reach the cache.
+                self._abort(parked, "PDD: the KV received across the WAN does not match the "
+                                    "relay's copy", notify_relay=None, cache=False)
+            else:  # the relay never had it, or lost it: decode it here
                 self._continue_alone(parked)
         else:
             self.stats.refuse("unexpected_type")
@@ -239,7 +263,8 @@ class MainHandoff:
         self.scheduler.waiting_queue.append(parked.req)
         self.stats.event("continued_alone")
 
-    def _abort(self, parked: _Parked, message: str, notify_relay: Optional[str]) -> None:
+    def _abort(self, parked: _Parked, message: str, notify_relay: Optional[str],
+               cache: bool = True) -> None:
         """Abort a parked request: stream the abort, free its row, slots and lock."""
         from sglang.srt.disaggregation.utils import prepare_abort
         from sglang.srt.mem_cache.common import release_kv_cache
@@ -251,8 +276,9 @@ class MainHandoff:
             self.loop.send(parked.relay, HandoffRefused(room=room, reason=notify_relay))
         prepare_abort(req, message, status_code=HTTPStatus.SERVICE_UNAVAILABLE)
         self.scheduler.output_streamer.stream_output([req], req.return_logprob)
-        # The KV that arrived (the prompt, and any absorbed chunk) is valid: keep it cached.
-        release_kv_cache(req, self.scheduler.tree_cache, checkpoint=True)
+        # The KV that arrived (the prompt, and any absorbed chunk) is valid unless the digest
+        # said otherwise: keep it cached for the conversation's next turn.
+        release_kv_cache(req, self.scheduler.tree_cache, checkpoint=cache)
         self.stats.event("aborted")
 
     # ---- the extend ------------------------------------------------------------------------

@@ -21,6 +21,10 @@ Life cycle of a P->RLD->MD request on a relay:
    and prefill's copies (cancelling a WAN transfer still running).
 5. If main refuses a chunk (bad input, timeout) the relay simply decodes on to the end: the
    request is still completed.
+6. With ``--pdd-enable-kv-digest`` the relay hashes each request's prompt KV as it lands, and
+   checks the digest in main's ``HandoffReady`` against its own copy before handing anything
+   over; on a mismatch it answers ``HandoffRefused("kv_digest_mismatch")`` and decodes the
+   request to the end itself (:mod:`pdd_sglang.kv_digest`).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from pdd_sglang import policy
+from pdd_sglang import kv_digest, policy
 from pdd_sglang.handoff.channel import HandoffStats, policy_config, relay_loop
 from pdd_sglang.handoff.finish import HandedOff
 from pdd_sglang.messages import (HandoffAck, HandoffReady, HandoffRefused, HandoffTokens,
@@ -44,12 +48,16 @@ logger = logging.getLogger(__name__)
 # relay's prebuilt step lags a little); past this, the room is unknown.
 READY_WAIT_S = 30.0
 FINISHED_ROOMS_KEPT = 8192
+# Rooms whose prompt-KV hashes the relay keeps for main's digest (8 bytes per prompt token each);
+# a room's go once main's HandoffReady is answered.
+KV_HASHED_ROOMS_KEPT = 1024
 
 
 @dataclass
 class _Pending:
     peer: bytes
     since: float
+    ready: HandoffReady
 
 
 @dataclass
@@ -86,10 +94,17 @@ class RelayHandoff:
         self.active: dict[int, _Active] = {}
         self.finished_rooms: OrderedDict[int, str] = OrderedDict()
         self.held_out: dict[int, tuple] = {}  # room -> (req, since): test-only handoff hold
+        self.kv_hashes: OrderedDict[int, bytes] = OrderedDict()  # --pdd-enable-kv-digest
         logger.info("PDD relay control channel at %s", self.loop.address)
 
     # ---- hooks -----------------------------------------------------------------------------
     def hold(self, transferred: list) -> list:
+        if self.args.pdd_enable_kv_digest:
+            for req in transferred:
+                if _is_relay_main(req) and not req.finished():
+                    self.kv_hashes[req.bootstrap_room] = kv_digest.token_hashes(self.scheduler, req)
+            while len(self.kv_hashes) > KV_HASHED_ROOMS_KEPT:
+                self.kv_hashes.popitem(last=False)
         return transferred  # the relay decodes every request at once
 
     def step(self, running_batch: Any) -> tuple[Any, None]:
@@ -107,7 +122,8 @@ class RelayHandoff:
             if room in self.finished_rooms:
                 del self.pending[room]
                 self.stats.event("singular_finished_at_relay")
-                self._refuse(pending.peer, room, self.finished_rooms[room])
+                self._refuse(pending.peer, room, self._kv_verdict(pending.ready)
+                             or self.finished_rooms[room])
                 continue
             req = reqs.get(room)
             if req is None or req.finished():
@@ -122,6 +138,13 @@ class RelayHandoff:
             if not self._hold_satisfied(req):
                 continue
             del self.pending[room]
+            refusal = self._kv_verdict(pending.ready)
+            if refusal is not None:  # main's copy is damaged: the relay decodes on to the end
+                self._refuse(pending.peer, room, refusal)
+                held = self.held_out.pop(room, None)
+                if held is not None:  # test-only hold: out of the batch, it cannot finish here
+                    self._abort(held[0], "PDD main's KV copy was damaged")
+                continue
             self._start(room, req, pending.peer)
         for room, active in list(self.active.items()):
             if not active.awaiting_ack:
@@ -181,12 +204,12 @@ class RelayHandoff:
             room = message.room
             if room in self.finished_rooms:
                 self.stats.event("singular_finished_at_relay")
-                self._refuse(peer, room, self.finished_rooms[room])
+                self._refuse(peer, room, self._kv_verdict(message) or self.finished_rooms[room])
             elif room in self.pending or room in self.active:
                 self.stats.refuse("duplicate_ready")
                 logger.warning("PDD relay: duplicate HandoffReady for room %s", room)
             else:
-                self.pending[room] = _Pending(peer, time.monotonic())
+                self.pending[room] = _Pending(peer, time.monotonic(), message)
         elif isinstance(message, HandoffAck):
             active = self.active.get(message.room)
             if active is None or not active.awaiting_ack or message.seq != active.seq - 1:
@@ -216,6 +239,22 @@ class RelayHandoff:
         queued += [d.req.bootstrap_room for d in scheduler.disagg_decode_transfer_queue.queue]
         queued += [d.req.bootstrap_room for d in scheduler.disagg_decode_prealloc_queue.queue]
         return room in queued
+
+    def _kv_verdict(self, ready: HandoffReady) -> Optional[str]:
+        """``"kv_digest_mismatch"`` if main's digest of its WAN copy differs from this relay's
+        copy over the same positions; None if they match or main sent no digest."""
+        if not ready.kv_digest:
+            return None
+        hashes = self.kv_hashes.pop(ready.room, None)
+        if hashes is None:  # hashing off here, or the room's hashes aged out
+            self.stats.event("kv_digest_unverified")
+            return None
+        if kv_digest.range_digest(hashes, ready.kv_digest_start) == ready.kv_digest:
+            self.stats.event("kv_digest_verified")
+            return None
+        logger.error("PDD relay: room %s: main's KV from position %d does not match the relay's "
+                     "copy; the relay finishes the request", ready.room, ready.kv_digest_start)
+        return "kv_digest_mismatch"
 
     def _refuse(self, peer: bytes, room: int, reason: str) -> None:
         self.stats.refuse(reason)

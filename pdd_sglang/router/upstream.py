@@ -122,6 +122,13 @@ class UpstreamClient:
                         raise UpstreamError(upstream, _error_message(err), "upstream_error",
                                             err.get("code") if isinstance(err, dict) else None)
                     meta = out.get("meta_info") or {}
+                    reason = meta.get("finish_reason")
+                    if isinstance(reason, dict) and reason.get("type") == "abort":
+                        # SGLang streams a scheduler-side abort (a KV transfer that failed or
+                        # timed out, an overloaded queue) as an ordinary last chunk: for the
+                        # router it is a failure of this server, not an answer.
+                        raise UpstreamError(upstream, str(reason.get("message") or "aborted"),
+                                            "upstream_abort", reason.get("status_code"))
                     if upstream.incremental_streaming_output:
                         ids = ids + list(out.get("output_ids") or [])
                         text = text + (out.get("text") or "")

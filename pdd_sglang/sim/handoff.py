@@ -13,7 +13,6 @@ prompt, so the conversation's next turn hits at main instead of taking the relay
 
 from __future__ import annotations
 
-import math
 
 from .. import policy
 from ..policy import HandoffChunk, HandoffMode, Pipeline

@@ -49,7 +49,9 @@ def three_roles(request, tiny_model, tmp_path_factory):
 
     Two variants: page size 1, and page size 16 with chunked prefill of 64 tokens, so that a
     prompt's KV reaches each destination in several chunks that do not fall on its prefix. The
-    WAN path to main gets a test-only delay, and the relay honours forced handoff points.
+    WAN path to main gets a test-only delay, and the relay honours forced handoff points. Relay
+    and main check main's WAN copy against the relay's (``--pdd-enable-kv-digest``), and main
+    damages a request's copy when its route asks (``--pdd-debug-corrupt-wan-kv``).
     """
     page_size = request.param
     _, model_path = tiny_model
@@ -65,9 +67,11 @@ def three_roles(request, tiny_model, tmp_path_factory):
             "--pdd-debug-wan-delay-ms", str(WAN_DELAY_MS), *common, *chunking)),
         SGLangServer("relay", model_path, log_dir, extra_args=(
             "--pdd-role", "relay", "--pdd-debug-handoff-hold", "--pdd-catch-up-chunk",
-            str(CATCH_UP_CHUNK), "--enable-metrics", *common, *RELAY_CPU_ARGS)),
+            str(CATCH_UP_CHUNK), "--enable-metrics", "--pdd-enable-kv-digest", *common,
+            *RELAY_CPU_ARGS)),
         SGLangServer("main", model_path, log_dir, extra_args=(
-            "--pdd-role", "main", "--enable-metrics", *common)),
+            "--pdd-role", "main", "--enable-metrics", "--pdd-enable-kv-digest",
+            "--pdd-debug-corrupt-wan-kv", *common)),
         # The greedy reference: one ordinary SGLang server, no disaggregation.
         SGLangServer("plain", model_path, log_dir, extra_args=("--page-size", str(page_size))),
     ]

@@ -21,16 +21,19 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
+def report(request, tmp_path_factory):
     if os.geteuid() != 0 or not Path("/dev/net/tun").exists():
         pytest.skip("the WAN emulator needs root and /dev/net/tun")
     log_dir = tmp_path_factory.mktemp("fault-logs")
     result = run_suite(faults.QUICK, log_dir, rate_mbit=20.0, rtt_ms=20.0, warmup_s=4.0,
                        after_s=3.0, progress=lambda text: print(text, flush=True))
     print(json.dumps(result["faults"], indent=1))
+    failed_before = request.session.testsfailed
     yield result
-    # Logs stay for a failed run (pytest keeps its last tmp dirs); a clean one drops them.
-    shutil.rmtree(log_dir, ignore_errors=True)
+    if request.session.testsfailed == failed_before:
+        shutil.rmtree(log_dir, ignore_errors=True)
+    else:  # the servers' and the router's logs of the failed run stay
+        print(f"fault suite logs kept in {log_dir}")
 
 
 @pytest.mark.parametrize("name", [f.name for f in faults.QUICK])

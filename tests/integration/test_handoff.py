@@ -11,7 +11,7 @@ import pytest
 
 from pdd_sglang.messages import HandoffTokens, encode, pack_tokens
 from pdd_sglang.testing.conversation import FIRST_WORD_ID, WORDS
-from pdd_sglang.testing.pd_client import generate_pdd
+from pdd_sglang.testing.pd_client import generate_fanout, generate_pdd
 
 MAX_NEW_TOKENS = 300
 POINTS = [1, 7, 64, 65, 200]
@@ -156,3 +156,48 @@ def test_singular_filter_cancels_the_wan_copy(three_roles, baselines):
     sent_to_main = sum(r["bytes"] for r in rows)
     print(f"\nsingular: {sent_to_main} of {suffix_bytes} B of main's suffix crossed the WAN")
     assert sent_to_main < suffix_bytes
+
+
+def _counts(cluster, name: str, kind: str) -> dict:
+    return dict(cluster[name].pdd_state()["handoff"][kind])
+
+
+def test_main_wan_copy_is_checked_against_the_relays_and_a_damaged_one_never_serves(
+        three_roles, baselines):
+    """--pdd-enable-kv-digest: main's digest of the KV it received travels in HandoffReady; the
+    relay checks it against its own copy. Damaged (one value changed, as by a flipped bit on the
+    line): the relay answers the whole request, main drops its copy and caches none of it."""
+    def control(seed: int) -> list[int]:
+        return words(seed, 200)
+
+    # A sound copy: verified, then handed off as usual.
+    verified_before = _counts(three_roles, "relay", "events").get("kv_digest_verified", 0)
+    body = {"input_ids": control(51), "sampling_params": greedy(40)}
+    reference = three_roles["plain"].post_json("/generate", body)["output_ids"]
+    answer = run(three_roles, body, debug_handoff_after_tokens=3)
+    assert answer["handed_tokens"] == 3 and answer["output_ids"] == reference
+    assert _counts(three_roles, "relay", "events")["kv_digest_verified"] == verified_before + 1
+
+    # A damaged copy.
+    refused_before = _counts(three_roles, "relay", "refused").get("kv_digest_mismatch", 0)
+    dropped_before = _counts(three_roles, "main", "events").get(
+        "relay_refused_kv_digest_mismatch", 0)
+    body = {"input_ids": control(52), "sampling_params": greedy(40)}
+    reference = three_roles["plain"].post_json("/generate", body)["output_ids"]
+    answer = run(three_roles, body, keep_main_copy=True, debug_corrupt_wan_kv=True)
+    assert answer["handed_tokens"] is None  # the relay answered alone...
+    assert answer["output_ids"] == reference  # ...the whole, correct answer
+    assert isinstance(answer["main"], Exception), answer["main"]  # main dropped its copy
+    assert _counts(three_roles, "relay", "refused")["kv_digest_mismatch"] == refused_before + 1
+    assert _counts(three_roles, "main", "events")[
+        "relay_refused_kv_digest_mismatch"] == dropped_before + 1
+    # Nothing of the damaged copy entered main's cache: the same prompt again, P->MD, crosses
+    # whole. (meta_info's cached_tokens is prefill's hit in SGLang PD; prefill's transfer
+    # accounting shows what main was sent, so what it lacked.)
+    again = generate_fanout(three_roles["prefill"], [three_roles["main"]],
+                            {**body, "sampling_params": greedy(1)},
+                            three_roles.bootstrap_port, "prefill_main")["main"]
+    rows = [r for r in three_roles["prefill"].pdd_state()["transfers"]["by_request"]
+            if r["room"] == again["bootstrap_room"] and r["role"] == "main"]
+    page = three_roles.page_size
+    assert sum(r["pages"] for r in rows) == -(-len(body["input_ids"]) // page), rows

@@ -189,6 +189,24 @@ def test_relay_refuses_strangers_and_keeps_serving(cluster):
     assert relay.alive()
 
 
+def test_a_request_the_relay_aborted_is_decoded_whole_by_main(cluster):
+    """A relay whose KV never came (its transfer failed, its wait timed out) aborts the request
+    before streaming anything: main must answer it, not abort too."""
+    fake = FakeRelay()
+    try:
+        body = {"input_ids": words(43, 70), "sampling_params": {"max_new_tokens": 12,
+                                                                 "temperature": 0.0}}
+        reference = cluster["plain"].post_json("/generate", body)["output_ids"]
+        thread, result = start_request(cluster, fake.address, body)
+        ready = fake.receive()
+        fake.send(HandoffRefused(room=ready.room, reason="aborted_at_relay"))
+        thread.join(120)
+        assert "error" not in result, result
+        assert result["main"]["output_ids"] == reference
+    finally:
+        fake.close()
+
+
 def test_an_abort_reaches_a_request_main_holds_for_the_handoff(cluster):
     """SGLang's /abort_request finds requests in its own queues; one that main holds for the
     handoff is dropped by the hook too, and the relay is told."""

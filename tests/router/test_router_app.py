@@ -223,6 +223,45 @@ def test_client_disconnect_aborts_on_every_server():
     asyncio.run(with_router([endless, endless], test, delay_s=0.05))
 
 
+ABORTED = {"type": "abort", "message": "KV transfer failed", "status_code": 500}
+# What main streams when it decodes from the first token: no handoff, the whole answer.
+MAIN_ALONE = [{"ids": [10], "cached": 0, "meta": {"completion_tokens": 1}},
+              {"ids": [11], "cached": 0, "finish": LENGTH, "meta": {"completion_tokens": 2}}]
+
+
+def test_a_relay_abort_before_any_token_hands_the_request_to_main():
+    # SGLang streams its own aborts (a failed KV transfer, a waiting timeout) as a last chunk
+    # with no tokens; read as an answer, the client would get an empty one.
+    async def test(session, url, prefill, relay, main):
+        body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}}
+        async with session.post(url + "/generate", json=body) as resp:
+            assert resp.status == 200
+            whole = await resp.json()
+        assert whole["output_ids"] == [10, 11]
+        assert whole["meta_info"]["pdd"]["outcome"] == "relay_lost"
+        async with session.get(url + "/metrics") as resp:
+            assert 'pdd_router_errors_total{cause="relay_lost"} 1.0' in await resp.text()
+
+    asyncio.run(with_router([[{"ids": [], "finish": ABORTED}], MAIN_ALONE], test, delay_s=0.05))
+
+
+def test_a_main_abort_reaches_the_client_as_an_error_with_its_reason():
+    async def test(session, url, prefill, relay, main):
+        body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 5}, "stream": True}
+        async with session.post(url + "/generate", json=body) as resp:
+            events = await sse(resp)
+        assert "error" in events[-1], events
+        assert "KV transfer failed" in events[-1]["error"]["message"]
+        assert [e for e in events if e.get("output_ids")] == []  # no empty "answer" either
+        async with session.get(url + "/metrics") as resp:
+            assert 'pdd_router_errors_total{cause="upstream_abort"} 1.0' in await resp.text()
+
+    # The relay hands off at once; main then aborts (its KV never came).
+    handoff_now = [{"ids": [], "finish": {"type": "pdd_handoff", "handed_tokens": 0}}]
+    asyncio.run(with_router([handoff_now, [{"ids": [], "finish": ABORTED}]], test,
+                            delay_s=0.05))
+
+
 @pytest.mark.parametrize("body,status", [(b"{oops", 400), (b'{"input_ids": []}', 400)])
 def test_bad_requests_never_reach_a_server(body, status):
     async def test(session, url, prefill, relay, main):

@@ -5,7 +5,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 STANDIN = Path(__file__).resolve().parents[2] / "pdd_sglang" / "cpu" / "standin"
 

@@ -12,6 +12,7 @@ from pdd_sglang.messages import (
 ALL_MESSAGES = [
     DestinationHello(room=12345678901234, role="main", destinations=2, prefix_tokens=4096),
     HandoffReady(room=7),
+    HandoffReady(room=7, kv_digest=bytes(range(16)), kv_digest_start=4096),
     HandoffTokens(room=7, seq=3, start=65, token_ids=pack_tokens(range(100)), is_last=False),
     HandoffAck(room=7, seq=3),
     HandoffRefused(room=7, reason="unknown_room"),
@@ -26,6 +27,13 @@ def test_round_trip(message):
 def test_every_message_type_has_a_round_trip_case():
     body_types = set(typing.get_args(typing.get_type_hints(messages.Envelope)["body"]))
     assert body_types == {type(m) for m in ALL_MESSAGES}
+
+
+def test_a_ready_without_a_digest_encodes_as_before_the_digest_existed():
+    # Relays and mains that predate the digest read it; only a digest is new on the wire.
+    legacy = msgspec.msgpack.encode({"version": messages.PROTOCOL_VERSION,
+                                     "body": {"type": "HandoffReady", "room": 7}})
+    assert encode(HandoffReady(room=7)) == legacy
 
 
 def test_handoff_payload_is_at_most_16_bytes_per_token_plus_a_constant():
@@ -47,6 +55,8 @@ def test_token_ids_outside_the_vocabulary_are_refused():
     HandoffTokens(room=1, seq=-1, start=0, token_ids=b"", is_last=True),
     HandoffTokens(room=1, seq=0, start=0, token_ids=b"\x00\x01\x02", is_last=True),
     HandoffRefused(room=1, reason=""),
+    HandoffReady(room=1, kv_digest=b"short"),
+    HandoffReady(room=1, kv_digest=bytes(16), kv_digest_start=-1),
 ])
 def test_handoff_fields_out_of_range_are_refused(bad):
     with pytest.raises(MessageError) as err:

@@ -238,6 +238,8 @@ def test_silent_main_is_dropped_after_the_relay_has_its_kv_and_a_late_one_refuse
 
 
 def test_a_relay_whose_transfer_fails_drops_out_and_the_room_goes_on_to_main():
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
     kv = FakeKvManager()
     fanout = PrefillFanout(kv)
     queue = wan_queue(fanout)
@@ -249,7 +251,10 @@ def test_a_relay_whose_transfer_fails_drops_out_and_the_room_goes_on_to_main():
     # The relay dies while its copy is in flight: PDD takes it out instead of failing the room.
     assert fanout.destination_failed(relay) is True
     assert "relay" not in kv.transfer_infos[21] and fanout.relays_dropped == 1
+    # The relay, if still up, is told its room failed: it frees the slots now.
+    assert kv.sent == [((("127.0.0.1", 1),), 21, KVPoll.Failed)]
     assert fanout.destination_failed(relay) is False  # once
+    assert len(kv.sent) == 1
     # Main registers later and still gets every chunk, then the room concludes on main alone.
     main = register(fanout, kv, room=21, session="main", role="main", port=2)
     main.room = 21

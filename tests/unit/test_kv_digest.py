@@ -1,0 +1,81 @@
+"""The KV digest's arithmetic on a small fake KV pool (the real pool is exercised by the
+three-role integration tests, which run with --pdd-enable-kv-digest)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from pdd_sglang import kv_digest
+from pdd_sglang.messages import KV_DIGEST_BYTES
+
+LAYERS, HEADS, DIM = 2, 2, 4
+
+
+class Pool:
+    def __init__(self, slots: int, dtype=torch.float32):
+        self.start_layer, self.layer_num = 0, LAYERS
+        self.k = [torch.zeros(slots, HEADS, DIM, dtype=dtype) for _ in range(LAYERS)]
+        self.v = [torch.zeros(slots, HEADS, DIM, dtype=dtype) for _ in range(LAYERS)]
+
+    def get_key_buffer(self, layer):
+        return self.k[layer]
+
+    def get_value_buffer(self, layer):
+        return self.v[layer]
+
+
+def server(prompt_kv: torch.Tensor, slots: list[int], dtype=torch.float32):
+    """A scheduler whose one request's prompt KV (tokens x layers x 2 x heads x dim) sits in
+    ``slots`` of its pool."""
+    pool = Pool(max(slots) + 1, dtype)
+    for token, slot in enumerate(slots):
+        for layer in range(LAYERS):
+            pool.k[layer][slot] = prompt_kv[token, layer, 0].to(dtype)
+            pool.v[layer][slot] = prompt_kv[token, layer, 1].to(dtype)
+    scheduler = SimpleNamespace(
+        req_to_token_pool=SimpleNamespace(req_to_token=torch.tensor([slots])),
+        token_to_kv_pool_allocator=SimpleNamespace(get_kvcache=lambda: pool))
+    req = SimpleNamespace(origin_input_ids=list(range(len(slots))),
+                          kv=SimpleNamespace(req_pool_idx=0))
+    return scheduler, req
+
+
+def prompt(tokens: int = 10) -> torch.Tensor:
+    return torch.randn(tokens, LAYERS, 2, HEADS, DIM, generator=torch.Generator().manual_seed(0))
+
+
+def test_the_same_kv_in_other_slots_has_the_same_hashes():
+    kv = prompt()
+    relay = server(kv, list(range(10)))
+    main = server(kv, [17, 3, 9, 12, 0, 5, 30, 8, 21, 2])  # another page layout
+    assert kv_digest.token_hashes(*relay) == kv_digest.token_hashes(*main)
+    assert len(kv_digest.token_hashes(*relay)) == 10 * kv_digest.TOKEN_HASH_BYTES
+
+
+def test_main_digests_only_what_crossed_and_the_relay_digests_the_same_positions():
+    kv = prompt()
+    relay_hashes = kv_digest.token_hashes(*server(kv, list(range(10))))
+    main_hashes = kv_digest.token_hashes(*server(kv, list(range(10))), start=6)
+    digest = kv_digest.range_digest(main_hashes)
+    assert len(digest) == KV_DIGEST_BYTES
+    assert kv_digest.range_digest(relay_hashes, skip_tokens=6) == digest
+    assert kv_digest.range_digest(relay_hashes, skip_tokens=5) != digest
+
+
+def test_one_changed_value_changes_the_digest_in_any_dtype():
+    for dtype in (torch.float32, torch.bfloat16):
+        kv = prompt()
+        scheduler, req = server(kv, list(range(10)), dtype)
+        before = kv_digest.range_digest(kv_digest.token_hashes(scheduler, req, 4))
+        kv_digest.corrupt_one_value(scheduler, req, 7)
+        after = kv_digest.range_digest(kv_digest.token_hashes(scheduler, req, 4))
+        assert before != after, dtype
+
+
+def test_a_prompt_main_had_whole_has_nothing_to_digest():
+    scheduler, req = server(prompt(), list(range(10)))
+    assert kv_digest.token_hashes(scheduler, req, start=10) == b""
+    assert kv_digest.range_digest(b"") == kv_digest.range_digest(
+        kv_digest.token_hashes(scheduler, req), skip_tokens=10)
