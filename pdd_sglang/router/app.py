@@ -74,7 +74,7 @@ class Handlers:
         return response
 
     async def _run(self, job: GenerateJob, placement, api: str, started: float):
-        updates = self.service.dispatcher.run(job, placement, api, started)
+        updates = self.service.dispatcher.serve(job, placement, api, started)
         try:
             async for update in updates:
                 yield update

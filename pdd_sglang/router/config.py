@@ -53,6 +53,9 @@ class RouterConfig:
     # On P->RLD->MD, how long main's request may wait for the previous turn's WAN copy to land
     # (router/landing.py). Keep it under the prefill's --pdd-main-bootstrap-timeout.
     main_wait_for_landing_s: float = 20.0
+    # A request that fails before the client has any of its answer (a server died, a transfer
+    # failed) is placed again and re-sent, at most this many times.
+    retry_max_retries: int = 1
 
 
 def _split_prefill_args(values: Sequence[str]) -> tuple[PrefillEndpoint, ...]:
@@ -117,6 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="on P->RLD->MD, send a turn to main only once the WAN copy of the "
                              "turn it extends has landed there, waiting at most this long (keep "
                              "it under the prefill's --pdd-main-bootstrap-timeout); 0: never wait")
+    parser.add_argument("--retry-max-retries", type=int, default=1,
+                        help="re-send a request that failed before the client got any token (a "
+                             "server died, a KV transfer failed), placed afresh, at most this "
+                             "many times; 0: never")
     parser.add_argument("--incremental-streaming-output", action="store_true",
                         help="stream only new text and ids per /generate chunk (as SGLang's flag)")
     return parser
@@ -132,6 +139,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> RouterConfig:
     flat = lambda groups: tuple(v.rstrip("/") for group in groups for v in group)  # noqa: E731
     if args.wan_gbps <= 0:
         parser.error("--wan-gbps must be > 0")
+    if args.retry_max_retries < 0:
+        parser.error("--retry-max-retries must be >= 0")
     policy = PolicyConfig(hide_wan_below_s=args.hide_wan_below_s,
                           main_load_penalty_tokens=args.main_load_penalty_tokens,
                           singular_predictive=args.singular_predictive,
@@ -148,4 +157,5 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> RouterConfig:
         startup_timeout_s=args.startup_timeout_s,
         incremental_streaming_output=args.incremental_streaming_output,
         main_wait_for_landing_s=args.main_wait_for_landing_s,
+        retry_max_retries=args.retry_max_retries,
     )

@@ -22,7 +22,8 @@ from pdd_sglang.router.model import ModelInfo
 from pdd_sglang.router.placement import Placement, Placer
 from pdd_sglang.router.prefix_mirror import PrefixMirror
 from pdd_sglang.router.request_parsing import GenerateJob
-from pdd_sglang.router.servers import HealthMonitor, ServerPool, Upstream
+from pdd_sglang.router.errors import RequestRejected
+from pdd_sglang.router.servers import HealthMonitor, NoHealthyServer, ServerPool, Upstream
 from pdd_sglang.router.splice import SplicedUpdate, SpliceError, StreamSplicer
 from pdd_sglang.router.upstream import UpstreamClient, UpstreamError
 
@@ -36,6 +37,12 @@ def _from(item, upstream: Upstream) -> bool:
     return isinstance(item, UpstreamError) and item.upstream is upstream
 
 
+def _retryable(err: BaseException) -> bool:
+    """A server's failure, not the request's: a 4xx is the request's fault and stays an error."""
+    status = getattr(err, "status", None)
+    return not (isinstance(status, int) and 400 <= status < 500)
+
+
 class StreamEndedEarly(RuntimeError):
     def __init__(self, upstream: Upstream):
         super().__init__(f"{upstream.role} {upstream.url} closed its stream before finishing")
@@ -46,10 +53,11 @@ class Dispatcher:
     def __init__(self, pool: ServerPool, placer: Placer, mirrors: dict[str, PrefixMirror],
                  client: UpstreamClient, health: HealthMonitor, metrics: RouterMetrics,
                  model: ModelInfo, landing: LandingCopies | None = None,
-                 main_wait_for_landing_s: float = 20.0):
+                 main_wait_for_landing_s: float = 20.0, retry_max_retries: int = 0):
         self.pool = pool
         self.landing = landing if landing is not None else placer.landing
         self.main_wait_for_landing_s = main_wait_for_landing_s
+        self.retry_max_retries = retry_max_retries
         self.placer = placer
         self.mirrors = mirrors
         self.client = client
@@ -71,6 +79,36 @@ class Dispatcher:
 
     def place(self, job: GenerateJob) -> Placement:
         return self.placer.place(job.prompt_ids, job.max_new_tokens)
+
+    async def serve(self, job: GenerateJob, placement: Placement, api: str,
+                    started: float) -> AsyncIterator[SplicedUpdate]:
+        """:meth:`run`, again on a fresh placement (new rid, new room) if it fails before the
+        client has any of the answer: the client sees a longer wait instead of an error."""
+        retries = 0
+        while True:
+            attempt = self.run(job, placement, api, started)
+            answered = False
+            try:
+                async for update in attempt:
+                    answered = True
+                    yield update
+                return
+            except (UpstreamError, StreamEndedEarly) as err:
+                if answered or retries >= self.retry_max_retries or not _retryable(err):
+                    raise
+                failure = err
+            finally:
+                await attempt.aclose()  # the attempt's own cleanup: aborts on every server
+            retries += 1
+            try:
+                placement = self.place(job)  # without a server the failure took out of rotation
+            except (NoHealthyServer, RequestRejected):
+                raise failure from None  # nowhere to go: the failure is the answer
+            cause = (failure.cause if isinstance(failure, UpstreamError)
+                     else "upstream_stream_ended")
+            self.metrics.retries.labels(cause).inc()
+            logger.warning("retrying a request that failed before its first token (%s), retry "
+                           "%d of %d", failure, retries, self.retry_max_retries)
 
     async def run(self, job: GenerateJob, placement: Placement, api: str,
                   started: float) -> AsyncIterator[SplicedUpdate]:

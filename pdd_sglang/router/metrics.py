@@ -28,6 +28,9 @@ class RouterMetrics:
         self.main_waits = Counter(
             "pdd_router_main_waits", "P->RLD->MD requests whose main waited for the WAN copy of "
             "the turn they extend, by how the wait ended (landed, timed_out)", ["end"], registry=r)
+        self.retries = Counter(
+            "pdd_router_retries", "Requests re-sent after a failure before their first token, "
+            "by the failure's cause", ["cause"], registry=r)
         self.errors = Counter("pdd_router_errors", "Requests failed or refused, by cause "
                               "(relay_lost: recovered by main, not failed)",
                               ["cause"], registry=r)

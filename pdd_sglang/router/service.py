@@ -53,7 +53,8 @@ class RouterService:
                         self.config.policy, landing)
         self.dispatcher = Dispatcher(self.pool, placer, self.mirrors, self.client, self.health,
                                      self.metrics, self.model, landing,
-                                     self.config.main_wait_for_landing_s)
+                                     self.config.main_wait_for_landing_s,
+                                     self.config.retry_max_retries)
         self.health.on_recovered = self._learn
         self.health.start()
         logger.info("PDD router ready: model %s, context %d, %.0f KV bytes/token, %s",

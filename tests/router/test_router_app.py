@@ -23,8 +23,10 @@ from pdd_sglang.testing.tiny_model import ensure_tiny_model
 class FakeServer:
     """Answers like an SGLang server of one role; ``script`` makes its /generate stream."""
 
-    def __init__(self, role: str, model_path: str, script=None, delay_s: float = 0.0):
+    def __init__(self, role: str, model_path: str, script=None, delay_s: float = 0.0,
+                 failures: int = 0):
         self.role, self.model_path, self.script, self.delay_s = role, model_path, script, delay_s
+        self.failures = failures  # answer this many /generate calls with SGLang's 500
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.aborted: list[str] = []
@@ -68,6 +70,10 @@ class FakeServer:
         self.bodies.append(body)
         self.arrived_at.append(time.monotonic())
         if self.role == "prefill":
+            if self.failures > 0:
+                self.failures -= 1
+                return web.json_response({"error": {"message": "Prefill KV transfer failed"}},
+                                         status=500)
             return web.json_response({"text": "", "output_ids": [], "meta_info": {}})
         response = web.StreamResponse()
         await response.prepare(request)
@@ -97,9 +103,9 @@ MAIN_SCRIPT = [{"ids": [13], "cached": 40, "meta": {"completion_tokens": 4}},
                {"ids": [14], "cached": 40, "finish": LENGTH, "meta": {"completion_tokens": 5}}]
 
 
-async def with_router(scripts, test, delay_s=0.0, policy=None):
+async def with_router(scripts, test, delay_s=0.0, policy=None, prefill_failures=0):
     model_path = str(ensure_tiny_model())
-    prefill = FakeServer("prefill", model_path)
+    prefill = FakeServer("prefill", model_path, failures=prefill_failures)
     relay = FakeServer("relay", model_path, scripts[0], delay_s)
     main = FakeServer("main", model_path, scripts[1], delay_s)
     for server in (prefill, relay, main):
@@ -245,21 +251,54 @@ def test_a_relay_abort_before_any_token_hands_the_request_to_main():
     asyncio.run(with_router([[{"ids": [], "finish": ABORTED}], MAIN_ALONE], test, delay_s=0.05))
 
 
-def test_a_main_abort_reaches_the_client_as_an_error_with_its_reason():
+def test_a_main_abort_after_the_first_token_reaches_the_client_as_an_error_with_its_reason():
     async def test(session, url, prefill, relay, main):
         body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 5}, "stream": True}
         async with session.post(url + "/generate", json=body) as resp:
             events = await sse(resp)
-        assert "error" in events[-1], events
+        assert events[-2]["output_ids"] == [10, 11]  # the relay's tokens, then...
+        assert "error" in events[-1], events  # ...main's failure, not a short "answer"
         assert "KV transfer failed" in events[-1]["error"]["message"]
-        assert [e for e in events if e.get("output_ids")] == []  # no empty "answer" either
         async with session.get(url + "/metrics") as resp:
-            assert 'pdd_router_errors_total{cause="upstream_abort"} 1.0' in await resp.text()
+            metrics = await resp.text()
+        assert 'pdd_router_errors_total{cause="upstream_abort"} 1.0' in metrics
+        # The client has part of the answer: re-sending would repeat it, so no retry.
+        assert "pdd_router_retries_total{" not in metrics
+        assert len(prefill.bodies) == 1
 
-    # The relay hands off at once; main then aborts (its KV never came).
-    handoff_now = [{"ids": [], "finish": {"type": "pdd_handoff", "handed_tokens": 0}}]
-    asyncio.run(with_router([handoff_now, [{"ids": [], "finish": ABORTED}]], test,
-                            delay_s=0.05))
+    handoff = [{"ids": [10]}, {"ids": [11], "finish": {"type": "pdd_handoff", "handed_tokens": 2}}]
+    asyncio.run(with_router([handoff, [{"ids": [], "finish": ABORTED}]], test, delay_s=0.05))
+
+
+def test_a_failure_before_the_first_token_is_retried_on_a_fresh_placement():
+    async def test(session, url, prefill, relay, main):
+        body = {"input_ids": list(range(4, 60)), "sampling_params": {"max_new_tokens": 5}}
+        async with session.post(url + "/generate", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            whole = await resp.json()
+        assert whole["output_ids"] == [10, 11, 12, 13, 14]  # whole, as if nothing happened
+        first, second = (b["rid"] for b in prefill.bodies)
+        assert first != second and len(prefill.bodies) == 2
+        await asyncio.sleep(0.3)
+        # The failed attempt is dropped everywhere.
+        assert first in relay.aborted and first in main.aborted and first in prefill.aborted
+        async with session.get(url + "/metrics") as resp:
+            assert 'pdd_router_retries_total{cause="upstream_status"} 1.0' in await resp.text()
+
+    asyncio.run(with_router([RELAY_SCRIPT, MAIN_SCRIPT], test, delay_s=0.05,
+                            prefill_failures=1))
+
+
+def test_retries_end_with_the_failure():
+    async def test(session, url, prefill, relay, main):
+        body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 5}}
+        async with session.post(url + "/generate", json=body) as resp:
+            assert resp.status == 500
+            assert "KV transfer failed" in (await resp.json())["error"]["message"]
+        assert len(prefill.bodies) == 2  # the first try and one retry (the default)
+
+    asyncio.run(with_router([RELAY_SCRIPT, MAIN_SCRIPT], test, delay_s=0.05,
+                            prefill_failures=5))
 
 
 @pytest.mark.parametrize("body,status", [(b"{oops", 400), (b'{"input_ids": []}', 400)])
