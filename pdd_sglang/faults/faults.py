@@ -71,10 +71,13 @@ RELAY_DIES = ServerDies(
 MAIN_DIES_BEFORE_HANDOFF = ServerDies(
     name="main_dies_before_handoff", role="main",
     expectation=("requests still before their handoff complete at the relay; requests on P->MD "
-                 "fail with a clear error; new ones are refused until main is back"))
+                 "are re-sent (the router's retry), and new ones go to the relay alone until main "
+                 "is back"))
 MAIN_DIES_AFTER_HANDOFF = ServerDies(
     name="main_dies_after_handoff", role="main", profile=HIGH_HIT_LONG,
-    expectation="requests main was decoding fail with a clear error, none hangs")
+    expectation=("requests main was decoding go on from the last token the client has (the "
+                 "router's --retry-after-first-token), on the relay alone until main is back; "
+                 "none hangs"))
 PREFILL_DIES = ServerDies(
     name="prefill_dies", role="prefill",
     expectation=("requests in prefill or in transfer fail with a clear error; relay and main free "

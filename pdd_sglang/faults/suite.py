@@ -90,7 +90,8 @@ class FaultCluster:
                 "--prefill", self.prefill.url, str(bootstrap_port), "--relay", self.relay.url,
                 "--main", self.main.url, "--wan-gbps", repr(rate_mbit / 1e3),
                 "--wan-rtt-ms", repr(rtt_ms), "--health-interval-s", "1",
-                "--health-failures-to-remove", "1", "--read-timeout-s", "60"],
+                "--health-failures-to-remove", "1", "--read-timeout-s", "60",
+                "--retry-after-first-token"],
                 exec_prefix=line.exec_prefix("a"), netns_name=line.namespace("a"))
             self.router.start()
         except BaseException:

@@ -56,6 +56,8 @@ class RouterConfig:
     # A request that fails before the client has any of its answer (a server died, a transfer
     # failed) is placed again and re-sent, at most this many times.
     retry_max_retries: int = 1
+    # ... and one that fails after the client got part of it goes on from its last token.
+    retry_after_first_token: bool = False
 
 
 def _split_prefill_args(values: Sequence[str]) -> tuple[PrefillEndpoint, ...]:
@@ -124,6 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="re-send a request that failed before the client got any token (a "
                              "server died, a KV transfer failed), placed afresh, at most this "
                              "many times; 0: never")
+    parser.add_argument("--retry-after-first-token", action="store_true",
+                        help="also retry a request that failed after the client got part of "
+                             "its answer, as a continuation from the last token it got (greedy: "
+                             "the same answer; sampled: a valid continuation, not the same draw)")
     parser.add_argument("--incremental-streaming-output", action="store_true",
                         help="stream only new text and ids per /generate chunk (as SGLang's flag)")
     return parser
@@ -158,4 +164,5 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> RouterConfig:
         incremental_streaming_output=args.incremental_streaming_output,
         main_wait_for_landing_s=args.main_wait_for_landing_s,
         retry_max_retries=args.retry_max_retries,
+        retry_after_first_token=args.retry_after_first_token,
     )

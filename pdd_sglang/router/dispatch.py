@@ -22,6 +22,7 @@ from pdd_sglang.router.model import ModelInfo
 from pdd_sglang.router.placement import Placement, Placer
 from pdd_sglang.router.prefix_mirror import PrefixMirror
 from pdd_sglang.router.request_parsing import GenerateJob
+from pdd_sglang.router.resume import Resumed, continuation
 from pdd_sglang.router.errors import RequestRejected
 from pdd_sglang.router.servers import HealthMonitor, NoHealthyServer, ServerPool, Upstream
 from pdd_sglang.router.splice import SplicedUpdate, SpliceError, StreamSplicer
@@ -53,11 +54,13 @@ class Dispatcher:
     def __init__(self, pool: ServerPool, placer: Placer, mirrors: dict[str, PrefixMirror],
                  client: UpstreamClient, health: HealthMonitor, metrics: RouterMetrics,
                  model: ModelInfo, landing: LandingCopies | None = None,
-                 main_wait_for_landing_s: float = 20.0, retry_max_retries: int = 0):
+                 main_wait_for_landing_s: float = 20.0, retry_max_retries: int = 0,
+                 retry_after_first_token: bool = False):
         self.pool = pool
         self.landing = landing if landing is not None else placer.landing
         self.main_wait_for_landing_s = main_wait_for_landing_s
         self.retry_max_retries = retry_max_retries
+        self.retry_after_first_token = retry_after_first_token
         self.placer = placer
         self.mirrors = mirrors
         self.client = client
@@ -82,33 +85,45 @@ class Dispatcher:
 
     async def serve(self, job: GenerateJob, placement: Placement, api: str,
                     started: float) -> AsyncIterator[SplicedUpdate]:
-        """:meth:`run`, again on a fresh placement (new rid, new room) if it fails before the
-        client has any of the answer: the client sees a longer wait instead of an error."""
+        """:meth:`run`, again on a fresh placement (new rid, new room) if a server fails it: from
+        scratch if the client has none of the answer yet; with ``retry_after_first_token``, as a
+        continuation from the last token the client has (:mod:`pdd_sglang.router.resume`)."""
         retries = 0
+        attempt_job, resumed, last = job, None, None
         while True:
-            attempt = self.run(job, placement, api, started)
+            attempt = self.run(attempt_job, placement, api, started)
             answered = False
             try:
                 async for update in attempt:
                     answered = True
-                    yield update
+                    last = update if resumed is None else resumed.update(update)
+                    yield last
                 return
             except (UpstreamError, StreamEndedEarly) as err:
-                if answered or retries >= self.retry_max_retries or not _retryable(err):
+                if retries >= self.retry_max_retries or not _retryable(err):
                     raise
+                if answered or resumed is not None:
+                    following = continuation(job, last.output_ids)
+                    if not self.retry_after_first_token or following is None:
+                        raise
+                    attempt_job = following
+                    resumed = Resumed(len(job.prompt_ids), list(last.output_ids), last.text,
+                                      lambda ids: self.model.decode(ids, job.skip_special_tokens))
                 failure = err
             finally:
                 await attempt.aclose()  # the attempt's own cleanup: aborts on every server
             retries += 1
             try:
-                placement = self.place(job)  # without a server the failure took out of rotation
+                placement = self.place(attempt_job)  # without a server the failure took out
             except (NoHealthyServer, RequestRejected):
                 raise failure from None  # nowhere to go: the failure is the answer
             cause = (failure.cause if isinstance(failure, UpstreamError)
                      else "upstream_stream_ended")
             self.metrics.retries.labels(cause).inc()
-            logger.warning("retrying a request that failed before its first token (%s), retry "
-                           "%d of %d", failure, retries, self.retry_max_retries)
+            logger.warning("retrying a request %s (%s), retry %d of %d",
+                           "from scratch" if resumed is None else
+                           f"after its first {len(resumed.sent_ids)} tokens", failure, retries,
+                           self.retry_max_retries)
 
     async def run(self, job: GenerateJob, placement: Placement, api: str,
                   started: float) -> AsyncIterator[SplicedUpdate]:
@@ -283,6 +298,7 @@ class Dispatcher:
             "predicted_main_cached_tokens": placement.main_cached_tokens,
             "predicted_wan_s": placement.predicted_wan_s,
             "relay_fallback": placement.relay_fallback,
+            "main_fallback": placement.main_fallback,
             "handed_tokens": splicer.handed_tokens,
             "relay_lost_at": splicer.relay_lost_at,
             "diverged": splicer.diverged,

@@ -32,6 +32,7 @@ class Placement:
     main_cached_tokens: int  # the mirror's estimate for the chosen main
     predicted_wan_s: float
     relay_fallback: bool = False  # P->RLD->MD wanted, no healthy relay: P->MD instead
+    main_fallback: bool = False  # no healthy main (dead, or the WAN cut): the relay alone
 
     @property
     def route_name(self) -> str:
@@ -81,7 +82,14 @@ class Placer:
         return mains[index], matches[index]
 
     def place(self, prompt_ids: Sequence[int], max_new_tokens: int) -> Placement:
-        main, cached = self.choose_main(prompt_ids)
+        try:
+            main, cached = self.choose_main(prompt_ids)
+        except NoHealthyServer:
+            # Main is unreachable: the relay, beside prefill, answers alone (P->RLD, as for
+            # singular traffic) instead of the client getting an error. No relay: the error.
+            relay = self._relay_or(NoHealthyServer(MAIN))
+            return Placement(policy.Pipeline.RELAY_SINGULAR, self.pool.least_loaded(PREFILL),
+                             relay, None, 0, 0.0, main_fallback=True)
         # SGLang never reuses the KV of the prompt's last token (it recomputes it to sample).
         uncached = len(prompt_ids) - min(cached, max(len(prompt_ids) - 1, 0))
         wan_s = policy.predict_wan_seconds(uncached, self.kv_bytes_per_token,
@@ -93,7 +101,7 @@ class Placer:
         if pipeline is policy.Pipeline.PREFILL_MAIN:
             return Placement(pipeline, prefill, None, main, cached, wan_s)
         try:
-            relay = self.pool.least_loaded(RELAY, usable=lambda u: u.control_address is not None)
+            relay = self._relay()
         except NoHealthyServer:
             if pipeline is policy.Pipeline.RELAY_SINGULAR:
                 raise
@@ -103,3 +111,12 @@ class Placer:
         if pipeline is policy.Pipeline.RELAY_SINGULAR:
             return Placement(pipeline, prefill, relay, None, cached, wan_s)
         return Placement(pipeline, prefill, relay, main, cached, wan_s)
+
+    def _relay(self) -> Upstream:
+        return self.pool.least_loaded(RELAY, usable=lambda u: u.control_address is not None)
+
+    def _relay_or(self, error: NoHealthyServer) -> Upstream:
+        try:
+            return self._relay()
+        except NoHealthyServer:
+            raise error from None

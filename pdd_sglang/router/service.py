@@ -54,7 +54,8 @@ class RouterService:
         self.dispatcher = Dispatcher(self.pool, placer, self.mirrors, self.client, self.health,
                                      self.metrics, self.model, landing,
                                      self.config.main_wait_for_landing_s,
-                                     self.config.retry_max_retries)
+                                     self.config.retry_max_retries,
+                                     self.config.retry_after_first_token)
         self.health.on_recovered = self._learn
         self.health.start()
         logger.info("PDD router ready: model %s, context %d, %.0f KV bytes/token, %s",

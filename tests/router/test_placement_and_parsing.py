@@ -72,12 +72,23 @@ def test_no_healthy_relay_falls_back_to_prefill_main():
     assert placement.pipeline is policy.Pipeline.PREFILL_MAIN and placement.relay_fallback
 
 
-def test_no_healthy_main_is_refused():
+def test_no_healthy_main_falls_back_to_the_relay_alone():
     pool, _, placer = make()
     for main in pool.by_role["main"]:
         main.healthy = False
-    with pytest.raises(NoHealthyServer):
+    for prompt in ([1, 2, 3], list(range(400))):  # whatever the pipeline would have been
+        placement = placer.place(prompt, 8)
+        assert placement.pipeline is policy.Pipeline.RELAY_SINGULAR and placement.main_fallback
+        assert placement.main is None and placement.relay.url == "http://r1"
+
+
+def test_no_healthy_main_and_no_relay_is_refused_for_want_of_a_main():
+    pool, _, placer = make()
+    for server in pool.by_role["main"] + pool.by_role["relay"]:
+        server.healthy = False
+    with pytest.raises(NoHealthyServer) as err:
         placer.place([1, 2, 3], 8)
+    assert err.value.role == "main"
 
 
 def test_command_line_takes_prefill_bootstrap_ports_like_sglang_router():

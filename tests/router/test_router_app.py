@@ -78,8 +78,12 @@ class FakeServer:
         response = web.StreamResponse()
         await response.prepare(request)
         ids = []
-        for step in self.script:
+        script = self.script(len(self.bodies) - 1) if callable(self.script) else self.script
+        for step in script:
             await asyncio.sleep(self.delay_s)
+            if step.get("die"):  # the server dies mid-stream: the connection just drops
+                request.transport.close()
+                return response
             ids = ids + step["ids"]
             meta = {"prompt_tokens": len(body["input_ids"]), "completion_tokens": len(ids),
                     "cached_tokens": step.get("cached", 0), "finish_reason": step.get("finish"),
@@ -103,7 +107,8 @@ MAIN_SCRIPT = [{"ids": [13], "cached": 40, "meta": {"completion_tokens": 4}},
                {"ids": [14], "cached": 40, "finish": LENGTH, "meta": {"completion_tokens": 5}}]
 
 
-async def with_router(scripts, test, delay_s=0.0, policy=None, prefill_failures=0):
+async def with_router(scripts, test, delay_s=0.0, policy=None, prefill_failures=0,
+                      retry_after_first_token=False):
     model_path = str(ensure_tiny_model())
     prefill = FakeServer("prefill", model_path, failures=prefill_failures)
     relay = FakeServer("relay", model_path, scripts[0], delay_s)
@@ -112,6 +117,7 @@ async def with_router(scripts, test, delay_s=0.0, policy=None, prefill_failures=
         await server.start()
     config = RouterConfig(prefills=(PrefillEndpoint(prefill.url, 9999),), relays=(relay.url,),
                           mains=(main.url,), link=LinkParams(1.0, 0.0),  # 1 B/s: always relay
+                          retry_after_first_token=retry_after_first_token,
                           **({"policy": policy} if policy is not None else {}))
     runner = web.AppRunner(build_app(RouterService(config)), handler_cancellation=True)
     await runner.setup()
@@ -330,3 +336,59 @@ def test_the_next_turn_reaches_main_only_once_the_previous_copy_has_landed():
             assert 'pdd_router_main_waits_total{end="landed"} 1.0' in await resp.text()
 
     asyncio.run(with_router([RELAY_DONE, MAIN_SCRIPT * 6], test, delay_s=0.1))
+
+
+def _main_dies_after(tokens: list[int]):
+    """Main's stream on the first call: ``tokens``, then the process dies; later calls answer."""
+    def script(call: int):
+        if call == 0:
+            # As SGLang counts: completion_tokens includes the 2 handed tokens.
+            return [{"ids": [t], "meta": {"completion_tokens": 3 + i}}
+                    for i, t in enumerate(tokens)] + [{"die": True}]
+        return [{"ids": [20]}, {"ids": [21], "finish": LENGTH}]
+    return script
+
+
+def test_main_dying_after_the_handoff_is_a_clear_error_by_default():
+    async def test(session, url, prefill, relay, main):
+        body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 7}, "stream": True}
+        async with session.post(url + "/generate", json=body) as resp:
+            events = await sse(resp)
+        assert events[-2]["output_ids"] == [10, 11, 12, 13]
+        assert "error" in events[-1], events
+        assert len(prefill.bodies) == 1
+
+    handoff = [{"ids": [10]}, {"ids": [11], "finish": {"type": "pdd_handoff", "handed_tokens": 2}}]
+    asyncio.run(with_router([handoff, _main_dies_after([12, 13])], test, delay_s=0.05))
+
+
+def test_with_retry_after_first_token_the_answer_goes_on_from_the_last_token_sent():
+    async def test(session, url, prefill, relay, main):
+        body = {"input_ids": [5, 6, 7], "stream": True,
+                "sampling_params": {"max_new_tokens": 7, "min_new_tokens": 5}}
+        async with session.post(url + "/generate", json=body) as resp:
+            events = await sse(resp)
+        assert "error" not in events[-1], events
+        # Every position once, in order: the relay's 2, main's 2 before it died, then the rest.
+        assert events[-1]["output_ids"] == [10, 11, 12, 13, 20, 21]
+        assert [e["output_ids"] for e in events][:4] == [[10], [10, 11], [10, 11, 12],
+                                                         [10, 11, 12, 13]]
+        meta = events[-1]["meta_info"]
+        assert meta["prompt_tokens"] == 3 and meta["completion_tokens"] == 6
+        assert meta["resumed_after_tokens"] == 4
+        assert events[-1]["text"] == "w6 w7 w8 w9 w16 w17"
+        # The continuation: the prompt plus what the client had, for the tokens still owed.
+        resent = prefill.bodies[1]
+        assert resent["input_ids"] == [5, 6, 7, 10, 11, 12, 13]
+        assert resent["sampling_params"]["max_new_tokens"] == 3
+        assert resent["sampling_params"]["min_new_tokens"] == 1
+        assert resent["rid"] != prefill.bodies[0]["rid"]
+
+    def relay_script(call: int):
+        if call == 0:  # hands off after 2 tokens
+            return [{"ids": [10]},
+                    {"ids": [11], "finish": {"type": "pdd_handoff", "handed_tokens": 2}}]
+        return [{"ids": [20]}, {"ids": [21], "finish": LENGTH}]  # answers the rest alone
+
+    asyncio.run(with_router([relay_script, _main_dies_after([12, 13])], test, delay_s=0.05,
+                            retry_after_first_token=True))
