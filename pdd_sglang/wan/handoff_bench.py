@@ -27,6 +27,7 @@ from typing import Callable, Optional
 
 from pdd_sglang.control_channel import keygen
 from pdd_sglang.wan import WanLine
+from pdd_sglang.wan.line import stop_process
 from pdd_sglang.wan import handoff_peers as peers
 
 REPO = Path(__file__).resolve().parents[2]
@@ -65,17 +66,6 @@ def _read_json_line(proc: subprocess.Popen, what: str, timeout_s: float) -> dict
     if not line.startswith("{"):
         raise RuntimeError(f"the {what} did not report (exit code {proc.poll()}); see its log")
     return json.loads(line)
-
-
-def _stop(proc: Optional[subprocess.Popen]) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def run(out_dir: Path, *, trials: int = 50, warmup: int = 2, rate_mbit: float = 100.0,
@@ -144,8 +134,8 @@ def run(out_dir: Path, *, trials: int = 50, warmup: int = 2, rate_mbit: float = 
             relay_report = _read_json_line(relay, "relay peer", 30.0)
             line_desc = line.describe()
     finally:
-        _stop(main)
-        _stop(relay)
+        stop_process(main)
+        stop_process(relay)
         if md_server is not None:
             md_server.stop()
         line.stop()

@@ -13,7 +13,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Sequence
+from typing import Optional, Sequence
 
 from pdd_sglang.wan import netns
 from pdd_sglang.wan.forwarder import DEVICE
@@ -129,13 +129,7 @@ class WanLine:
         with self._lock:
             proc, self.proc = self.proc, None
             if proc is not None:
-                if proc.poll() is None:
-                    proc.terminate()
-                    try:
-                        proc.wait(timeout=10)
-                    except subprocess.TimeoutExpired:
-                        proc.kill()
-                        proc.wait()
+                stop_process(proc)
                 self.last_stats = _parse_exit_stats(self.forwarder_stderr())
                 for stream in (proc.stdin, proc.stdout, self._stderr):
                     if stream is not None:
@@ -236,6 +230,18 @@ def check_prerequisites() -> None:
         raise FileNotFoundError("/dev/net/tun is missing (no TUN support in this kernel/container)")
     if subprocess.run(["ip", "-V"], capture_output=True).returncode != 0:
         raise FileNotFoundError("iproute2 'ip' not found: apt-get install -y iproute2")
+
+
+def stop_process(proc: Optional[subprocess.Popen], grace_s: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL after ``grace_s``; reaped either way."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def stop_all() -> None:

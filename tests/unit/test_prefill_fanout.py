@@ -5,7 +5,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from pdd_sglang.prefill_fanout import skip_prefix_pages
+from pdd_sglang.destination_chunks import skip_prefix_pages
 
 
 @dataclasses.dataclass
