@@ -117,10 +117,13 @@ def test_latency_respects_the_line(result):
 
 
 def test_ctrl_c_leaves_nothing_behind(tmp_path):
+    # As from a terminal: a shell that runs its jobs in the background without job control
+    # (CI's, perhaps) hands them SIGINT ignored, and Ctrl-C would never arrive.
     proc = subprocess.Popen(
         [sys.executable, SCRIPT, "--out", str(tmp_path), "--no-server", "--trials", "500",
          "--rtt-ms", "10", "--jitter-ms", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         first = proc.stderr.readline()
         assert first.startswith("line up:"), first
