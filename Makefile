@@ -4,7 +4,7 @@ PROFILE ?= cpu
 PY := .venv/bin/python
 # This checkout's code first, whatever checkout the shared venv's .pth files point at (CI runs in
 # another clone on the same machine, sharing the venv).
-STANDIN := $(if $(filter cpu,$(PROFILE)),:$(CURDIR)/pdd_sglang/cpu/standin,)
+STANDIN := $(if $(filter cpu,$(PROFILE)),:$(CURDIR)/pdd_sglang/dev/cpu_standin,)
 export PYTHONPATH := $(CURDIR)$(STANDIN)
 PYTEST_ARGS ?=
 DEMO_ARGS ?=

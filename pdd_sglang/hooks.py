@@ -26,28 +26,28 @@ def resolve_server_args(server_args: Any) -> None:
 
 def begin_kv_transfer(room: int, destination_session: str, pages: int) -> None:
     """A prefill transfer worker starts a chunk of ``room`` to one destination (patch 0003)."""
-    from pdd_sglang.transfer_accounting import LEDGER
+    from pdd_sglang.prefill.ledger import LEDGER
 
     LEDGER.begin(room, destination_session, pages)
 
 
 def begin_aux_transfer(room: int, destination_session: str) -> None:
     """A prefill sends one request's aux metadata to one destination (patch 0003)."""
-    from pdd_sglang.transfer_accounting import LEDGER
+    from pdd_sglang.prefill.ledger import LEDGER
 
     LEDGER.begin_aux(room, destination_session)
 
 
 def record_kv_transfer_batch(destination_session: str, lengths) -> None:
     """Bytes handed to Mooncake in one batch (patch 0003)."""
-    from pdd_sglang.transfer_accounting import LEDGER
+    from pdd_sglang.prefill.ledger import LEDGER
 
     LEDGER.record_batch(destination_session, lengths)
 
 
 def add_internal_state(scheduler: Any, state: dict) -> None:
     """PDD's part of ``/server_info`` (patch 0004)."""
-    from pdd_sglang.observability import add_pdd_state
+    from pdd_sglang.diagnostics.server_info import add_pdd_state
 
     add_pdd_state(scheduler, state)
 
@@ -55,14 +55,14 @@ def add_internal_state(scheduler: Any, state: dict) -> None:
 # ---- decode side (relay, main): patch 0005 ------------------------------------------------
 def attach_route(receiver: Any, req: Any) -> None:
     """Keep the request's PDD route (from ``kv_hints``) on its new KV receiver."""
-    from pdd_sglang.decode_destination import attach_route as attach
+    from pdd_sglang.decode.destination import attach_route as attach
 
     attach(receiver, req)
 
 
 def receiver_metadata(receiver: Any, decode_prefix_len) -> tuple:
     """``(required_dst_info_num, extra_frames)`` for a receiver's transfer metadata."""
-    from pdd_sglang.decode_destination import receiver_metadata as metadata
+    from pdd_sglang.decode.destination import receiver_metadata as metadata
 
     return metadata(receiver, decode_prefix_len)
 
@@ -70,7 +70,7 @@ def receiver_metadata(receiver: Any, decode_prefix_len) -> tuple:
 # ---- prefill side: patch 0006 -----------------------------------------------------------
 def start_prefill_fanout(kv_mgr: Any) -> None:
     """Start the WAN transfer path of a prefill KV manager."""
-    from pdd_sglang.prefill_wan_path import start_wan_path
+    from pdd_sglang.prefill.wan_path import start_wan_path
 
     start_wan_path(kv_mgr)
 
@@ -114,7 +114,7 @@ def engine_for_session(kv_mgr: Any, session: str) -> Any:
 # ---- debug: patch 0007 -------------------------------------------------------------------
 def on_prompt_kv_complete(scheduler: Any, req: Any) -> None:
     """A server holds a request's whole prompt KV (prefill: last chunk; decode: transfer done)."""
-    from pdd_sglang import kv_digest
+    from pdd_sglang.diagnostics import kv_digest
 
     kv_digest.record(scheduler, req)
 
@@ -122,7 +122,7 @@ def on_prompt_kv_complete(scheduler: Any, req: Any) -> None:
 # ---- the handoff (relay, main): patch 0008 ---------------------------------------------------
 def handoff_hold(scheduler: Any, transferred_reqs: list) -> list:
     """Requests whose KV has landed: main keeps P->RLD->MD ones for the handoff."""
-    from pdd_sglang.handoff import handoff_for
+    from pdd_sglang.decode import handoff_for
 
     handoff = handoff_for(scheduler)
     return transferred_reqs if handoff is None else handoff.hold(transferred_reqs)
@@ -130,7 +130,7 @@ def handoff_hold(scheduler: Any, transferred_reqs: list) -> list:
 
 def handoff_step(scheduler: Any, running_batch: Any) -> tuple:
     """Between two decode steps: ``(running_batch, a handoff EXTEND batch to run now or None)``."""
-    from pdd_sglang.handoff import handoff_for
+    from pdd_sglang.decode import handoff_for
 
     handoff = handoff_for(scheduler)
     return (running_batch, None) if handoff is None else handoff.step(running_batch)
@@ -138,7 +138,7 @@ def handoff_step(scheduler: Any, running_batch: Any) -> tuple:
 
 def handoff_idle(scheduler: Any) -> bool:
     """False while a handoff holds requests outside SGLang's own queues."""
-    from pdd_sglang.handoff import handoff_for
+    from pdd_sglang.decode import handoff_for
 
     handoff = handoff_for(scheduler)
     return handoff is None or handoff.idle()
@@ -146,7 +146,7 @@ def handoff_idle(scheduler: Any) -> bool:
 
 def handoff_abort(scheduler: Any, abort_req: Any) -> None:
     """SGLang's /abort_request: also drop matching requests the handoff holds outside its queues."""
-    from pdd_sglang.handoff import handoff_for
+    from pdd_sglang.decode import handoff_for
 
     handoff = handoff_for(scheduler)
     if handoff is not None:

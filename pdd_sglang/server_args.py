@@ -78,7 +78,7 @@ class PddArgs(msgspec.Struct):
     pdd_control_keypair: A[
         Optional[str],
         "PDD relay/main: this server's CURVE keypair file (NAME.key_secret from "
-        "'python -m pdd_sglang.control_channel keygen'). Set it to authenticate and encrypt "
+        "'python -m pdd_sglang.protocol.control_channel keygen'). Set it to authenticate and encrypt "
         "the control channel across the WAN. Default: plain channel.",
     ] = None
     pdd_control_authorized_keys: A[

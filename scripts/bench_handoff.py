@@ -22,8 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pdd_sglang.wan import check_prerequisites  # noqa: E402
-from pdd_sglang.wan.handoff_bench import format_table, run  # noqa: E402
+from pdd_sglang.dev.wan_emulator import check_prerequisites  # noqa: E402
+from pdd_sglang.dev.wan_emulator.handoff_bench import format_table, run  # noqa: E402
 
 
 def _raise_exit(signum, frame):

@@ -40,11 +40,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from pdd_sglang.testing import agentic  # noqa: E402
-from pdd_sglang.testing.cluster import RELAY_CPU_ARGS, Cluster, free_port  # noqa: E402
-from pdd_sglang.testing.tiny_model import WAN_DEMO_MODEL, ensure_tiny_model  # noqa: E402
-from pdd_sglang.testing.wan_cluster import NetnsServer, RouterProcess, in_namespace  # noqa: E402
-from pdd_sglang.wan import WanLine, check_prerequisites, netns  # noqa: E402
+from pdd_sglang.dev.testing import agentic  # noqa: E402
+from pdd_sglang.dev.testing.cluster import RELAY_CPU_ARGS, Cluster, free_port  # noqa: E402
+from pdd_sglang.dev.testing.tiny_model import WAN_DEMO_MODEL, ensure_tiny_model  # noqa: E402
+from pdd_sglang.dev.testing.wan_cluster import NetnsServer, RouterProcess, in_namespace  # noqa: E402
+from pdd_sglang.dev.wan_emulator import WanLine, check_prerequisites, netns  # noqa: E402
 
 DEMO_MODEL = WAN_DEMO_MODEL  # 8 KiB of KV per token: a 1000-token document is 8 MB on the wire
 # The line: at 10 Mbit/s a 1000-token document's KV (8.2 MB) takes about 6.6 s to cross, a

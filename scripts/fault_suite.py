@@ -23,9 +23,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from pdd_sglang.faults import faults  # noqa: E402
-from pdd_sglang.faults.suite import run_suite  # noqa: E402
-from pdd_sglang.wan import check_prerequisites  # noqa: E402
+from pdd_sglang.dev.faults import faults  # noqa: E402
+from pdd_sglang.dev.faults.suite import run_suite  # noqa: E402
+from pdd_sglang.dev.wan_emulator import check_prerequisites  # noqa: E402
 
 
 def _raise_exit(signum, frame):

@@ -74,7 +74,7 @@ site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["pur
 if [ -z "${CI:-}" ] || [ ! -f "$site/pdd_sglang_checkout.pth" ]; then
   echo "$repo" > "$site/pdd_sglang_checkout.pth"
   if [ "$profile" = cpu ]; then
-    echo "$repo/pdd_sglang/cpu/standin" > "$site/pdd_sglang_cpu_standin.pth"
+    echo "$repo/pdd_sglang/dev/cpu_standin" > "$site/pdd_sglang_cpu_standin.pth"
   else
     rm -f "$site/pdd_sglang_cpu_standin.pth"
   fi

@@ -16,8 +16,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pdd_sglang.wan import WanLine, check_prerequisites, measure  # noqa: E402
-from pdd_sglang.wan.__main__ import format_report, run_checks  # noqa: E402
+from pdd_sglang.dev.wan_emulator import WanLine, check_prerequisites, measure  # noqa: E402
+from pdd_sglang.dev.wan_emulator.__main__ import format_report, run_checks  # noqa: E402
 
 
 def main() -> int:

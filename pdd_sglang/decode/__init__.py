@@ -25,11 +25,11 @@ def _build(scheduler: Any) -> Optional[Any]:
     args = get_server_args()
     role = getattr(args, "pdd_role", None)
     if role == "relay":
-        from pdd_sglang.handoff.relay import RelayHandoff
+        from pdd_sglang.decode.relay import RelayHandoff
 
         return RelayHandoff(scheduler, args)
     if role == "main":
-        from pdd_sglang.handoff.main import MainHandoff
+        from pdd_sglang.decode.main import MainHandoff
 
         return MainHandoff(scheduler, args)
     return None

@@ -17,8 +17,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from pdd_sglang.messages import DestinationHello, encode
-from pdd_sglang.route import RouteError, route_of
+from pdd_sglang.protocol.messages import DestinationHello, encode
+from pdd_sglang.protocol.route import RouteError, route_of
 
 logger = logging.getLogger(__name__)
 

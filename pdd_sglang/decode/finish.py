@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from sglang.srt.managers.schedule_batch import BaseFinishReason
 
-from pdd_sglang.messages import HANDOFF_FINISH_TYPE
+from pdd_sglang.protocol.messages import HANDOFF_FINISH_TYPE
 
 
 class HandedOff(BaseFinishReason):

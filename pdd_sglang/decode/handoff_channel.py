@@ -7,7 +7,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Optional
 
-from pdd_sglang.control_channel import ControlLoop, CurveConfig
+from pdd_sglang.protocol.control_channel import ControlLoop, CurveConfig
 from pdd_sglang.policy import PolicyConfig
 
 

@@ -39,11 +39,11 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any, Optional
 
-from pdd_sglang import kv_digest
-from pdd_sglang.control_channel import PeerState
-from pdd_sglang.handoff.channel import HandoffStats, main_loop
-from pdd_sglang.handoff.relay import route_for
-from pdd_sglang.messages import (HandoffAck, HandoffReady, HandoffRefused, HandoffTokens,
+from pdd_sglang.diagnostics import kv_digest
+from pdd_sglang.protocol.control_channel import PeerState
+from pdd_sglang.decode.handoff_channel import HandoffStats, main_loop
+from pdd_sglang.decode.relay import route_for
+from pdd_sglang.protocol.messages import (HandoffAck, HandoffReady, HandoffRefused, HandoffTokens,
                                  MessageError, check_token_ids)
 
 logger = logging.getLogger(__name__)

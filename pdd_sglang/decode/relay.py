@@ -5,7 +5,7 @@ Life cycle of a P->RLD->MD request on a relay:
 1. Prefill sends the prompt KV over the local RDMA path; SGLang's decode scheduler admits the
    request and the relay decodes and streams tokens at once: the "eager output tokens".
 2. Main, once its own copy of the prompt KV has crossed the WAN, sends ``HandoffReady(room)``
-   on the control channel (:mod:`pdd_sglang.control_channel`); the control thread queues it.
+   on the control channel (:mod:`pdd_sglang.protocol.control_channel`); the control thread queues it.
 3. Between two decode steps, :meth:`RelayHandoff.step` picks the mode from the relay's live load
    (:func:`pdd_sglang.policy.choose_handoff_mode`) and sends ``HandoffTokens`` with the output
    IDs so far, 4 bytes per token.
@@ -24,7 +24,7 @@ Life cycle of a P->RLD->MD request on a relay:
 6. With ``--pdd-enable-kv-digest`` the relay hashes each request's prompt KV as it lands, and
    checks the digest in main's ``HandoffReady`` against its own copy before handing anything
    over; on a mismatch it answers ``HandoffRefused("kv_digest_mismatch")`` and decodes the
-   request to the end itself (:mod:`pdd_sglang.kv_digest`).
+   request to the end itself (:mod:`pdd_sglang.diagnostics.kv_digest`).
 """
 
 from __future__ import annotations
@@ -35,12 +35,13 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from pdd_sglang import kv_digest, policy
-from pdd_sglang.handoff.channel import HandoffStats, policy_config, relay_loop
-from pdd_sglang.handoff.finish import HandedOff
-from pdd_sglang.messages import (HandoffAck, HandoffReady, HandoffRefused, HandoffTokens,
+from pdd_sglang import policy
+from pdd_sglang.diagnostics import kv_digest
+from pdd_sglang.decode.handoff_channel import HandoffStats, policy_config, relay_loop
+from pdd_sglang.decode.finish import HandedOff
+from pdd_sglang.protocol.messages import (HandoffAck, HandoffReady, HandoffRefused, HandoffTokens,
                                  encode, pack_tokens)
-from pdd_sglang.route import Route, RouteError, route_of
+from pdd_sglang.protocol.route import Route, RouteError, route_of
 
 logger = logging.getLogger(__name__)
 

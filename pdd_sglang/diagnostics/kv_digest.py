@@ -69,7 +69,7 @@ def token_hashes(scheduler: Any, req: Any, start: int = 0) -> bytes:
 def range_digest(hashes: bytes, skip_tokens: int = 0) -> bytes:
     """The digest that crosses the control channel: one hash over the tokens' hashes past
     ``skip_tokens`` (main's cached prefix, which did not cross the WAN)."""
-    from pdd_sglang.messages import KV_DIGEST_BYTES
+    from pdd_sglang.protocol.messages import KV_DIGEST_BYTES
 
     return hashlib.blake2b(hashes[skip_tokens * TOKEN_HASH_BYTES:],
                            digest_size=KV_DIGEST_BYTES).digest()

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdd_sglang import kv_digest
-from pdd_sglang.transfer_accounting import LEDGER
+from pdd_sglang.diagnostics import kv_digest
+from pdd_sglang.prefill.ledger import LEDGER
 
 
 def pool_state(scheduler: Any) -> dict:
@@ -37,7 +37,7 @@ def add_pdd_state(scheduler: Any, state: dict) -> None:
         "transfers": LEDGER.snapshot(),
         "kv_digests": kv_digest.snapshot(),
     }
-    from pdd_sglang.handoff import handoff_for
+    from pdd_sglang.decode import handoff_for
 
     handoff = handoff_for(scheduler)
     if handoff is not None:

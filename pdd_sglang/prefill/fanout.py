@@ -3,7 +3,7 @@
 Life cycle of a request on a PDD prefill (P->RLD->MD):
 
 1. The relay and the main each register for the room with their transfer metadata, plus one
-   :class:`~pdd_sglang.messages.DestinationHello` frame: role, how many destinations the room has,
+   :class:`~pdd_sglang.protocol.messages.DestinationHello` frame: role, how many destinations the room has,
    and the prefix that destination already holds (0 on the relay; on the main, what its decode
    radix cache matched).
 2. Prefill starts computing as soon as the relay has registered (:meth:`PrefillFanout.
@@ -38,9 +38,9 @@ import time
 from collections import OrderedDict
 from typing import Any, Optional
 
-from pdd_sglang.destination_chunks import skip_prefix_pages
-from pdd_sglang.messages import DestinationHello, MessageError, decode
-from pdd_sglang.transfer_accounting import LEDGER
+from pdd_sglang.prefill.destination_chunks import skip_prefix_pages
+from pdd_sglang.protocol.messages import DestinationHello, MessageError, decode
+from pdd_sglang.prefill.ledger import LEDGER
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class PrefillFanout:
         self.main_bootstrap_timeout_s = 30.0
         self.mains_dropped = 0
         self.wan_queues: list = []
-        self.wan_engine = None  # pdd_sglang.wan_engine.WanTransferEngine, set at start
+        self.wan_engine = None  # pdd_sglang.prefill.wan_engine.WanTransferEngine, set at start
 
     def engine_for(self, session: str) -> Any:
         """The engine that carries batches to ``session``: the WAN engine for mains."""

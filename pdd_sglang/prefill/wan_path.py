@@ -2,7 +2,7 @@
 
 Started once per prefill KV manager (patch 0006 calls :func:`start_wan_path` through
 ``pdd_sglang.hooks``). The workers run SGLang's own transfer loop, fed by this path's queues, so
-there is one implementation of sending; :class:`~pdd_sglang.prefill_fanout.PrefillFanout` decides
+there is one implementation of sending; :class:`~pdd_sglang.prefill.fanout.PrefillFanout` decides
 which chunk goes where.
 """
 
@@ -12,7 +12,7 @@ import threading
 import time
 from typing import Any
 
-from pdd_sglang.prefill_fanout import PrefillFanout, logger, on_wan_path
+from pdd_sglang.prefill.fanout import PrefillFanout, logger, on_wan_path
 
 WAN_WORKERS = 4
 
@@ -23,7 +23,7 @@ def start_wan_path(kv_mgr: Any) -> PrefillFanout:
 
     from sglang.srt.runtime_context import get_server_args
 
-    from pdd_sglang.wan_engine import open_wan_engine
+    from pdd_sglang.prefill.wan_engine import open_wan_engine
 
     fanout = PrefillFanout(kv_mgr)
     kv_mgr.pdd_fanout = fanout

@@ -5,11 +5,11 @@ connection carries both directions (main: ``HandoffReady``, ``HandoffAck``; rela
 ``HandoffTokens``), and the ROUTER's peer identity tells the relay which main spoke.
 
 Across the WAN the channel uses ZMQ's CURVE: each endpoint has a keypair in files made by
-``python -m pdd_sglang.control_channel keygen DIR NAME`` (ZMQ's own certificate format), a main
+``python -m pdd_sglang.protocol.control_channel keygen DIR NAME`` (ZMQ's own certificate format), a main
 knows its relay's public key, and a relay admits only the mains whose public keys are in its
 authorized directory; ZMQ's authenticator refuses every other peer before a byte of PDD payload is
 read, and the refusal is logged and counted. Every received frame is decoded by
-:func:`pdd_sglang.messages.decode`, which refuses (and we count) malformed, oversized and
+:func:`pdd_sglang.protocol.messages.decode`, which refuses (and we count) malformed, oversized and
 unknown-version messages without stopping the channel.
 """
 
@@ -29,7 +29,7 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
-from pdd_sglang.messages import MessageError, decode, encode
+from pdd_sglang.protocol.messages import MessageError, decode, encode
 
 logger = logging.getLogger(__name__)
 

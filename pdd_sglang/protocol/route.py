@@ -13,7 +13,7 @@ from typing import Any, Literal, Optional
 
 import msgspec
 
-from pdd_sglang.messages import Pipeline
+from pdd_sglang.protocol.messages import Pipeline
 
 ROUTE_ACTION_TYPE = "pdd.route"
 ROUTE_ACTION_VERSION = "1"

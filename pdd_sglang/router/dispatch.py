@@ -15,7 +15,7 @@ import uuid
 from typing import AsyncIterator
 
 from pdd_sglang import policy
-from pdd_sglang.route import route_kv_hints
+from pdd_sglang.protocol.route import route_kv_hints
 from pdd_sglang.router.landing import LandingCopies
 from pdd_sglang.router.metrics import RouterMetrics, TokenClock
 from pdd_sglang.router.model import ModelInfo

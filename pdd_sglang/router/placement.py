@@ -15,7 +15,7 @@ from pdd_sglang.router.landing import LandingCopies
 from pdd_sglang.router.prefix_mirror import PrefixMirror
 from pdd_sglang.router.servers import MAIN, PREFILL, RELAY, NoHealthyServer, ServerPool, Upstream
 
-# The route names servers read in kv_hints (pdd_sglang.route / messages.Pipeline).
+# The route names servers read in kv_hints (pdd_sglang.protocol.route / messages.Pipeline).
 ROUTE_NAMES = {
     policy.Pipeline.PREFILL_MAIN: "prefill_main",
     policy.Pipeline.PREFILL_RELAY_MAIN: "prefill_relay_main",

@@ -1,6 +1,6 @@
 """Splice the relay's eager tokens and main's tokens into one client stream (pure logic, no I/O).
 
-The contract with the servers (pdd_sglang.handoff):
+The contract with the servers (pdd_sglang.decode):
   - relay hands off: its final chunk's finish reason is ``{"type": "pdd_handoff",
     "handed_tokens": n, "mode": ...}``; main's ``output_ids`` then start at generated position n
     (main streams nothing the relay already streamed).
@@ -8,7 +8,7 @@ The contract with the servers (pdd_sglang.handoff):
     is the whole answer, and main's is ignored (the caller aborts main's copy).
   - P->MD: main's answer is the whole answer.
   - the relay's stream breaks before any handoff (the relay died): main decodes the request from
-    the first token (pdd_sglang.handoff.main notices the lost relay), and the client's stream
+    the first token (pdd_sglang.decode.main notices the lost relay), and the client's stream
     goes on from main at the next position it has not seen (:meth:`StreamSplicer.relay_lost`).
 
 Tokens are placed by *position*, never by arrival: a position already sent to the client must hold
@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from pdd_sglang.messages import HANDOFF_FINISH_TYPE
+from pdd_sglang.protocol.messages import HANDOFF_FINISH_TYPE
 
 
 class SpliceError(RuntimeError):

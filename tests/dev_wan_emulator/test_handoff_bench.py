@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from pdd_sglang.wan import check_prerequisites, netns
+from pdd_sglang.dev.wan_emulator import check_prerequisites, netns
 
 
 def _unavailable_reason() -> str | None:

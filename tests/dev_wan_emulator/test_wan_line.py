@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from pdd_sglang.wan import WanLine, check_prerequisites, cleanup_stale, measure, netns
+from pdd_sglang.dev.wan_emulator import WanLine, check_prerequisites, cleanup_stale, measure, netns
 
 
 def _unavailable_reason() -> str | None:
@@ -228,7 +228,7 @@ def test_cleanup_when_the_forwarder_is_killed():
 def test_cleanup_when_the_owner_is_killed_with_sigkill():
     owner_code = textwrap.dedent("""
         import sys, time
-        from pdd_sglang.wan import WanLine
+        from pdd_sglang.dev.wan_emulator import WanLine
         line = WanLine(100, 10).start()
         sleeper = line.popen("b", ["sleep", "300"])
         print(line.forwarder_pid, sleeper.pid, flush=True)
@@ -263,7 +263,7 @@ def test_cleanup_stale_removes_leftovers_of_killed_runs():
 
 def test_cli_up_then_down_leaves_nothing():
     env = dict(os.environ, PYTHONPATH=REPO_ROOT)
-    cli = [sys.executable, "-m", "pdd_sglang.wan"]
+    cli = [sys.executable, "-m", "pdd_sglang.dev.wan_emulator"]
     up = subprocess.run([*cli, "up", "--rate-mbit", "50", "--rtt-ms", "10"], capture_output=True,
                         text=True, env=env, timeout=30)
     assert up.returncode == 0, up.stderr

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from pdd_sglang.testing.cluster import RELAY_CPU_ARGS, Cluster, SGLangServer, free_port
-from pdd_sglang.testing.wan_cluster import RouterProcess
-from pdd_sglang.testing.tiny_model import TinyModelSpec, ensure_tiny_model
+from pdd_sglang.dev.testing.cluster import RELAY_CPU_ARGS, Cluster, SGLangServer, free_port
+from pdd_sglang.dev.testing.wan_cluster import RouterProcess
+from pdd_sglang.dev.testing.tiny_model import TinyModelSpec, ensure_tiny_model
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from pdd_sglang.wan import check_prerequisites, netns
+from pdd_sglang.dev.wan_emulator import check_prerequisites, netns
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "scripts" / "demo.py"

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdd_sglang.testing.conversation import FIRST_WORD_ID, WORDS
-from pdd_sglang.testing.pd_client import generate_fanout, generate_pdd, relay_control_address
+from pdd_sglang.dev.testing.conversation import FIRST_WORD_ID, WORDS
+from pdd_sglang.dev.testing.pd_client import generate_fanout, generate_pdd, relay_control_address
 
 MAX_NEW_TOKENS = 6
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from pdd_sglang.faults import faults
-from pdd_sglang.faults.suite import run_suite
+from pdd_sglang.dev.faults import faults
+from pdd_sglang.dev.faults.suite import run_suite
 
 pytestmark = pytest.mark.integration
 

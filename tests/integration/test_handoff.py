@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from pdd_sglang.messages import HandoffTokens, encode, pack_tokens
-from pdd_sglang.testing.conversation import FIRST_WORD_ID, WORDS
-from pdd_sglang.testing.pd_client import generate_fanout, generate_pdd
+from pdd_sglang.protocol.messages import HandoffTokens, encode, pack_tokens
+from pdd_sglang.dev.testing.conversation import FIRST_WORD_ID, WORDS
+from pdd_sglang.dev.testing.pd_client import generate_fanout, generate_pdd
 
 MAX_NEW_TOKENS = 300
 POINTS = [1, 7, 64, 65, 200]

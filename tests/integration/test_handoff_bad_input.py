@@ -12,10 +12,10 @@ import msgspec
 import pytest
 import zmq
 
-from pdd_sglang.messages import (MAX_MESSAGE_BYTES, Envelope, HandoffAck, HandoffReady,
+from pdd_sglang.protocol.messages import (MAX_MESSAGE_BYTES, Envelope, HandoffAck, HandoffReady,
                                  HandoffRefused, HandoffTokens, decode, encode, pack_tokens)
-from pdd_sglang.testing.pd_client import generate_fanout, relay_control_address
-from pdd_sglang.testing.conversation import FIRST_WORD_ID, WORDS
+from pdd_sglang.dev.testing.pd_client import generate_fanout, relay_control_address
+from pdd_sglang.dev.testing.conversation import FIRST_WORD_ID, WORDS
 
 VOCAB = 1000 + FIRST_WORD_ID
 

@@ -8,7 +8,7 @@ cover only the suffix that decode's tree lacks.
 
 from __future__ import annotations
 
-from pdd_sglang.testing.conversation import run_conversation, sent_for_room
+from pdd_sglang.dev.testing.conversation import run_conversation, sent_for_room
 
 MAX_NEW_TOKENS = 8
 

@@ -14,7 +14,7 @@ import urllib.request
 
 import pytest
 
-from pdd_sglang.testing.conversation import FIRST_WORD_ID, WORDS
+from pdd_sglang.dev.testing.conversation import FIRST_WORD_ID, WORDS
 
 GREEDY = {"temperature": 0.0}
 # The router_cluster fixture's link puts the pipeline boundary here (conftest.py).

@@ -9,10 +9,10 @@ import urllib.request
 
 import pytest
 
-from pdd_sglang.testing.cluster import Cluster, SGLangServer, free_port
-from pdd_sglang.testing.conversation import FIRST_WORD_ID, WORDS
-from pdd_sglang.testing.pd_client import generate_fanout
-from pdd_sglang.testing.wan_cluster import RouterProcess
+from pdd_sglang.dev.testing.cluster import Cluster, SGLangServer, free_port
+from pdd_sglang.dev.testing.conversation import FIRST_WORD_ID, WORDS
+from pdd_sglang.dev.testing.pd_client import generate_fanout
+from pdd_sglang.dev.testing.wan_cluster import RouterProcess
 
 TURNS = 4
 CONVERSATIONS = 3

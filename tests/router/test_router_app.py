@@ -16,8 +16,8 @@ from pdd_sglang.policy import PolicyConfig
 from pdd_sglang.router.app import build_app
 from pdd_sglang.router.config import LinkParams, PrefillEndpoint, RouterConfig
 from pdd_sglang.router.service import RouterService
-from pdd_sglang.testing.cluster import free_port
-from pdd_sglang.testing.tiny_model import ensure_tiny_model
+from pdd_sglang.dev.testing.cluster import free_port
+from pdd_sglang.dev.testing.tiny_model import ensure_tiny_model
 
 
 class FakeServer:

@@ -7,8 +7,8 @@ import time
 import pytest
 import zmq
 
-from pdd_sglang.control_channel import CurveConfig, MainControlClient, RelayControlServer, keygen
-from pdd_sglang.messages import HandoffAck, HandoffReady, HandoffTokens, pack_tokens
+from pdd_sglang.protocol.control_channel import CurveConfig, MainControlClient, RelayControlServer, keygen
+from pdd_sglang.protocol.messages import HandoffAck, HandoffReady, HandoffTokens, pack_tokens
 
 
 def wait_for(endpoint, timeout_s=3.0):
@@ -115,7 +115,7 @@ def test_curve_configs_must_be_complete(tmp_path):
 
 # ---- the control loop servers run: one I/O thread owns the sockets ---------------------------
 def test_control_loop_carries_a_handoff_both_ways_and_to_several_relays():
-    from pdd_sglang.control_channel import ControlLoop
+    from pdd_sglang.protocol.control_channel import ControlLoop
 
     relays = [ControlLoop(relay_bind="tcp://127.0.0.1:0") for _ in range(2)]
     main = ControlLoop()
@@ -136,7 +136,7 @@ def test_control_loop_carries_a_handoff_both_ways_and_to_several_relays():
 
 def messages_only(loop, count, timeout_s=5.0):
     """The next ``count`` protocol messages a main loop received, skipping connection notes."""
-    from pdd_sglang.control_channel import PeerState
+    from pdd_sglang.protocol.control_channel import PeerState
 
     got, deadline = [], time.monotonic() + timeout_s
     while len(got) < count and time.monotonic() < deadline:
@@ -147,7 +147,7 @@ def messages_only(loop, count, timeout_s=5.0):
 
 
 def test_a_main_learns_at_once_that_its_relay_is_gone():
-    from pdd_sglang.control_channel import ControlLoop, PeerState
+    from pdd_sglang.protocol.control_channel import ControlLoop, PeerState
 
     relay = ControlLoop(relay_bind="tcp://127.0.0.1:0")
     main = ControlLoop()
@@ -163,7 +163,7 @@ def test_a_main_learns_at_once_that_its_relay_is_gone():
 
 
 def test_control_loop_counts_what_it_refuses(keys):
-    from pdd_sglang.control_channel import ControlLoop
+    from pdd_sglang.protocol.control_channel import ControlLoop
 
     relay = ControlLoop(relay_bind="tcp://127.0.0.1:0", curve=keys["relay"])
     stranger = ControlLoop(curve=keys["stranger"])

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 
-STANDIN = Path(__file__).resolve().parents[2] / "pdd_sglang" / "cpu" / "standin"
+STANDIN = Path(__file__).resolve().parents[2] / "pdd_sglang" / "dev" / "cpu_standin"
 
 
 def run(code: str, cpu_engine: bool) -> subprocess.CompletedProcess:

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import torch
 
-from pdd_sglang import kv_digest
-from pdd_sglang.messages import KV_DIGEST_BYTES
+from pdd_sglang.diagnostics import kv_digest
+from pdd_sglang.protocol.messages import KV_DIGEST_BYTES
 
 LAYERS, HEADS, DIM = 2, 2, 4
 

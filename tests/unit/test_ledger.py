@@ -1,6 +1,6 @@
 import threading
 
-from pdd_sglang.transfer_accounting import TransferLedger
+from pdd_sglang.prefill.ledger import TransferLedger
 
 
 def test_batches_are_charged_to_the_open_scope_kv_and_aux_apart():

@@ -1,10 +1,10 @@
 import msgspec
 import pytest
 
-from pdd_sglang import messages
+from pdd_sglang.protocol import messages
 import typing
 
-from pdd_sglang.messages import (
+from pdd_sglang.protocol.messages import (
     DestinationHello, HandoffAck, HandoffReady, HandoffRefused, HandoffTokens, MessageError,
     check_token_ids, decode, encode, pack_tokens,
 )

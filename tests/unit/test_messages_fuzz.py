@@ -4,7 +4,7 @@ import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdd_sglang.messages import (
+from pdd_sglang.protocol.messages import (
     HandoffTokens, MessageError, PROTOCOL_VERSION, decode, encode, pack_tokens,
 )
 

@@ -5,7 +5,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from pdd_sglang.destination_chunks import skip_prefix_pages
+from pdd_sglang.prefill.destination_chunks import skip_prefix_pages
 
 
 @dataclasses.dataclass
@@ -55,8 +55,8 @@ def test_misaligned_or_negative_offset_is_refused(skip_tokens):
 # ---- the fan-out's fault handling, on a stand-in for SGLang's Mooncake KV manager -------------
 from types import SimpleNamespace  # noqa: E402
 
-from pdd_sglang.messages import DestinationHello, encode  # noqa: E402
-from pdd_sglang.prefill_fanout import HELLO_FRAME_INDEX, PrefillFanout  # noqa: E402
+from pdd_sglang.protocol.messages import DestinationHello, encode  # noqa: E402
+from pdd_sglang.prefill.fanout import HELLO_FRAME_INDEX, PrefillFanout  # noqa: E402
 
 
 class FakeKvManager:

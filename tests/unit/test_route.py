@@ -3,7 +3,7 @@ from types import SimpleNamespace
 import msgspec
 import pytest
 
-from pdd_sglang.route import ROUTE_ACTION_TYPE, RouteError, route_kv_hints, route_of
+from pdd_sglang.protocol.route import ROUTE_ACTION_TYPE, RouteError, route_kv_hints, route_of
 
 
 def as_envelope(hints: dict):

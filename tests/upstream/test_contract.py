@@ -42,7 +42,7 @@ HOOKED_SYMBOLS = [
     # 0006's failed-destination hook: SGLang's dead-session bookkeeping it sits beside
     ("disaggregation/mooncake/conn.py", "MooncakeKVManager._poison_unsettled_send"),
     ("disaggregation/common/conn.py", "CommonKVManager.conclude_failure"),
-    # 0004 and pdd_sglang.observability: pool and tree state
+    # 0004 and pdd_sglang.diagnostics.server_info: pool and tree state
     ("managers/scheduler_components/internal_state.py",
      "SchedulerInternalStateController.get_internal_state"),
     ("mem_cache/unified_radix_cache.py", "UnifiedRadixCache.evictable_size"),
@@ -51,7 +51,7 @@ HOOKED_SYMBOLS = [
     ("mem_cache/radix_cache.py", "RadixCache.protected_size"),
     ("mem_cache/allocator/token.py", "TokenToKVPoolAllocator.available_size"),
     ("mem_cache/memory_pool.py", "ReqToTokenPool.available_size"),
-    # 0008 and pdd_sglang.handoff: where requests move between relay and main
+    # 0008 and pdd_sglang.decode: where requests move between relay and main
     ("disaggregation/decode.py", "SchedulerDisaggregationDecodeMixin.process_decode_queue"),
     ("disaggregation/decode.py",
      "SchedulerDisaggregationDecodeMixin.get_next_disagg_decode_batch_to_run"),

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from pdd_sglang.faults.load import LoadProfile
+from pdd_sglang.dev.faults.load import LoadProfile
 
 # A low-hit prompt: its KV copy to main crosses the line for seconds, so the relay decodes
 # while main waits (the window before the handoff).

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from pdd_sglang.testing import agentic
+from pdd_sglang.dev.testing import agentic
 
 
 @dataclass(frozen=True)

@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from pdd_sglang.faults.faults import Fault, wait_for
-from pdd_sglang.faults.load import SteadyLoad, tally
-from pdd_sglang.testing.cluster import RELAY_CPU_ARGS, Cluster, free_port
-from pdd_sglang.testing.tiny_model import WAN_DEMO_MODEL, ensure_tiny_model
-from pdd_sglang.testing.wan_cluster import NetnsServer, RouterProcess, in_namespace
-from pdd_sglang.wan import WanLine
+from pdd_sglang.dev.faults.faults import Fault, wait_for
+from pdd_sglang.dev.faults.load import SteadyLoad, tally
+from pdd_sglang.dev.testing.cluster import RELAY_CPU_ARGS, Cluster, free_port
+from pdd_sglang.dev.testing.tiny_model import WAN_DEMO_MODEL, ensure_tiny_model
+from pdd_sglang.dev.testing.wan_cluster import NetnsServer, RouterProcess, in_namespace
+from pdd_sglang.dev.wan_emulator import WanLine
 
 TRANSPORT = ("--disaggregation-transfer-backend", "mooncake_tcp")
 # PDD's own deadlines, per path: seconds, not SGLang's 300 s defaults.

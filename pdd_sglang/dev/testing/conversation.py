@@ -9,8 +9,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from pdd_sglang.testing.cluster import SGLangServer
-from pdd_sglang.testing.pd_client import generate_pd
+from pdd_sglang.dev.testing.cluster import SGLangServer
+from pdd_sglang.dev.testing.pd_client import generate_pd
 
 FIRST_WORD_ID = 4  # ids 0-3 are the tiny tokenizer's special tokens
 WORDS = 1000

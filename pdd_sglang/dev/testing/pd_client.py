@@ -11,9 +11,9 @@ import random
 import threading
 import uuid
 
-from pdd_sglang.messages import HANDOFF_FINISH_TYPE
-from pdd_sglang.route import route_kv_hints
-from pdd_sglang.testing.cluster import SGLangServer
+from pdd_sglang.protocol.messages import HANDOFF_FINISH_TYPE
+from pdd_sglang.protocol.route import route_kv_hints
+from pdd_sglang.dev.testing.cluster import SGLangServer
 
 _rooms = random.Random()
 

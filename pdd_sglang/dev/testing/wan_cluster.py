@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from pdd_sglang.testing.cluster import SGLangServer, free_port
-from pdd_sglang.wan import netns
+from pdd_sglang.dev.testing.cluster import SGLangServer, free_port
+from pdd_sglang.dev.wan_emulator import netns
 
 
 def in_namespace(name: Optional[str]):
@@ -69,7 +69,7 @@ class RouterProcess:
         self.log_path = Path(log_path)
         self.netns = netns_name
         self._exec_prefix, self._args = tuple(exec_prefix), tuple(args)
-        repo_root = Path(__file__).resolve().parents[2]
+        repo_root = Path(__file__).resolve().parents[3]
         self.env = {**os.environ,
                     "PYTHONPATH": os.pathsep.join(filter(None, [str(repo_root),
                                                                 os.environ.get("PYTHONPATH")]))}

@@ -40,12 +40,12 @@ Usage::
         md = line.popen("b", ["python3", "-m", "...md...", "--host", line.address("b")])
         p = line.popen("a", ["python3", "-m", "...prefill...", "--host", line.address("a")])
 
-CLI: ``python -m pdd_sglang.wan up|down|list|cleanup|check``. Stdlib only; needs root,
+CLI: ``python -m pdd_sglang.dev.wan_emulator up|down|list|cleanup|check``. Stdlib only; needs root,
 /dev/net/tun and iproute2's ``ip``.
 """
 
-from pdd_sglang.wan import measure
-from pdd_sglang.wan.line import WanLine, check_prerequisites, stop_all
-from pdd_sglang.wan.netns import cleanup_stale
+from pdd_sglang.dev.wan_emulator import measure
+from pdd_sglang.dev.wan_emulator.line import WanLine, check_prerequisites, stop_all
+from pdd_sglang.dev.wan_emulator.netns import cleanup_stale
 
 __all__ = ["WanLine", "check_prerequisites", "cleanup_stale", "measure", "stop_all"]

@@ -1,4 +1,4 @@
-"""CLI for the WAN emulator: ``python -m pdd_sglang.wan up|down|list|cleanup|check``.
+"""CLI for the WAN emulator: ``python -m pdd_sglang.dev.wan_emulator up|down|list|cleanup|check``.
 
 ``up`` leaves a detached line running and records it in /run/pdd-wan/<pid>.json so that
 ``down`` (or ``cleanup``) can remove it later; ``check`` starts a temporary line and measures it.
@@ -13,8 +13,8 @@ import signal
 import sys
 import time
 
-from pdd_sglang.wan import measure, netns
-from pdd_sglang.wan.line import WanLine
+from pdd_sglang.dev.wan_emulator import measure, netns
+from pdd_sglang.dev.wan_emulator.line import WanLine
 
 STATE_DIR = "/run/pdd-wan"
 
@@ -123,7 +123,7 @@ def format_report(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pdd_sglang.wan", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m pdd_sglang.dev.wan_emulator", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="start a detached line and print its namespaces/addresses")
     _line_args(up)

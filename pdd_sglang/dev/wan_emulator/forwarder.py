@@ -19,7 +19,7 @@ is held (TCP goodput 96.5% of it, which is exactly the IP+TCP header share at MT
 40 ms RTT and ~0.9-1.4 Gbit/s at 2 ms. Forwarding adds ~0.3-0.6 ms per round trip. It runs
 under SCHED_RR so that busy servers on the same cores do not stretch the line.
 
-Run as ``python -m pdd_sglang.wan.forwarder``; it creates the namespaces itself (their names
+Run as ``python -m pdd_sglang.dev.wan_emulator.forwarder``; it creates the namespaces itself (their names
 carry its pid, which makes the forwarder their owner), prints one JSON "ready" line and
 forwards until SIGTERM/SIGINT, or until its lifeline (stdin) reaches EOF because the process
 that started it died. On any of these exits it deletes both namespaces and whatever still runs
@@ -39,7 +39,7 @@ import signal
 import sys
 import time
 
-from pdd_sglang.wan import netns
+from pdd_sglang.dev.wan_emulator import netns
 
 DEVICE = "wan0"
 MAX_BATCH = 256

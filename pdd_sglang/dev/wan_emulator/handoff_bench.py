@@ -9,7 +9,7 @@
 
 Latency is timed by main (B), from sending ``HandoffReady`` until the handed tokens are decoded
 (kv: and the KV lies in its buffer); for ``token_ids`` SGLang's own time for the EXTEND is added.
-The peers live in :mod:`pdd_sglang.wan.handoff_peers`; this module starts the line, the SGLang
+The peers live in :mod:`pdd_sglang.dev.wan_emulator.handoff_peers`; this module starts the line, the SGLang
 server and both peers, and always stops them (try/finally; the line's own cleanup besides).
 """
 
@@ -25,12 +25,12 @@ import tomllib
 from pathlib import Path
 from typing import Callable, Optional
 
-from pdd_sglang.control_channel import keygen
-from pdd_sglang.wan import WanLine
-from pdd_sglang.wan.line import stop_process
-from pdd_sglang.wan import handoff_peers as peers
+from pdd_sglang.protocol.control_channel import keygen
+from pdd_sglang.dev.wan_emulator import WanLine
+from pdd_sglang.dev.wan_emulator.line import stop_process
+from pdd_sglang.dev.wan_emulator import handoff_peers as peers
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 REALISTIC_MODEL = REPO / "configs" / "models" / "moe_1t_50kb.toml"
 PEER_READY_TIMEOUT_S = 120.0
 # Main's SGLang server (cluster B). Metrics on: the recompute time is SGLang's own per-request
@@ -73,7 +73,7 @@ def run(out_dir: Path, *, trials: int = 50, warmup: int = 2, rate_mbit: float = 
         prefix_tokens: int = 2048, server: bool = True,
         log: Callable[[str], None] = print) -> dict:
     """Run the benchmark; return the result dict (see :func:`build_result`)."""
-    from pdd_sglang.testing.tiny_model import (SPECIAL_TOKENS, VOCAB_WORDS, TinyModelSpec,
+    from pdd_sglang.dev.testing.tiny_model import (SPECIAL_TOKENS, VOCAB_WORDS, TinyModelSpec,
                                                ensure_tiny_model)
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -100,7 +100,7 @@ def run(out_dir: Path, *, trials: int = 50, warmup: int = 2, rate_mbit: float = 
                 f"namespaces {line.namespaces['a']} / {line.namespaces['b']}")
             server_url = None
             if server:
-                from pdd_sglang.testing.wan_cluster import NetnsServer
+                from pdd_sglang.dev.testing.wan_cluster import NetnsServer
 
                 md_server = NetnsServer("md", model_path, out_dir, extra_args=SERVER_ARGS,
                                         exec_prefix=tuple(line.exec_prefix("b")),
@@ -109,7 +109,7 @@ def run(out_dir: Path, *, trials: int = 50, warmup: int = 2, rate_mbit: float = 
                 md_server.start()
                 md_server.wait_ready(600)
                 server_url = md_server.url
-            main_argv = [sys.executable, "-m", "pdd_sglang.wan.handoff_peers", "main",
+            main_argv = [sys.executable, "-m", "pdd_sglang.dev.wan_emulator.handoff_peers", "main",
                          "--host", line.address("b"), *common,
                          "--relay-address", f"tcp://{line.address('a')}:{peers.RELAY_CONTROL_PORT}",
                          "--netns", line.namespace("b"), "--trials", str(trials),
@@ -119,7 +119,7 @@ def run(out_dir: Path, *, trials: int = 50, warmup: int = 2, rate_mbit: float = 
             main = line.popen("b", main_argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               stderr=logs["main"], env=env, text=True)
             target = _read_json_line(main, "main peer", PEER_READY_TIMEOUT_S)
-            relay = line.popen("a", [sys.executable, "-m", "pdd_sglang.wan.handoff_peers", "relay",
+            relay = line.popen("a", [sys.executable, "-m", "pdd_sglang.dev.wan_emulator.handoff_peers", "relay",
                                      "--host", line.address("a"), *common,
                                      "--target-session", target["session_id"],
                                      "--target-ptr", str(target["buffer_ptr"])],
@@ -218,7 +218,7 @@ def build_result(main_report: dict, relay_report: dict, line_desc: dict, *, per_
         "control_message_ms": control,
         "recompute": recompute or {"measured": False, "reason": "run without an SGLang server"},
         "transport": {"kv": "Mooncake TransferEngine, TCP, transfer_sync_write (relay A -> main B)",
-                      "control": "pdd_sglang.control_channel ControlLoop, ZMQ ROUTER/DEALER, CURVE"},
+                      "control": "pdd_sglang.protocol.control_channel ControlLoop, ZMQ ROUTER/DEALER, CURVE"},
         "refusals": {"main": main_report.get("refusals"), "relay": relay_report.get("refusals")},
         "failed_writes": sum(1 for t in relay_report["transfers"] if t["ret"] != 0),
         "forwarder": forwarder_stats,

@@ -1,7 +1,7 @@
 """The two ends of the handoff microbenchmark: one process per side of an emulated WAN line.
 
 ``relay`` runs in cluster A (``line.exec_prefix("a")``), ``main`` in cluster B. The orchestrator,
-:mod:`pdd_sglang.wan.handoff_bench`, starts them and reads their one-line JSON reports.
+:mod:`pdd_sglang.dev.wan_emulator.handoff_bench`, starts them and reads their one-line JSON reports.
 
 Per trial, main (B) drives one handoff per mode and times it on its own clock:
 
@@ -14,7 +14,7 @@ Per trial, main (B) drives one handoff per mode and times it on its own clock:
   hands the tokens to it as an EXTEND over a cached prefix (see :class:`Recompute`).
 
 Both control messages are the real PDD messages over the real control channel
-(:class:`~pdd_sglang.control_channel.ControlLoop`, CURVE-encrypted as across a real WAN).
+(:class:`~pdd_sglang.protocol.control_channel.ControlLoop`, CURVE-encrypted as across a real WAN).
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ import time
 import urllib.request
 from pathlib import Path
 
-from pdd_sglang.control_channel import ControlLoop, CurveConfig
-from pdd_sglang.messages import (HandoffReady, HandoffRefused, HandoffTokens, check_token_ids,
+from pdd_sglang.protocol.control_channel import ControlLoop, CurveConfig
+from pdd_sglang.protocol.messages import (HandoffReady, HandoffRefused, HandoffTokens, check_token_ids,
                                  encode, pack_tokens)
-from pdd_sglang.wan import netns
-from pdd_sglang.wan.forwarder import DEVICE
+from pdd_sglang.dev.wan_emulator import netns
+from pdd_sglang.dev.wan_emulator.forwarder import DEVICE
 
 # The namespaces are fresh and hold only this benchmark, so a fixed port cannot collide.
 RELAY_CONTROL_PORT = 17555

@@ -15,8 +15,8 @@ import threading
 import time
 from typing import Optional, Sequence
 
-from pdd_sglang.wan import netns
-from pdd_sglang.wan.forwarder import DEVICE
+from pdd_sglang.dev.wan_emulator import netns
+from pdd_sglang.dev.wan_emulator.forwarder import DEVICE
 
 SIDES = ("a", "b")
 DEFAULT_ADDR_A = "10.77.0.1"
@@ -68,7 +68,7 @@ class WanLine:
         return max(64 * 1024, int(self.rate_mbit * 1e6 / 8 * self.queue_ms / 1000))
 
     def forwarder_argv(self) -> list[str]:
-        argv = [sys.executable, "-m", "pdd_sglang.wan.forwarder",
+        argv = [sys.executable, "-m", "pdd_sglang.dev.wan_emulator.forwarder",
                 "--rate-mbit", str(self.rate_mbit), "--rtt-ms", str(self.rtt_ms),
                 "--jitter-ms", str(self.jitter_ms), "--queue-bytes", str(self.queue_bytes()),
                 "--mtu", str(self.mtu), "--addr-a", self.addresses["a"],

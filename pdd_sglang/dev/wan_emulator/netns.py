@@ -137,7 +137,7 @@ def owner_alive(name: str) -> bool:
     pid = int(match.group(1))
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-            return b"pdd_sglang.wan" in cmdline.read() and _alive(pid)
+            return b"pdd_sglang.dev.wan_emulator" in cmdline.read() and _alive(pid)
     except (FileNotFoundError, ProcessLookupError):
         return False
 
