@@ -23,8 +23,11 @@ def _require_non_negative(name: str, value: float) -> None:
         raise ValueError(f"{name} must be >= 0, got {value!r}")
 
 
-class Pipeline(enum.Enum):
-    """Which servers a request passes through.
+class Pipeline(str, enum.Enum):
+    """Which servers a request passes through: the one pipeline vocabulary of PDD.
+
+    The value is the name servers read in a request's route (``protocol.route``, the router's
+    ``kv_hints``); ``label`` is the brief's notation, used in logs, metrics and figures.
 
     Only two normal pipelines exist, and both end at main.  A "prefill -> relay only" pipeline
     (the relay finishing every request whose WAN copy would be slow) is deliberately absent: the
@@ -38,9 +41,20 @@ class Pipeline(enum.Enum):
     short output): the relay would finish before the WAN copy lands, so the copy is not started.
     """
 
-    PREFILL_MAIN = "P->MD"
-    PREFILL_RELAY_MAIN = "P->RLD->MD"
-    RELAY_SINGULAR = "P->RLD (singular)"
+    PREFILL_MAIN = "prefill_main"
+    PREFILL_RELAY_MAIN = "prefill_relay_main"
+    RELAY_SINGULAR = "relay_singular"
+
+    @property
+    def label(self) -> str:
+        return _PIPELINE_LABELS[self]
+
+
+_PIPELINE_LABELS = {
+    Pipeline.PREFILL_MAIN: "P->MD",
+    Pipeline.PREFILL_RELAY_MAIN: "P->RLD->MD",
+    Pipeline.RELAY_SINGULAR: "P->RLD (singular)",
+}
 
 
 class HandoffMode(enum.Enum):
@@ -175,18 +189,57 @@ def predict_wan_seconds(uncached_tokens: int, kv_bytes_per_token: float,
     return rtt_s + uncached_tokens * kv_bytes_per_token / wan_bytes_per_s
 
 
+@dataclass(frozen=True)
+class LineState:
+    """What is known of the line to one main right now, for congestion-aware placement.
+
+    bytes_ahead: KV bytes already queued or in flight on prefill's WAN path to that main (a new
+        copy lands after them: the line is one FIFO per destination).
+    measured_bytes_per_s: throughput over recent copies to that main; None when nothing was
+        measured yet (the nominal line rate stands).
+    """
+
+    bytes_ahead: int = 0
+    measured_bytes_per_s: float | None = None
+
+    def __post_init__(self) -> None:
+        _require_non_negative("bytes_ahead", self.bytes_ahead)
+        if self.measured_bytes_per_s is not None and not self.measured_bytes_per_s > 0:
+            raise ValueError(f"measured_bytes_per_s must be > 0, got {self.measured_bytes_per_s}")
+
+
+IDLE_LINE = LineState()
+
+
+def predict_wan_seconds_on_line(uncached_tokens: int, kv_bytes_per_token: float,
+                                wan_bytes_per_s: float, rtt_s: float, line: LineState) -> float:
+    """Time to ship main's uncached suffix behind what the line already carries.
+
+    The copy waits for ``line.bytes_ahead`` to drain, at the slower of the nominal rate and the
+    measured one (a measured rate above nominal is a measurement artefact, not a faster line).
+    With IDLE_LINE this is predict_wan_seconds.
+    """
+    predict_wan_seconds(uncached_tokens, kv_bytes_per_token, wan_bytes_per_s, rtt_s)  # validates
+    rate = wan_bytes_per_s
+    if line.measured_bytes_per_s is not None:
+        rate = min(rate, line.measured_bytes_per_s)
+    return rtt_s + (line.bytes_ahead + uncached_tokens * kv_bytes_per_token) / rate
+
+
 def choose_pipeline(uncached_tokens: int, max_new_tokens: int, kv_bytes_per_token: float,
                     wan_bytes_per_s: float, rtt_s: float,
-                    cfg: PolicyConfig = DEFAULT_POLICY) -> Pipeline:
+                    cfg: PolicyConfig = DEFAULT_POLICY, line: LineState = IDLE_LINE) -> Pipeline:
     """Place a request from the size of main's uncached suffix.
 
     P->MD when the predicted WAN time is under cfg.hide_wan_below_s (nothing worth hiding);
-    otherwise P->RLD->MD.  With cfg.singular_predictive, a long uncached input with a very short
+    otherwise P->RLD->MD.  ``line`` is the live state of the line to main (congestion-aware
+    placement); the default, IDLE_LINE, predicts an idle line.  With cfg.singular_predictive, a long uncached input with a very short
     max_new_tokens goes to the relay alone (RELAY_SINGULAR), saving the WAN copy altogether.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    wan_s = predict_wan_seconds(uncached_tokens, kv_bytes_per_token, wan_bytes_per_s, rtt_s)
+    wan_s = predict_wan_seconds_on_line(uncached_tokens, kv_bytes_per_token, wan_bytes_per_s, rtt_s,
+                                        line)
     if wan_s < cfg.hide_wan_below_s:
         return Pipeline.PREFILL_MAIN
     if (cfg.singular_predictive

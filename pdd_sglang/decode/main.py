@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any, Optional
 
+from pdd_sglang.policy import Pipeline
 from pdd_sglang.diagnostics import kv_digest
 from pdd_sglang.protocol.control_channel import PeerState
 from pdd_sglang.decode.handoff_channel import HandoffStats, main_loop
@@ -92,7 +93,7 @@ class MainHandoff:
         now = time.monotonic()
         for req in transferred:
             route = route_for(req)
-            if route is None or route.pipeline != "prefill_relay_main" or req.finished():
+            if route is None or route.pipeline is not Pipeline.PREFILL_RELAY_MAIN or req.finished():
                 passed.append(req)
                 continue
             if route.relay_control in self.relays_down:

@@ -348,7 +348,7 @@ class RelayHandoff:
 
 def _is_relay_main(req: Any) -> bool:
     route = route_for(req)
-    return route is not None and route.pipeline == "prefill_relay_main"
+    return route is not None and route.pipeline is policy.Pipeline.PREFILL_RELAY_MAIN
 
 
 def _is_abort(req: Any) -> bool:

@@ -19,7 +19,6 @@ HANDOFF_FINISH_TYPE = "pdd_handoff"
 MAX_MESSAGE_BYTES = 1 << 20
 
 Role = Literal["prefill", "relay", "main"]
-Pipeline = Literal["prefill_main", "prefill_relay_main", "relay_singular"]
 
 
 class MessageError(ValueError):

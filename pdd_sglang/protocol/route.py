@@ -13,7 +13,7 @@ from typing import Any, Literal, Optional
 
 import msgspec
 
-from pdd_sglang.protocol.messages import Pipeline
+from pdd_sglang.policy import Pipeline
 
 ROUTE_ACTION_TYPE = "pdd.route"
 ROUTE_ACTION_VERSION = "1"
@@ -34,7 +34,7 @@ class Route(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaul
     debug_corrupt_wan_kv: Optional[bool] = None
 
     def __post_init__(self) -> None:
-        if self.pipeline == "prefill_relay_main" and not self.relay_control:
+        if self.pipeline is Pipeline.PREFILL_RELAY_MAIN and not self.relay_control:
             raise ValueError("a prefill_relay_main route needs relay_control")
         if self.relay_control is not None and not self.relay_control.startswith("tcp://"):
             raise ValueError(f"relay_control must be tcp://host:port, got {self.relay_control!r}")
@@ -44,10 +44,10 @@ class Route(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaul
     @property
     def destinations(self) -> int:
         """How many decode servers receive this room's KV."""
-        return 2 if self.pipeline == "prefill_relay_main" else 1
+        return 2 if self.pipeline is Pipeline.PREFILL_RELAY_MAIN else 1
 
 
-def route_kv_hints(pipeline: str, **fields) -> dict:
+def route_kv_hints(pipeline, **fields) -> dict:
     """The ``kv_hints`` JSON a router attaches to a request for ``pipeline``."""
     fields = {k: v for k, v in fields.items() if v is not None}
     # Refuses an unknown pipeline or field, and a P->RLD->MD route without the relay's address.

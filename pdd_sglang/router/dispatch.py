@@ -139,7 +139,7 @@ class Dispatcher:
             "bootstrap_room": secrets.randbits(62),
             "kv_hints": route_kv_hints(placement.route_name, **placement.route_fields),
         }
-        pipeline = placement.pipeline.value
+        pipeline = placement.pipeline.label
         self.metrics.requests.labels(pipeline, api).inc()
         clock = TokenClock(self.metrics, pipeline, started)
         splicer = StreamSplicer(

@@ -15,14 +15,6 @@ from pdd_sglang.router.landing import LandingCopies
 from pdd_sglang.router.prefix_mirror import PrefixMirror
 from pdd_sglang.router.servers import MAIN, PREFILL, RELAY, NoHealthyServer, ServerPool, Upstream
 
-# The route names servers read in kv_hints (pdd_sglang.protocol.route / messages.Pipeline).
-ROUTE_NAMES = {
-    policy.Pipeline.PREFILL_MAIN: "prefill_main",
-    policy.Pipeline.PREFILL_RELAY_MAIN: "prefill_relay_main",
-    policy.Pipeline.RELAY_SINGULAR: "relay_singular",
-}
-
-
 @dataclass(frozen=True)
 class Placement:
     pipeline: policy.Pipeline
@@ -36,7 +28,7 @@ class Placement:
 
     @property
     def route_name(self) -> str:
-        return ROUTE_NAMES[self.pipeline]
+        return self.pipeline.value
 
     @property
     def route_fields(self) -> dict:

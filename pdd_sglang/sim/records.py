@@ -124,7 +124,7 @@ def summarise(setup: str, jobs: list, itl_histogram: dict, bin_width: float,
     main_inputs = sum(j.request.input_tokens for j in to_main) or 1
     by_pipeline, by_mode, finished_at = {}, {}, {}
     for j in jobs:
-        key = j.pipeline.value if j.pipeline else "none"
+        key = j.pipeline.label if j.pipeline else "none"
         by_pipeline[key] = by_pipeline.get(key, 0) + 1
         if isinstance(j.handoff_mode, HandoffMode):
             by_mode[j.handoff_mode.value] = by_mode.get(j.handoff_mode.value, 0) + 1

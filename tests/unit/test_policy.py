@@ -22,8 +22,10 @@ def idle_relay():
 
 
 def test_pipeline_values_name_the_two_normal_pipelines():
-    assert Pipeline.PREFILL_MAIN.value == "P->MD"
-    assert Pipeline.PREFILL_RELAY_MAIN.value == "P->RLD->MD"
+    assert Pipeline.PREFILL_MAIN.label == "P->MD"
+    assert Pipeline.PREFILL_RELAY_MAIN.label == "P->RLD->MD"
+    # One vocabulary: the value is the name a route carries to the servers.
+    assert Pipeline("prefill_relay_main") is Pipeline.PREFILL_RELAY_MAIN
     assert "positive feedback" in Pipeline.__doc__
 
 
@@ -175,3 +177,18 @@ def test_wan_copy_is_cancelled_only_for_singular_traffic():
                                                  singular_min_uncached_tokens=1000)) is False
     with pytest.raises(ValueError):
         cancel_wan_copy(-1, 1, cfg)
+
+
+def test_congestion_aware_prediction_waits_behind_the_line():
+    from pdd_sglang.policy import IDLE_LINE, LineState, predict_wan_seconds, predict_wan_seconds_on_line
+    idle = predict_wan_seconds(100, 1000.0, 1e6, 0.04)
+    assert predict_wan_seconds_on_line(100, 1000.0, 1e6, 0.04, IDLE_LINE) == pytest.approx(idle)
+    busy = LineState(bytes_ahead=2_000_000)
+    assert predict_wan_seconds_on_line(100, 1000.0, 1e6, 0.04, busy) == pytest.approx(idle + 2.0)
+    slow = LineState(measured_bytes_per_s=5e5)
+    assert predict_wan_seconds_on_line(100, 1000.0, 1e6, 0.04, slow) == pytest.approx(0.04 + 0.2)
+    # A small suffix on a busy line is worth hiding behind the relay; on an idle line it is not.
+    assert choose_pipeline(100, 200, 1000.0, 1e6, 0.04) is Pipeline.PREFILL_MAIN
+    assert choose_pipeline(100, 200, 1000.0, 1e6, 0.04, line=busy) is Pipeline.PREFILL_RELAY_MAIN
+    with pytest.raises(ValueError):
+        LineState(bytes_ahead=-1)
