@@ -17,7 +17,6 @@ main       decode                  decode radix cache on (only the unmatched suf
 
 from __future__ import annotations
 
-import os
 from typing import Any, Literal, Optional
 
 import msgspec
@@ -53,9 +52,9 @@ class PddArgs(msgspec.Struct):
     ] = None
     pdd_wan_transfer_timeout: A[
         int,
-        "PDD prefill: seconds a Mooncake transfer may take before it fails (MC_TRANSFER_TIMEOUT, "
-        "process-wide in Mooncake). Multi-second WAN copies need more than Mooncake's 30 s "
-        "default. Default: 120.",
+        "PDD prefill: seconds one batch of KV on the WAN path to a main may take before it "
+        "fails. Enforced by the WAN engine itself (not MC_TRANSFER_TIMEOUT, which stays "
+        "SGLang's for the relay path). Default: 120.",
     ] = 120
     pdd_relay_bootstrap_timeout: A[
         float,
@@ -140,6 +139,12 @@ class PddArgs(msgspec.Struct):
         "it is sent, so a test can make main's copy slow without a WAN emulator. For tests "
         "only. Default: 0.",
     ] = 0
+    pdd_debug_wan_blocking_wait: A[
+        bool,
+        "PDD debug (prefill): wait on WAN copies inside Mooncake's synchronous batch call, "
+        "which polls without sleeping (the behaviour before the asynchronous WAN path), so a "
+        "benchmark can compare the two. For benchmarks only.",
+    ] = False
     pdd_debug_kv_digest: A[
         bool,
         "PDD debug: hash each request's prompt KV on every server (prefill after its last "
@@ -178,9 +183,6 @@ def resolve_pdd_server_args(server_args: Any) -> None:
         raise PddConfigError(
             f"--pdd-wan-transfer-timeout must be positive, got {cfg.pdd_wan_transfer_timeout}"
         )
-    if role == "prefill":
-        # Mooncake reads this once per process, before its first engine starts.
-        os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(cfg.pdd_wan_transfer_timeout))
     if decisions:
         declare_resolution(server_args, "resolve_pdd_server_args", **decisions)
 

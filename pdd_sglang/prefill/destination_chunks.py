@@ -35,3 +35,11 @@ def skip_prefix_pages(chunk: Any, skip_tokens: int, page_size: int) -> Any:
         index_slice=slice(max(start - skip_pages, 0), max(stop - skip_pages, 0)),
         num_kv_tokens=None if tokens is None else max(tokens - drop * page_size, 0),
     )
+
+
+def pages_past_prefix(chunk: Any, skip_tokens: int, page_size: int) -> int:
+    """How many of ``chunk``'s pages a destination holding ``skip_tokens`` more receives."""
+    try:
+        return len(skip_prefix_pages(chunk, skip_tokens, page_size).prefill_kv_indices)
+    except ValueError:  # a bad prefix claim fails the room where the chunk is sent
+        return 0

@@ -38,9 +38,10 @@ import time
 from collections import OrderedDict
 from typing import Any, Optional
 
-from pdd_sglang.prefill.destination_chunks import skip_prefix_pages
+from pdd_sglang.prefill.destination_chunks import pages_past_prefix, skip_prefix_pages
 from pdd_sglang.protocol.messages import DestinationHello, MessageError, decode
 from pdd_sglang.prefill.ledger import LEDGER
+from pdd_sglang.prefill.wan_line import WanLine
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,6 @@ logger = logging.getLogger(__name__)
 HELLO_FRAME_INDEX = 10
 MAX_TRACKED_ROOMS = 65536
 STALE_ROOM_S = 600.0
-on_wan_path = threading.local()
 
 
 @dataclasses.dataclass
@@ -87,8 +87,9 @@ class PrefillFanout:
         self.relay_bootstrap_timeout_s = 5.0
         self.main_bootstrap_timeout_s = 30.0
         self.mains_dropped = 0
-        self.wan_queues: list = []
+        self.wan_queues: list = []  # pdd_sglang.prefill.wan_line.ChargedQueue, one per WAN worker
         self.wan_engine = None  # pdd_sglang.prefill.wan_engine.WanTransferEngine, set at start
+        self.wan_line = WanLine()  # bytes queued and in flight per main, recent throughput
 
     def engine_for(self, session: str) -> Any:
         """The engine that carries batches to ``session``: the WAN engine for mains."""
@@ -289,9 +290,10 @@ class PrefillFanout:
         return min(p or 0 for p in prefixes)
 
     # ---- 3. which destinations this worker sends to -------------------------------------
-    def destinations_on_this_path(self, kv_chunk: Any, reqs: Any) -> list:
+    def destinations_on_this_path(self, kv_chunk: Any, reqs: Any, queue: Any) -> list:
+        """``queue`` is the one the chunk came from: a WAN queue's chunk goes to mains only."""
         reqs = list(reqs)  # a live view of SGLang's table, which registrations change
-        wan_worker = getattr(on_wan_path, "active", False)
+        wan_worker = any(queue is q for q in self.wan_queues)
         with self._lock:
             fanout = self._rooms.get(kv_chunk.room)
             hellos = dict(fanout.hellos) if fanout else {}
@@ -313,7 +315,23 @@ class PrefillFanout:
 
     def _to_wan_path(self, kv_chunk: Any) -> None:
         if self.wan_queues:
-            self.wan_queues[kv_chunk.room % len(self.wan_queues)].put(_uncounted(kv_chunk))
+            self.wan_queues[kv_chunk.room % len(self.wan_queues)].put(
+                _uncounted(kv_chunk), self._wan_charges(kv_chunk))
+
+    def _wan_charges(self, kv_chunk: Any) -> list:
+        """``(main session, bytes)`` this chunk will put on the line: pages past main's prefix."""
+        infos = dict(self.kv_mgr.transfer_infos.get(kv_chunk.room, {}))
+        with self._lock:
+            fanout = self._rooms.get(kv_chunk.room)
+            mains = [s for s, h in (fanout.hellos.items() if fanout else ()) if _is_wan(h)]
+        if not infos or not mains:
+            return []
+        args = self.kv_mgr.kv_args
+        start = min(info.decode_prefix_len or 0 for info in infos.values())
+        page_bytes = sum(args.kv_item_lens)
+        return [(s, page_bytes * pages_past_prefix(
+            kv_chunk, (infos[s].decode_prefix_len or 0) - start, args.page_size))
+            for s in mains if s in infos]
 
     # ---- 4. pages past each destination's own prefix -----------------------------------
     def chunk_for_destination(self, room_chunk: Any, req: Any) -> Any:
