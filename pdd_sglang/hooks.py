@@ -248,3 +248,13 @@ def on_scheduler_exit(scheduler: Scheduler) -> None:
     from pdd_sglang.lifecycle import close_scheduler
 
     close_scheduler(scheduler)
+
+
+# ---- waiting without spinning: patch 0011 ---------------------------------------------------
+def wait_while_stalled(scheduler: Scheduler) -> None:
+    """No batch to run, but work in flight (transfers, bootstraps, a handoff): wait, don't spin."""
+    if pdd_role() is None:
+        return
+    from pdd_sglang.stall import stall_wait_for
+
+    stall_wait_for(scheduler).wait()

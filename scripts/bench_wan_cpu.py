@@ -60,6 +60,38 @@ def tree_cpu_s(root_pid: int) -> float:
     return total
 
 
+def tree_threads(root_pid: int) -> dict:
+    """``{(pid, tid): (thread name, CPU seconds)}`` of every thread under ``root_pid``."""
+    threads, stack, seen = {}, [root_pid], set()
+    while stack:
+        pid = stack.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        try:
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                base = f"/proc/{pid}/task/{tid}"
+                with open(f"{base}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                with open(f"{base}/comm") as f:
+                    name = f.read().strip()
+                threads[(pid, int(tid))] = (name + (" (main)" if int(tid) == pid else ""),
+                                            (int(fields[11]) + int(fields[12])) / CLOCK_TICKS)
+                with open(f"{base}/children") as f:
+                    stack.extend(int(c) for c in f.read().split())
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return threads
+
+
+def busiest_threads(before: dict, after: dict, seconds: float, top: int = 6) -> list:
+    """The threads that used the most CPU between two ``tree_threads`` snapshots (cores)."""
+    rows = [(after[k][0], (after[k][1] - before.get(k, (None, 0.0))[1]) / seconds)
+            for k in after]
+    return [{"thread": name, "cores": round(cores, 3)}
+            for name, cores in sorted(rows, key=lambda r: -r[1])[:top]]
+
+
 def run_mode(mode: str, out: Path, args) -> dict:
     line = WanLine(args.rate_mbit, args.rtt_ms, 0.0, seed=1)
     line.start(log_path=str(out / f"{mode}-wan.log"))
@@ -98,9 +130,13 @@ def run_mode(mode: str, out: Path, args) -> dict:
             idle_end = sample()
             worker.start()
             samples.append(sample())
+            snapshots = []  # per-thread CPU of prefill while the line carries the copy
             while not done.is_set() and worker.is_alive():
                 time.sleep(args.sample_s)
                 samples.append(sample())
+                rate = (samples[-1][3] - samples[-2][3]) / (samples[-1][0] - samples[-2][0])
+                if rate >= 0.25 * args.rate_mbit * 1e6 / 8:
+                    snapshots.append((samples[-1][0], tree_threads(prefill.process.pid)))
             worker.join()
             main.wait_idle(60)
             prefill.wait_idle(60)
@@ -116,7 +152,9 @@ def run_mode(mode: str, out: Path, args) -> dict:
         return sum(b[index] - a[index] for b, a in pairs) / span if span > 0 else None
 
     idle = [(idle_end, idle_start)]
-    return {"in_flight_s": wall, "line_bytes": samples[-1][3] - samples[0][3],
+    threads = (busiest_threads(snapshots[0][1], snapshots[-1][1], snapshots[-1][0] - snapshots[0][0])
+               if len(snapshots) > 1 else [])
+    return {"prefill_busiest_threads_in_flight": threads, "in_flight_s": wall, "line_bytes": samples[-1][3] - samples[0][3],
             "prefill_cores_in_flight": per_s(1, in_flight), "main_cores_in_flight": per_s(2, in_flight),
             "prefill_cores_idle": per_s(1, idle), "main_cores_idle": per_s(2, idle)}
 
@@ -146,6 +184,9 @@ def main_cli(argv=None) -> int:
     print(f"{'mode':10} {'in flight s':>11} {'prefill cores':>13} {'(idle)':>7} "
           f"{'main cores':>10} {'(idle)':>7}")
     for mode, row in result["modes"].items():
+        print(f"  {mode}: prefill's busiest threads in flight: "
+              + ", ".join(f"{t['thread']} {t['cores']:.3f}" for t in row["prefill_busiest_threads_in_flight"]))
+
         def fmt(v):
             return "   n/a" if v is None else f"{v:6.3f}"
         print(f"{mode:10} {row['in_flight_s']:11.1f} {fmt(row['prefill_cores_in_flight']):>13} "

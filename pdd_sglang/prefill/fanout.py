@@ -24,9 +24,8 @@ Rooms without hellos (plain SGLang PD, or P->MD) take SGLang's own path unchange
 Faults: a relay that has not registered ``--pdd-relay-bootstrap-timeout`` seconds after the main
 did is dropped, and the room proceeds to the main alone (a late relay is refused with a Failed
 status, so it frees its slots). A main that has not registered ``--pdd-main-bootstrap-timeout``
-seconds after its relay, once the relay has all its KV, is dropped the same way: the room
-concludes, prefill frees its KV, the relay answers alone, a late main is refused. A destination whose prefix claim exceeds the prompt fails the room
-cleanly; malformed, mismatched and repeated hellos are refused and counted.
+seconds after its relay, once the relay has all its KV, is dropped the same way. A prefix claim
+beyond the prompt fails the room; malformed, mismatched and repeated hellos are refused.
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ import time
 from collections import OrderedDict
 from typing import Any, Optional
 
-from pdd_sglang.prefill.destination_chunks import pages_past_prefix, skip_prefix_pages
+from pdd_sglang.prefill.destination_chunks import bytes_past_prefixes, skip_prefix_pages
 from pdd_sglang.protocol.messages import DestinationHello, MessageError, decode
 from pdd_sglang.prefill.ledger import LEDGER
 from pdd_sglang.prefill.wan_line import WanLine
@@ -90,10 +89,12 @@ class PrefillFanout:
         self.wan_queues: list = []  # pdd_sglang.prefill.wan_line.ChargedQueue, one per WAN worker
         self.wan_engine = None  # pdd_sglang.prefill.wan_engine.WanTransferEngine, set at start
         self.wan_line = WanLine()  # bytes queued and in flight per main, recent throughput
+        self._main_sessions: set[str] = set()  # Mooncake sessions of mains: the WAN engine's
+        self.defer = None  # runs a job off SGLang's locks (WanPath's housekeeping); None: inline
 
     def engine_for(self, session: str) -> Any:
         """The engine that carries batches to ``session``: the WAN engine for mains."""
-        if self.wan_engine is not None and LEDGER.role_of(session) == "main":
+        if self.wan_engine is not None and session in self._main_sessions:
             return self.wan_engine
         return self.kv_mgr.engine
 
@@ -125,7 +126,9 @@ class PrefillFanout:
                 return
             if not late:
                 # The role first: the engine for a replayed chunk is chosen by it.
-                LEDGER.set_role(session, hello.role)
+                if hello.role == "main":
+                    self._main_sessions.add(session)
+                LEDGER.set_role(session, hello.role)  # labels the figures only
                 fanout.hellos[session] = hello
                 start_now = hello.role == "relay" and fanout.expected == 2 and not fanout.has("main")
                 if hello.role == "main":
@@ -264,17 +267,23 @@ class PrefillFanout:
         relay = self.kv_mgr.transfer_infos.get(room, {}).pop(session, None)
         logger.warning("PDD: the transfer to relay %s of room %s failed; the room goes on to its "
                        "main alone", session, room)
-        if relay is not None:
-            # A relay that is still up frees the request's slots now rather than at its
-            # waiting timeout (a dead one never reads this; the send gives up after 1 s).
-            self.kv_mgr.send_kv_status_message(
-                targets=[(relay.endpoint, relay.dst_port)], bootstrap_room=room,
-                status=KVPoll.Failed, failure_reason="PDD: the KV transfer to this relay failed")
-        if complete:  # main had all its KV already: the room is done
-            main = next(iter(self.kv_mgr.transfer_infos.get(room, {}).values()), None)
-            self.kv_mgr.conclude_transfer(
-                bootstrap_room=room, status=KVPoll.Success if all_ok else KVPoll.Failed,
-                targets=[] if main is None else [(main.endpoint, main.dst_port)])
+        main = next(iter(self.kv_mgr.transfer_infos.get(room, {}).values()), None)
+
+        def tell() -> None:
+            if relay is not None:
+                # A relay that is still up frees the request's slots now rather than at its
+                # waiting timeout (a dead one never reads this; the send gives up after 1 s).
+                self.kv_mgr.send_kv_status_message(
+                    targets=[(relay.endpoint, relay.dst_port)], bootstrap_room=room,
+                    status=KVPoll.Failed, failure_reason="PDD: the KV transfer to this relay failed")
+            if complete:  # main had all its KV already: the room is done
+                self.kv_mgr.conclude_transfer(
+                    bootstrap_room=room, status=KVPoll.Success if all_ok else KVPoll.Failed,
+                    targets=[] if main is None else [(main.endpoint, main.dst_port)])
+
+        # SGLang calls this holding its session_lock: the sends (up to 1 s to a dead relay) go
+        # out on the WAN path's housekeeping thread, never under that lock.
+        (self.defer or (lambda job: job()))(tell)
         return True
 
     def is_pdd_room(self, room: int) -> bool:
@@ -320,18 +329,10 @@ class PrefillFanout:
 
     def _wan_charges(self, kv_chunk: Any) -> list:
         """``(main session, bytes)`` this chunk will put on the line: pages past main's prefix."""
-        infos = dict(self.kv_mgr.transfer_infos.get(kv_chunk.room, {}))
         with self._lock:
             fanout = self._rooms.get(kv_chunk.room)
             mains = [s for s, h in (fanout.hellos.items() if fanout else ()) if _is_wan(h)]
-        if not infos or not mains:
-            return []
-        args = self.kv_mgr.kv_args
-        start = min(info.decode_prefix_len or 0 for info in infos.values())
-        page_bytes = sum(args.kv_item_lens)
-        return [(s, page_bytes * pages_past_prefix(
-            kv_chunk, (infos[s].decode_prefix_len or 0) - start, args.page_size))
-            for s in mains if s in infos]
+        return bytes_past_prefixes(self.kv_mgr, kv_chunk, mains)
 
     # ---- 4. pages past each destination's own prefix -----------------------------------
     def chunk_for_destination(self, room_chunk: Any, req: Any) -> Any:

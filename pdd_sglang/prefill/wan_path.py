@@ -7,11 +7,12 @@ loop, fed by this path's queues, so there is one implementation of sending;
 
 :class:`WanPath` owns every thread and the engine it starts, and :meth:`WanPath.close` (called on
 SGLang's scheduler shutdown, :mod:`pdd_sglang.lifecycle`) stops them: a sentinel to each WAN
-queue, the watchdog's stop event, joins with a timeout, then the engine.
+queue, a stop job to the housekeeping thread, joins with a timeout, then the engine.
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from typing import Any, Optional
@@ -22,6 +23,7 @@ from pdd_sglang.prefill.wan_line import ChargedQueue
 WAN_WORKERS = 4
 WATCHDOG_PERIOD_S = 0.25
 JOIN_TIMEOUT_S = 2.0
+_STOP = object()
 
 
 class WanPath:
@@ -30,36 +32,50 @@ class WanPath:
     def __init__(self, fanout: PrefillFanout):
         self.fanout = fanout
         self.threads: list[threading.Thread] = []
-        self._stop = threading.Event()
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        fanout.defer = self._jobs.put
 
     def start(self, kv_mgr: Any, workers: int, delay_s: float) -> None:
         from sglang.srt.disaggregation.common.utils import FastQueue
 
-        self._spawn("pdd-relay-watchdog", self._watch_relays)
+        self._spawn("pdd-prefill-housekeeping", self._housekeeping)
         for index in range(workers):
             inner = FastQueue() if delay_s <= 0 else _DelayedQueue(FastQueue(), delay_s)
-            queue = ChargedQueue(inner, self.fanout.wan_line)
-            self.fanout.wan_queues.append(queue)
-            self._spawn(f"pdd-wan-transfer-{index}", _run_wan_worker, kv_mgr, queue, index)
+            wan_queue = ChargedQueue(inner, self.fanout.wan_line)
+            self.fanout.wan_queues.append(wan_queue)
+            self._spawn(f"pdd-wan-transfer-{index}", _run_wan_worker, kv_mgr, wan_queue, index)
 
     def _spawn(self, name: str, target, *args) -> None:
         thread = threading.Thread(target=target, args=args, daemon=True, name=name)
         thread.start()
         self.threads.append(thread)
 
-    def _watch_relays(self) -> None:
-        while not self._stop.wait(WATCHDOG_PERIOD_S):
+    def _housekeeping(self) -> None:
+        """Deferred jobs (sends that must not run under SGLang's locks) as they come, and the
+        relay/main watchdog every WATCHDOG_PERIOD_S."""
+        next_watch = time.monotonic() + WATCHDOG_PERIOD_S
+        while True:
             try:
-                self.fanout.drop_silent_relays()
-                self.fanout.drop_silent_mains()
-            except Exception:  # a watchdog must outlive one bad room
-                logger.exception("PDD: relay watchdog failed")
+                job = self._jobs.get(timeout=max(next_watch - time.monotonic(), 0))
+            except queue.Empty:
+                job = None
+            if job is _STOP:
+                return
+            try:
+                if job is not None:
+                    job()
+                if time.monotonic() >= next_watch:
+                    next_watch = time.monotonic() + WATCHDOG_PERIOD_S
+                    self.fanout.drop_silent_relays()
+                    self.fanout.drop_silent_mains()
+            except Exception:  # housekeeping must outlive one bad room
+                logger.exception("PDD: prefill housekeeping failed")
 
     def close(self, timeout_s: float = JOIN_TIMEOUT_S) -> list[str]:
         """Stop every thread and close the engine; the names of threads still alive after it."""
-        self._stop.set()
-        for queue in self.fanout.wan_queues:
-            queue.stop()
+        self._jobs.put(_STOP)
+        for wan_queue in self.fanout.wan_queues:
+            wan_queue.stop()
         deadline = time.monotonic() + timeout_s
         for thread in self.threads:
             thread.join(max(deadline - time.monotonic(), 0))
@@ -113,10 +129,10 @@ class _DelayedQueue:
         return item
 
 
-def _run_wan_worker(kv_mgr: Any, queue: ChargedQueue, index: int) -> None:
+def _run_wan_worker(kv_mgr: Any, wan_queue: ChargedQueue, index: int) -> None:
     import concurrent.futures
 
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"pdd-wan-layers-{index}") as executor:
         # SGLang's own transfer loop, fed by this path's queue: one implementation of sending.
         # It returns on the None sentinel that WanPath.close puts on the queue.
-        kv_mgr.transfer_worker(queue, executor, None, 1000 + index)
+        kv_mgr.transfer_worker(wan_queue, executor, None, 1000 + index)

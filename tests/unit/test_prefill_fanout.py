@@ -301,3 +301,21 @@ def test_a_wan_workers_chunk_goes_to_mains_only_and_is_charged_to_the_line():
     # The path is told by the queue the chunk came from, not by the thread that runs it.
     wan = fanout.wan_queues[0]
     assert fanout.destinations_on_this_path(queue[1], [relay_req, main_req], wan) == [main_req]
+
+
+def test_a_failed_relay_is_told_off_sglangs_session_lock():
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    kv = FakeKvManager()
+    fanout = PrefillFanout(kv)
+    jobs = []
+    fanout.defer = jobs.append  # WanPath's housekeeping thread, in production
+    wan_queue(fanout)
+    relay = register(fanout, kv, room=40, session="relay", role="relay")
+    relay.room = 40
+    assert fanout.destination_failed(relay) is True
+    assert "relay" not in kv.transfer_infos[40]  # out of SGLang's table at once...
+    assert kv.sent == []  # ...but nothing sent while SGLang holds its session_lock
+    (job,) = jobs
+    job()
+    assert kv.sent == [((("127.0.0.1", 1),), 40, KVPoll.Failed)]
