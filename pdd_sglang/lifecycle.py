@@ -27,6 +27,18 @@ def kv_manager_of(scheduler: Any) -> Optional[Any]:
     return None
 
 
+def name_os_thread(name: str) -> None:
+    """Give the calling thread ``name`` in the kernel too (``/proc/PID/task/TID/comm``, 15
+    characters), so a test or an operator sees PDD's threads from outside the process."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(15, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):  # not Linux: the Python name has to do
+        pass
+
+
 def pdd_threads() -> list[str]:
     """Names of the live threads PDD started in this process."""
     return sorted(t.name for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX))

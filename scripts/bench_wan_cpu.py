@@ -40,26 +40,6 @@ TRANSPORT = ("--disaggregation-transfer-backend", "mooncake_tcp")
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def tree_cpu_s(root_pid: int) -> float:
-    """User + system CPU seconds of ``root_pid`` and all its descendants, every thread."""
-    total, stack, seen = 0.0, [root_pid], set()
-    while stack:
-        pid = stack.pop()
-        if pid in seen:
-            continue
-        seen.add(pid)
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
-            for task in os.listdir(f"/proc/{pid}/task"):
-                with open(f"/proc/{pid}/task/{task}/children") as f:
-                    stack.extend(int(c) for c in f.read().split())
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-    return total
-
-
 def tree_threads(root_pid: int) -> dict:
     """``{(pid, tid): (thread name, CPU seconds)}`` of every thread under ``root_pid``."""
     threads, stack, seen = {}, [root_pid], set()
@@ -82,6 +62,11 @@ def tree_threads(root_pid: int) -> dict:
         except (FileNotFoundError, ProcessLookupError):
             continue
     return threads
+
+
+def tree_cpu_s(root_pid: int) -> float:
+    """User + system CPU seconds of every live thread under ``root_pid``."""
+    return sum(cpu for _, cpu in tree_threads(root_pid).values())
 
 
 def busiest_threads(before: dict, after: dict, seconds: float, top: int = 6) -> list:

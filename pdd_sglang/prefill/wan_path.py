@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Any, Optional
 
+from pdd_sglang.lifecycle import name_os_thread
 from pdd_sglang.prefill.fanout import PrefillFanout, logger
 from pdd_sglang.prefill.wan_line import ChargedQueue
 
@@ -38,15 +39,19 @@ class WanPath:
     def start(self, kv_mgr: Any, workers: int, delay_s: float) -> None:
         from sglang.srt.disaggregation.common.utils import FastQueue
 
-        self._spawn("pdd-prefill-housekeeping", self._housekeeping)
+        self._spawn("pdd-keeper", self._housekeeping)
         for index in range(workers):
             inner = FastQueue() if delay_s <= 0 else _DelayedQueue(FastQueue(), delay_s)
             wan_queue = ChargedQueue(inner, self.fanout.wan_line)
             self.fanout.wan_queues.append(wan_queue)
-            self._spawn(f"pdd-wan-transfer-{index}", _run_wan_worker, kv_mgr, wan_queue, index)
+            self._spawn(f"pdd-wan-xfer-{index}", _run_wan_worker, kv_mgr, wan_queue, index)
 
     def _spawn(self, name: str, target, *args) -> None:
-        thread = threading.Thread(target=target, args=args, daemon=True, name=name)
+        def run() -> None:
+            name_os_thread(name)
+            target(*args)
+
+        thread = threading.Thread(target=run, daemon=True, name=name)
         thread.start()
         self.threads.append(thread)
 
