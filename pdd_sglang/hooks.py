@@ -121,7 +121,7 @@ def receiver_metadata(receiver: CommonKVReceiver, decode_prefix_len: Optional[in
     return metadata(receiver, decode_prefix_len)
 
 
-# ---- prefill side: patch 0006 -----------------------------------------------------------
+# ---- prefill side: patches 0006 (offsets), 0007 (WAN path), 0008 (relay failure) -------------
 def start_prefill_fanout(kv_mgr: MooncakeKVManager) -> None:
     """Start the WAN transfer path of a PDD prefill's KV manager."""
     if pdd_role() != "prefill":
@@ -188,7 +188,7 @@ def engine_for_session(kv_mgr: MooncakeKVManager, session: str):
     return kv_mgr.pdd_fanout.engine_for(session)
 
 
-# ---- debug: patch 0007 -------------------------------------------------------------------
+# ---- debug (patches/debug/0001, applied only with --with-debug) ---------------------------------
 def on_prompt_kv_complete(scheduler: Scheduler, req: Req) -> None:
     """A server holds a request's whole prompt KV (prefill: last chunk; decode: transfer done)."""
     if pdd_role() is None:
@@ -198,7 +198,7 @@ def on_prompt_kv_complete(scheduler: Scheduler, req: Req) -> None:
     kv_digest.record(scheduler, req)
 
 
-# ---- the handoff (relay, main): patch 0008 ---------------------------------------------------
+# ---- the handoff (relay, main): patch 0009 ---------------------------------------------------
 def handoff_hold(scheduler: Scheduler, transferred_reqs: list[Req]) -> list[Req]:
     """Requests whose KV has landed: main keeps P->RLD->MD ones for the handoff."""
     if pdd_role() is None:

@@ -1,6 +1,6 @@
 """Prefill's WAN path: its own Mooncake engine and transfer workers, and the relay/main watchdog.
 
-Started once per PDD prefill KV manager (patch 0006 calls :func:`start_wan_path` through
+Started once per PDD prefill KV manager (patch 0007 calls :func:`start_wan_path` through
 ``pdd_sglang.hooks``, only with ``--pdd-role prefill``). The workers run SGLang's own transfer
 loop, fed by this path's queues, so there is one implementation of sending;
 :class:`~pdd_sglang.prefill.fanout.PrefillFanout` decides which chunk goes where.
