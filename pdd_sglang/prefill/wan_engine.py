@@ -61,6 +61,7 @@ class WanTransferEngine:
         self._lock = threading.Lock()
         # Batches given up on (timed out) that Mooncake still owns: freed once they end.
         self._abandoned: list[int] = []
+        self._stopping = False  # set by stop_waiting: a waiting copy gives up at its next poll
         self._closed = False
 
     def register_regions(self, regions: List[tuple]) -> None:
@@ -111,6 +112,11 @@ class WanTransferEngine:
                 logger.error("PDD: a WAN transfer to %s failed (Mooncake status %s)",
                              session_id, status)
                 return False
+            if self._stopping:
+                self._abandon(pending)
+                logger.warning("PDD: shutting down with a WAN transfer to %s in flight; failing it",
+                               session_id)
+                return False
             if time.monotonic() > deadline:
                 self._abandon(pending)
                 logger.error("PDD: a WAN transfer to %s took over --pdd-wan-transfer-timeout "
@@ -134,7 +140,13 @@ class WanTransferEngine:
                 b for b in self._abandoned if self.engine.transfer_check_status(b) == _PENDING
             ]
 
+    def stop_waiting(self) -> None:
+        """Shutdown: copies still on the line fail at their next poll (at most LONGEST_POLL_S),
+        so the workers waiting on them can be joined."""
+        self._stopping = True
+
     def close(self) -> None:
+        self._stopping = True
         with self._lock:
             if self._closed:
                 return

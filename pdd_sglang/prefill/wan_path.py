@@ -79,6 +79,8 @@ class WanPath:
     def close(self, timeout_s: float = JOIN_TIMEOUT_S) -> list[str]:
         """Stop every thread and close the engine; the names of threads still alive after it."""
         self._jobs.put(_STOP)
+        if self.fanout.wan_engine is not None:
+            self.fanout.wan_engine.stop_waiting()
         for wan_queue in self.fanout.wan_queues:
             wan_queue.stop()
         deadline = time.monotonic() + timeout_s

@@ -121,3 +121,22 @@ def test_the_timeout_is_the_engines_own_and_must_be_positive():
 
     with pytest.raises(ValueError, match="timeout"):
         WanTransferEngine("127.0.0.1", "tcp", None, 0)
+
+
+def test_a_copy_on_the_line_gives_up_when_the_engine_stops_waiting():
+    """Shutdown must not wait out a multi-second WAN copy: the waiting worker returns -1."""
+    from pdd_sglang.prefill.wan_engine import WanTransferEngine
+
+    sender = WanTransferEngine.__new__(WanTransferEngine)  # no Mooncake: a scripted engine
+    sender.engine = type("Stalled", (), {"transfer_submit_write": lambda self, *a: 7,
+                                         "transfer_check_status": lambda self, b: 0})()
+    sender.timeout_s, sender.blocking_wait, sender.line = 60.0, False, WanLine()
+    sender._lock, sender._abandoned, sender._stopping, sender._closed = threading.Lock(), [], False, False
+    results = []
+    worker = threading.Thread(target=lambda: results.append(
+        sender.batch_transfer_sync("main", [1], [2], [3])))
+    worker.start()
+    sender.stop_waiting()
+    worker.join(10)
+    assert results == [-1] and not worker.is_alive()
+    assert sender._abandoned == [7]  # Mooncake still owns the batch: never freed under it
