@@ -85,8 +85,8 @@ def task_f8(quick):
     return E.drc_sweep(quick)
 
 
-def task_f9(quick):
-    return {name: s.as_dict() for name, s in E.trace_study(quick).items()}
+def task_f9(quick, trace=None):
+    return {name: s.as_dict() for name, s in E.trace_study(quick, trace).items()}
 
 
 def task_f4(quick):
@@ -181,6 +181,10 @@ def main(argv=None) -> int:
                         help="handoff.json from scripts/bench_handoff.py (or any JSON with "
                              "{kv: {...}, token_ids: {...}}: payload_bytes, mean_ms, max_ms, "
                              "std_ms)")
+    parser.add_argument("--trace", type=Path,
+                        help="a Mooncake-format jsonl trace for F9 (timestamp ms, input_length, "
+                             "output_length, hash_ids of 512-token blocks); default: "
+                             "the public conversation trace")
     parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--calibrate", action="store_true",
                         help="only bisect the prefill MFU that puts same-DC PD's TTFT P50 at the "
@@ -197,7 +201,9 @@ def main(argv=None) -> int:
     started = time.time()
     data = {}
     with ProcessPoolExecutor(max_workers=args.workers) as pool:
-        futures = {name: pool.submit(task, args.quick) for name, task in TASKS.items()}
+        extra = {"f9": {"trace": args.trace}}
+        futures = {name: pool.submit(task, args.quick, **extra.get(name, {}))
+                   for name, task in TASKS.items()}
         for name, future in futures.items():
             data[name] = future.result()
             print(f"  {name} done at {time.time() - started:.0f} s", flush=True)

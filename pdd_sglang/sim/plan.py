@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 from .cluster import ClusterConfig, Setup, simulate
 from .profiles import load_hardware, load_link
-from .workload import AgenticConfig, generate_agentic
+from .workload import AgenticConfig, generate_agentic, read_trace
 
 
 @dataclass(frozen=True)
@@ -62,8 +62,32 @@ def cost_per_hour(cfg: ClusterConfig) -> float:
     return total
 
 
-def meets_sla(cfg: ClusterConfig, workload: AgenticConfig, rate: float, sla: Sla) -> bool:
-    requests, warmup = generate_agentic(replace(workload, rate_per_s=rate))
+@dataclass(frozen=True)
+class TraceWorkload:
+    """A Mooncake-format trace as the planner's workload: its first duration_s seconds, replayed
+    at another request rate by compressing or stretching its arrival times."""
+    path: str
+    duration_s: float = 240.0
+
+    def requests(self) -> list:
+        requests = read_trace(self.path, max_duration_s=self.duration_s)
+        if len(requests) < 2:
+            raise ValueError(f"{self.path}: fewer than 2 requests in its first {self.duration_s} s")
+        return requests
+
+
+def workload_at(workload, rate: float) -> tuple:
+    """(requests, warmup) of a workload offered at `rate` requests per second."""
+    if isinstance(workload, TraceWorkload):
+        requests = workload.requests()
+        native = len(requests) / max(requests[-1].arrival_s, 1e-9)
+        stretch = native / rate
+        return [replace(r, arrival_s=r.arrival_s * stretch) for r in requests], []
+    return generate_agentic(replace(workload, rate_per_s=rate))
+
+
+def meets_sla(cfg: ClusterConfig, workload, rate: float, sla: Sla) -> bool:
+    requests, warmup = workload_at(workload, rate)
     summary, _ = simulate(cfg.with_(drain_limit_s=120.0), requests, warmup)
     return (summary.finished == summary.requests
             and summary.ttft_p90_s <= sla.ttft_p90_s
@@ -141,12 +165,15 @@ def main(argv=None) -> None:
     parser.add_argument("--sla-ttft-p90", type=float, default=Sla.ttft_p90_s)
     parser.add_argument("--sla-itl-p90-ms", type=float, default=30.0)
     parser.add_argument("--duration", type=float, default=240.0, help="simulated s per trial")
+    parser.add_argument("--trace", help="plan for a Mooncake-format jsonl trace (replayed at each "
+                        "trial rate) instead of the agentic generator")
     parser.add_argument("--max-prefill", type=int, default=3)
     parser.add_argument("--max-relay", type=int, default=1)
     parser.add_argument("--max-main", type=int, default=3)
     args = parser.parse_args(argv)
     sla = Sla(args.sla_ttft_p90, args.sla_itl_p90_ms)
-    workload = AgenticConfig(duration_s=args.duration)
+    workload = (TraceWorkload(args.trace, args.duration) if args.trace
+                else AgenticConfig(duration_s=args.duration))
     common = dict(model=args.model, wan_link=args.wan, prefill_hardware=args.hardware_a,
                   relay_hardware=args.hardware_a)
     baseline = ClusterConfig(setup=Setup.SAME_DC_PD, main_hardware=args.hardware_a, **common)

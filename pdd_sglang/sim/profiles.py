@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import tomllib
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, fields, replace
 from pathlib import Path
 
 CONFIG_ROOT = Path(__file__).resolve().parents[2] / "configs"
@@ -72,11 +73,34 @@ class LinkProfile:
     rtt_s: float
     jitter_s: float
     cost_per_hour: float
+    # One flow's window: a flow never moves more than window_bytes per RTT (TCP's window / RTT,
+    # or the transfer engine's in-flight limit), however idle the line.  0: no per-flow limit.
+    window_bytes: float = 0.0
+    # Paid once per transfer after its last byte is sent, occupying no bandwidth: connection or
+    # session setup, handshake, completion notice and polling at the receiver.
+    per_transfer_fixed_s: float = 0.0
+
+    def __post_init__(self):
+        for key in ("bytes_per_s", "rtt_s", "jitter_s", "window_bytes", "per_transfer_fixed_s"):
+            value = getattr(self, key)
+            if not value >= 0 or math.isinf(value):
+                raise ValueError(f"link {self.name!r}: {key} must be finite and >= 0, got {value!r}")
+        if self.window_bytes and not self.rtt_s:
+            raise ValueError(f"link {self.name!r}: a window needs a positive rtt_s")
+
+    @property
+    def per_flow_bytes_per_s(self) -> float:
+        """The most one flow can move: window / RTT (infinite without a window)."""
+        return self.window_bytes / self.rtt_s if self.window_bytes else math.inf
 
     def scaled(self, factor: float) -> "LinkProfile":
-        """The same line with `factor` times the bandwidth (for sweeps)."""
-        return LinkProfile(self.name + f" x{factor:g}", self.source, self.bytes_per_s * factor,
-                           self.rtt_s, self.jitter_s, self.cost_per_hour)
+        """The same line with `factor` times the bandwidth (for sweeps); the per-flow window is
+        a property of the endpoints and stays."""
+        return replace(self, name=self.name + f" x{factor:g}", bytes_per_s=self.bytes_per_s * factor)
+
+    def with_window(self, window_bytes: float) -> "LinkProfile":
+        return replace(self, name=self.name + f" window {window_bytes / 1e6:g} MB",
+                       window_bytes=window_bytes)
 
 
 def _load(cls, kind: str, name_or_path: str | Path):

@@ -153,26 +153,43 @@ def generate_agentic(cfg: AgenticConfig) -> tuple[list, list]:
     return requests, warmup
 
 
+TRACE_KEYS = ("timestamp", "input_length", "output_length", "hash_ids")
+
+
 def read_trace(path: Path | str = TRACE_PATH, limit: int | None = None,
                max_duration_s: float | None = None) -> list:
-    """Read the Mooncake jsonl trace: timestamp (ms), input_length, output_length, hash_ids.
+    """Read a Mooncake-format jsonl trace: timestamp (ms), input_length, output_length, hash_ids
+    (chained ids of 512-token blocks).  Rows are replayed in timestamp order from time 0.
 
     The trace has no ids for output blocks, so a decoder caches the prompt blocks only.
     """
-    requests = []
+    rows = []
     with open(path, encoding="utf-8") as handle:
-        for line in handle:
+        for number, line in enumerate(handle, 1):
             if not line.strip():
                 continue
-            row = json.loads(line)
-            arrival = row["timestamp"] / 1000.0
-            if max_duration_s is not None and arrival >= max_duration_s:
-                break
-            blocks = tuple(row["hash_ids"])
-            requests.append(Request(len(requests), arrival, int(row["input_length"]),
-                                    max(1, int(row["output_length"])), blocks, blocks))
-            if limit is not None and len(requests) >= limit:
-                break
+            try:
+                row = json.loads(line)
+                missing = [key for key in TRACE_KEYS if key not in row]
+                if missing:
+                    raise ValueError(f"missing {missing}")
+                rows.append((float(row["timestamp"]) / 1000.0, number,
+                             max(1, int(row["input_length"])), max(1, int(row["output_length"])),
+                             tuple(row["hash_ids"])))
+            except (ValueError, TypeError) as error:
+                raise ValueError(f"{path}:{number}: not a Mooncake trace row "
+                                 f"({', '.join(TRACE_KEYS)}): {error}") from None
+    rows.sort()
+    start = rows[0][0] if rows else 0.0
+    requests = []
+    for arrival, _, input_tokens, output_tokens, blocks in rows:
+        arrival -= start
+        if max_duration_s is not None and arrival >= max_duration_s:
+            break
+        requests.append(Request(len(requests), arrival, input_tokens, output_tokens,
+                                blocks, blocks))
+        if limit is not None and len(requests) >= limit:
+            break
     return requests
 
 
