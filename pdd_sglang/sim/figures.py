@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .cluster import Setup
 from .experiments import HIT_BIN_LABELS
 
 
@@ -22,24 +23,31 @@ def _save(fig, out: Path, name: str) -> None:
 
 def draw_all(out: Path, data: dict, results: dict, paper: dict, measured) -> None:
     plt = _plt()
-    names = ["same_dc_pd", "cross_dc_pd", "pdd"]
+    names = list(results["ttft_s"])
+    labels = {s.value: s.label for s in Setup}
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
     width = 0.25
     for i, q in enumerate(("p50", "p90", "p99")):
-        left.bar([x + i * width for x in range(3)], [results["ttft_s"][n][q] for n in names],
-                 width, label=f"sim {q.upper()}")
+        left.bar([x + i * width for x in range(len(names))],
+                 [results["ttft_s"][n][q] for n in names], width, label=f"TTFT {q.upper()}")
+    starred = False
     for x, name in enumerate(names):
         for q, value in paper["ttft_s"].get(name, {}).items():
-            left.plot(x + ("p50", "p90", "p99").index(q) * width, value, "k*", ms=9)
-    left.set_xticks([x + width for x in range(3)], names)
+            left.plot(x + ("p50", "p90", "p99").index(q) * width, value, "k*", ms=9,
+                      label=None if starred else "report")
+            starred = True
+    left.set_xticks([x + width for x in range(len(names))],
+                    [labels[n].replace(" (", "\n(").replace(", ", ",\n") for n in names],
+                    fontsize=8)
     left.set_ylabel("TTFT (s)")
     left.set_yscale("log")
     left.set_title("F1: TTFT at 64K, ~90% hit (stars: paper)")
     left.legend()
     for name in names:
         rows = data["sweep"][name]
-        right.plot([r[0] for r in rows], [r[1] for r in rows], "o-", label=f"{name} P90")
+        right.plot([r[0] for r in rows], [r[1] for r in rows], "o-",
+                   label=f"{labels[name]}, TTFT P90")
     right.set_xlabel("offered load (req/s)")
     right.set_ylabel("TTFT P90 (s)")
     right.set_title("TTFT P90 against load")

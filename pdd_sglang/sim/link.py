@@ -95,10 +95,10 @@ class FairShareLink:
         return self._active
 
     @property
-    def bytes_ahead(self) -> float:
-        """Bytes of the active flows not yet sent (what a new flow shares the line with)."""
+    def virtual_bytes(self) -> float:
+        """Bytes every active flow has received since the line was last idle (now)."""
         self._advance()
-        return sum(f.finish_virtual - self._virtual for _, _, f in self._heap if f.active)
+        return self._virtual
 
     def flow_rate(self, flows: int) -> float:
         """Bytes per second each of `flows` concurrent flows gets."""

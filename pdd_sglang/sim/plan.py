@@ -38,15 +38,16 @@ class PlanResult:
     bcr_requests_per_dollar: float
 
     def label(self) -> str:
-        if self.setup == Setup.SAME_DC_PD.value:
+        if not self.relay:
             return f"{self.prefill}P + {self.main}D"
         return f"{self.prefill}P + {self.relay}RLD + {self.main}MD"
 
 
 def gpu_counts(cfg: ClusterConfig) -> dict:
     counts: dict = {}
-    roles = [(cfg.prefill_hardware, cfg.prefill_instances), (cfg.main_hardware, cfg.main_instances)]
-    if cfg.setup in (Setup.PDD, Setup.RELAY_ONLY):
+    roles = [(cfg.prefill_hardware, cfg.prefill_instances),
+             (cfg.decode_hardware, cfg.main_instances)]
+    if cfg.setup.has_relay:
         roles.append((cfg.relay_hardware, cfg.relay_instances))
     for hardware_name, instances in roles:
         hardware = load_hardware(hardware_name)
@@ -57,7 +58,7 @@ def gpu_counts(cfg: ClusterConfig) -> dict:
 def cost_per_hour(cfg: ClusterConfig) -> float:
     total = sum(load_hardware(name).cost_per_gpu_hour * count
                 for name, count in gpu_counts(cfg).items())
-    if cfg.setup is not Setup.SAME_DC_PD:
+    if cfg.setup.behind_wan:
         total += load_link(cfg.wan_link).cost_per_hour
     return total
 
@@ -125,7 +126,7 @@ def goodput(cfg: ClusterConfig, workload: AgenticConfig, sla: Sla,
 def evaluate(cfg: ClusterConfig, workload: AgenticConfig, sla: Sla) -> PlanResult:
     rps = goodput(cfg, workload, sla)
     cost = cost_per_hour(cfg)
-    relay = cfg.relay_instances if cfg.setup in (Setup.PDD, Setup.RELAY_ONLY) else 0
+    relay = cfg.relay_instances if cfg.setup.has_relay else 0
     return PlanResult(cfg.setup.value, cfg.prefill_instances, relay, cfg.main_instances,
                       gpu_counts(cfg), cost, rps, rps * 3600.0 / cost if cost else 0.0)
 
@@ -134,7 +135,7 @@ def search(base: ClusterConfig, workload: AgenticConfig, sla: Sla, prefill_range
            relay_range, main_range, progress=None) -> list:
     """Every combination of counts, best BCR first (ties: fewer GPUs, then lower counts)."""
     results = []
-    relays = relay_range if base.setup is Setup.PDD else [0]
+    relays = relay_range if base.setup.has_relay else [0]
     for prefill, relay, main in itertools.product(prefill_range, relays, main_range):
         cfg = base.with_(prefill_instances=prefill, relay_instances=max(relay, 1),
                          main_instances=main)

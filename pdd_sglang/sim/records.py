@@ -18,7 +18,8 @@ class Job:
                  "handoff_mode", "handed_tokens", "handoff_rounds", "handoff_gap_s",
                  "relay_last_token_s", "token_times", "cancelled_wan", "handoff_cancelled",
                  "main_uncached_tokens", "relay_abandoned",
-                 "main_reserved", "prefill_index", "prefill_lane", "relay_hold_since_s")
+                 "main_reserved", "prefill_index", "prefill_lane", "relay_hold_since_s",
+                 "wan_started_s")
 
     def __init__(self, request):
         self.request = request
@@ -52,6 +53,7 @@ class Job:
         self.prefill_index = 0
         self.prefill_lane = 0
         self.relay_hold_since_s = math.nan
+        self.wan_started_s = math.nan
 
     @property
     def ttft_s(self) -> float:

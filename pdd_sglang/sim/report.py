@@ -131,7 +131,7 @@ def write_report(out: Path, data: dict, results: dict, paper: dict, quick: bool,
     lines += ["## F1: TTFT at 64K, ~90% hit (f1.png)", "",
               "| setup | P50 sim | P50 paper | P90 sim | P90 paper | P99 sim | P99 paper |",
               "|---|---|---|---|---|---|---|"]
-    for name in ("same_dc_pd", "cross_dc_pd", "pdd"):
+    for name in ttft:
         ref = paper["ttft_s"].get(name, {})
         lines.append(f"| {name} | " + " | ".join(
             f"{_fmt(ttft[name][q])} | {_fmt(ref.get(q))}" for q in ("p50", "p90", "p99")) + " |")

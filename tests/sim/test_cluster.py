@@ -51,7 +51,7 @@ def test_handoff_delivers_every_token_exactly_once(small_workload):
 def test_single_request_same_dc_matches_hand_computation():
     model = load_model("moe_1t_50kb")
     prefill = InstanceCost(load_hardware("gpu_a"), model)
-    decode = InstanceCost(load_hardware("gpu_b"), model)
+    decode = InstanceCost(load_hardware("gpu_a"), model)      # same_dc_pd is homogeneous
     rdma = load_link("rdma_intra_dc")
     request = Request(0, 1.0, 4096, 3, tuple(range(8)), tuple(range(8)))
     summary, cluster = simulate(ClusterConfig(setup=Setup.SAME_DC_PD), [request])
@@ -86,7 +86,7 @@ def test_higher_hit_never_raises_wan_bytes(small_workload):
     requests, warmup = small_workload
     hits, wan_bytes = [], []
     for capacity in (0, 200_000, 2_000_000, 16_000_000):
-        summary, _ = simulate(ClusterConfig(setup=Setup.CROSS_DC_PD, main_cache_tokens=capacity,
+        summary, _ = simulate(ClusterConfig(setup=Setup.CROSS_DC_PD_DRC, main_cache_tokens=capacity,
                                             use_drc=capacity > 0), requests, warmup)
         hits.append(summary.main_hit)
         wan_bytes.append(summary.wan_bytes)
