@@ -83,6 +83,8 @@ class ClusterConfig:
     wan_link: str = "wan_10g"
     rdma_link: str = "rdma_intra_dc"
     wan_bandwidth_scale: float = 1.0
+    wan_window_bytes: float | None = None     # overrides the line's per-flow window (sweeps)
+    wan_transfer_fixed_s: float | None = None # overrides the line's per-transfer fixed cost
     prefill_instances: int = 2
     relay_instances: int = 1
     main_instances: int = 1
@@ -95,7 +97,10 @@ class ClusterConfig:
     sample_interval_s: float = 5.0
     drain_limit_s: float = 1800.0             # stop this long after the last arrival
     seed: int = 0
-    prefill_mfu: float | None = None          # overrides the prefill hardware's (calibration)
+    prefill_mfu: float | None = None          # overrides the prefill hardware's (sensitivity)
+    # Latency every request pays before prefill that occupies no server; None: the prefill
+    # hardware's dispatch_latency_s.  The operating point fits it (configs/operating_point.toml).
+    dispatch_latency_s: float | None = None
     block_tokens: int = 512                   # prefix-cache granularity (the trace's 512)
     # "idle-line": place from the suffix's size on an idle line (policy.IDLE_LINE);
     # "congestion-aware": from the live line to that main (policy.LineState: bytes queued or in
@@ -150,13 +155,18 @@ class Cluster:
         wan_profile = load_link(cfg.wan_link)
         if cfg.wan_bandwidth_scale != 1.0:
             wan_profile = wan_profile.scaled(cfg.wan_bandwidth_scale)
+        if cfg.wan_window_bytes is not None:
+            wan_profile = wan_profile.with_window(cfg.wan_window_bytes)
+        if cfg.wan_transfer_fixed_s is not None:
+            wan_profile = replace(wan_profile, per_transfer_fixed_s=cfg.wan_transfer_fixed_s)
         self.wan = FairShareLink(self.sim, wan_profile, "wan")
         rdma_profile = load_link(cfg.rdma_link)
         prefill_hardware = load_hardware(cfg.prefill_hardware)
         if cfg.prefill_mfu is not None:
             prefill_hardware = replace(prefill_hardware, prefill_mfu=cfg.prefill_mfu)
         prefill_cost = InstanceCost(prefill_hardware, self.model)
-        self.dispatch_latency_s = prefill_hardware.dispatch_latency_s
+        self.dispatch_latency_s = (prefill_hardware.dispatch_latency_s
+                                   if cfg.dispatch_latency_s is None else cfg.dispatch_latency_s)
         self.prefills = [PrefillServer(self.sim, i, prefill_cost,
                                        BlockPrefixCache(cfg.prefill_cache_tokens,
                                                         cfg.block_tokens),

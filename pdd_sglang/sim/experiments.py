@@ -22,6 +22,7 @@ HIT_BIN_LABELS = ["<10%", "10-50%", "50-80%", "80-90%", "90-95%", "95-99%", ">=9
 SETUPS_F1 = (Setup.SAME_DC_PD, Setup.SAME_DC_HETERO_PD, Setup.CROSS_DC_PD,
              Setup.CROSS_DC_PD_DRC, Setup.PDD)
 QUANTILES = ("p50", "p90", "p99")
+F1_LINE = "wan_f1"
 
 
 def ttft_reductions(ttft: dict) -> tuple:
@@ -107,16 +108,18 @@ def hit_bins_over_time(jobs, window_s: float) -> list:
 
 
 def handoff_microbenchmark(trials: int = 200, seed: int = 3, tokens: int = 100,
-                           prefix_tokens: int = 65536, background_load: float = 0.5) -> dict:
+                           prefix_tokens: int = 65536, background_load: float = 0.5,
+                           link=None, kv_payload_bytes: float | None = None) -> dict:
     """F3: hand `tokens` tokens to main as incremental KV vs as token ids plus recompute.
 
-    The WAN carries Poisson background flows at `background_load` of its rate (sizes of a
-    low-hit suffix, exponential), and main decodes a background batch of 64 requests at 64K,
-    so each trial meets a different queue, as a live service would.
+    The WAN (`link`, a LinkProfile; default the F1 line) carries Poisson background flows at
+    `background_load` of its rate (sizes of a low-hit suffix, exponential), and main decodes a
+    background batch of 64 requests at 64K, so each trial meets a different queue, as a live
+    service would.  kv_payload_bytes: the KV path's payload (default tokens x KV per token).
     """
     model = load_model("moe_1t_50kb")
     sim = Simulator(seed)
-    wan = FairShareLink(sim, load_link("wan_10g"), "wan")
+    wan = FairShareLink(sim, link or load_link(F1_LINE), "wan")
     cost = InstanceCost(load_hardware("gpu_b"), model)
     main = DecodeServer(sim, "main", 0, cost, 512, None)
 
@@ -133,7 +136,7 @@ def handoff_microbenchmark(trials: int = 200, seed: int = 3, tokens: int = 100,
         wan.start_flow(rng.expovariate(1 / mean_flow), lambda: None)
         sim.schedule(rng.expovariate(flow_rate), Callback(background_flow))
     sim.schedule(0.0, Callback(background_flow))
-    kv_bytes = tokens * model.kv_bytes_per_token
+    kv_bytes = tokens * model.kv_bytes_per_token if kv_payload_bytes is None else kv_payload_bytes
     # Scattering the received KV into main's paged pool: one read and one write of the bytes.
     copy_s = 2 * kv_bytes / (cost.hardware.hbm_bytes_per_s * cost.hardware.memory_efficiency
                              * cost.hardware.gpus_per_instance)

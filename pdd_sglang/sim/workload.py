@@ -62,6 +62,10 @@ class AgenticConfig:
     singular_input_min: int = 56000
     singular_input_max: int = 72000
     singular_output_max: int = 32
+    # Context window: a turn whose context would exceed it compacts the conversation (as coding
+    # agents do): the session goes on from a fresh first context, a prefix miss past the
+    # system prompt.  0: no limit.
+    max_context_tokens: int = 0
     seed: int = 1
 
 
@@ -117,22 +121,28 @@ def generate_agentic(cfg: AgenticConfig) -> tuple[list, list]:
         stream = list(range(system_blocks))
         context = rng.randint(cfg.first_context_min, cfg.first_context_max)
         arrival = t
+        # Every turn is drawn even past the end of the run (and then dropped), so a session
+        # consumes the same random numbers at any rate: a higher rate packs the same sessions
+        # closer together instead of drawing different ones, and load sweeps are smooth.
         for _ in range(rng.randint(cfg.turns_min, cfg.turns_max)):
-            if arrival >= cfg.duration_s:
-                break
             _extend_stream(stream, context, ids)
             output = _output_tokens(cfg, rng)
             prompt = _prompt_blocks(stream, context, ids)
             _extend_stream(stream, context + output, ids)
             after = tuple(stream[:(context + output) // BLOCK_TOKENS])
-            drafts.append((arrival, context, output, prompt, after, session))
+            if arrival < cfg.duration_s:
+                drafts.append((arrival, context, output, prompt, after, session))
             if rng.random() < cfg.big_delta_probability:
                 delta = rng.randint(cfg.big_delta_min, cfg.big_delta_max)
             else:
                 delta = rng.randint(cfg.small_delta_min, cfg.small_delta_max)
             context += output + delta
+            if cfg.max_context_tokens and context > cfg.max_context_tokens:
+                stream = list(range(system_blocks))
+                context = rng.randint(cfg.first_context_min, cfg.first_context_max)
             arrival += rng.uniform(cfg.think_min_s, cfg.think_max_s)
     singular_rate = cfg.rate_per_s * cfg.singular_fraction
+    rng = random.Random(cfg.seed * 7919 + 1)      # their own stream: independent of sessions
     t = 0.0
     while singular_rate > 0:
         t += rng.expovariate(singular_rate)

@@ -49,7 +49,7 @@ def test_same_dc_setups_decode_on_their_own_hardware_without_the_wan(setup, deco
     rdma = load_link("rdma_intra_dc")
     request = Request(0, 1.0, 4096, 2, tuple(range(8)), tuple(range(8)))
     summary, cluster = simulate(ClusterConfig(setup=setup), [request])
-    landed = 1.0 + prefill.prefill_seconds(4096, 0) + 4096 * KV / rdma.bytes_per_s + rdma.rtt_s / 2
+    landed = 1.0 + prefill.hardware.dispatch_latency_s + prefill.prefill_seconds(4096, 0) + 4096 * KV / rdma.bytes_per_s + rdma.rtt_s / 2
     assert cluster.jobs[0].finish_s == pytest.approx(landed + decoder.forward_seconds(1, 4096),
                                                      rel=1e-9)
     assert summary.wan_bytes == 0

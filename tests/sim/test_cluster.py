@@ -55,7 +55,7 @@ def test_single_request_same_dc_matches_hand_computation():
     rdma = load_link("rdma_intra_dc")
     request = Request(0, 1.0, 4096, 3, tuple(range(8)), tuple(range(8)))
     summary, cluster = simulate(ClusterConfig(setup=Setup.SAME_DC_PD), [request])
-    kv_landed = 1.0 + prefill.prefill_seconds(4096, 0) + 4096 * 50_000 / rdma.bytes_per_s + rdma.rtt_s / 2
+    kv_landed = 1.0 + prefill.hardware.dispatch_latency_s + prefill.prefill_seconds(4096, 0) + 4096 * 50_000 / rdma.bytes_per_s + rdma.rtt_s / 2
     assert summary.ttft_p50_s == pytest.approx(kv_landed - 1.0, rel=1e-9)
     steps = decode.forward_seconds(1, 4096) + decode.forward_seconds(1, 4097)
     assert cluster.jobs[0].finish_s == pytest.approx(kv_landed + steps, rel=1e-9)
@@ -78,6 +78,21 @@ def test_more_bandwidth_never_raises_ttft(small_workload):
         current = (summary.ttft_p50_s, summary.ttft_p90_s, summary.ttft_p99_s, summary.ttft_mean_s)
         if previous:
             assert all(c <= p + 1e-9 for c, p in zip(current, previous)), (scale, current, previous)
+        previous = current
+
+
+@pytest.mark.parametrize("setup", [Setup.CROSS_DC_PD, Setup.CROSS_DC_PD_DRC])
+def test_a_larger_per_flow_window_never_raises_ttft(setup, small_workload):
+    # Setups without placement decisions: PDD's placement changes with the predicted copy time
+    # (a larger window sends more requests straight to main), so its TTFT need not be monotone.
+    requests, warmup = small_workload
+    previous = None
+    for window in (2e6, 8e6, 32e6, 128e6):
+        summary, _ = simulate(ClusterConfig(setup=setup, wan_link="wan_10g",
+                                            wan_window_bytes=window), requests, warmup)
+        current = (summary.ttft_p50_s, summary.ttft_p90_s, summary.ttft_p99_s, summary.ttft_mean_s)
+        if previous:
+            assert all(c <= p + 1e-9 for c, p in zip(current, previous)), (window, current, previous)
         previous = current
 
 
