@@ -300,6 +300,7 @@ class Cluster:
 
     def _main_reserved(self, job: Job) -> None:
         job.main_reserved = True
+        job.main_reserved_s = self.sim.now
         if job.cancelled_wan:
             job.main.release(job)
             return
