@@ -52,6 +52,7 @@ def draw_all(out: Path, data: dict, results: dict, paper: dict, measured) -> Non
     right.set_xlabel("line rate (Gb/s)")
     right.set_ylabel("TTFT P90 (s)")
     right.set_xscale("log")
+    right.set_yscale("log")
     right.set_title("TTFT P90 against line rate")
     right.legend(fontsize=7)
     _save(fig, out, "f1.png")

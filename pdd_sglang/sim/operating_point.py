@@ -144,7 +144,8 @@ def fit_line(point: OperatingPoint, rates, windows, progress=print) -> list:
 SWEEP_SETUPS = (Setup.SAME_DC_PD, Setup.CROSS_DC_PD, Setup.CROSS_DC_PD_DRC, Setup.PDD)
 
 
-def sweep(point: OperatingPoint, line_scales=(0.25, 0.5, 1.0, 2.0), load_scales=(0.5, 0.75, 1.0, 1.15)):
+def sweep(point: OperatingPoint, line_scales=(0.05, 0.125, 0.25, 0.5, 1.0, 2.0),
+          load_scales=(0.5, 0.75, 1.0, 1.15)):
     """F1's right panel: TTFT percentiles of each setup against line rate and against load,
     around the operating point.  {"line": {setup: [(Gb/s, p50, p90, p99)]}, "load": {...}}."""
     out = {"line": {s.value: [] for s in SWEEP_SETUPS},
