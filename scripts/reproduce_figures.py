@@ -124,9 +124,14 @@ TASKS = {"f4": task_f4, "f6": task_f6, "f1": task_f1, "f9": task_f9, "sweep": ta
 
 
 # --- results.json ---------------------------------------------------------------------------
-def paper_cost(counts: dict) -> float:
+def paper_cost(counts: dict, gpu_b_premium: float | None = None) -> float:
+    """$/h of the report's GPU counts at our prices (GPU-B at `gpu_b_premium` x GPU-A's price
+    when given), plus the line for the layout that has one."""
     from pdd_sglang.sim.profiles import load_hardware, load_link
-    total = sum(load_hardware(name).cost_per_gpu_hour * n for name, n in counts.items())
+    prices = {name: load_hardware(name).cost_per_gpu_hour for name in counts}
+    if gpu_b_premium is not None and "gpu_b" in prices:
+        prices["gpu_b"] = load_hardware("gpu_a").cost_per_gpu_hour * gpu_b_premium
+    total = sum(prices[name] * n for name, n in counts.items())
     return total + (load_link(F1_LINE).cost_per_hour if "gpu_b" in counts else 0.0)
 
 
@@ -173,7 +178,11 @@ def build_results(data: dict, measured_handoff: dict | None) -> dict:
                      "baseline": {"gpus": PAPER["cost_counts"]["baseline"],
                                   "per_hour": paper_cost(PAPER["cost_counts"]["baseline"])},
                      "pdd": {"gpus": PAPER["cost_counts"]["pdd"],
-                             "per_hour": paper_cost(PAPER["cost_counts"]["pdd"])}}},
+                             "per_hour": paper_cost(PAPER["cost_counts"]["pdd"])}},
+                 "saving_pct_by_gpu_b_premium": {
+                     f"{premium:.2f}": 100 * (1 - paper_cost(PAPER["cost_counts"]["pdd"], premium)
+                                              / paper_cost(PAPER["cost_counts"]["baseline"]))
+                     for premium in (1.2, 1.25, 1.3)}},
         "wan_bytes_ratio_drc": ratios,
         "handoff": handoff,
         "handoff_source": "measured" if measured_handoff else "simulated",

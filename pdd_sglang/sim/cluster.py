@@ -264,9 +264,12 @@ class Cluster:
             return
         uncached = request.input_tokens - (main.candidate(request).cached_prefix_tokens)
         job.main_uncached_tokens = uncached      # the router's prediction, kept for the filter
+        # What the router would configure: one copy on an idle line moves at the lesser of the
+        # line rate and its window / RTT, and pays the RTT plus the transfer's fixed cost.
         job.pipeline = policy.choose_pipeline(
             uncached, request.output_tokens, self.kv_bytes_per_token,
-            min(self.wan.rate, self.wan.per_flow_cap), self.wan.profile.rtt_s, self.cfg.policy,
+            min(self.wan.rate, self.wan.per_flow_cap),
+            self.wan.profile.rtt_s + self.wan.transfer_fixed_s, self.cfg.policy,
             line=self.line_state(main))
         if job.pipeline is Pipeline.PREFILL_MAIN:
             self._send_to_main(job, main)

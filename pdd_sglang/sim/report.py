@@ -183,9 +183,18 @@ def f2_f3_section(data: dict, results: dict, paper: dict, measured) -> list:
 def f4_section(data: dict, results: dict, paper: dict, quick: bool) -> list:
     f4 = data["f4"]
     sla = f4["sla"]
+    floors = "; ".join(f"{LABELS[name]} {ttft:.2f} s and {itl:.1f} ms"
+                       for name, (ttft, itl) in f4["floors"].items())
     lines = ["## F4: BCR and cost (f4.png)", "",
-             f"SLA: TTFT P90 <= {sla['ttft_p90_s']} s and ITL P90 <= {sla['itl_p90_ms']} ms, "
-             "nothing left unfinished. Goodput: the highest offered load meeting it.", "",
+             f"SLA (DECLARED): TTFT P90 <= {sla['ttft_p90_s']} s and ITL P90 <= "
+             f"{sla['itl_p90_ms']} ms, nothing left unfinished; goodput is the highest offered "
+             "load meeting it. Idle floors (TTFT P90 and ITL P90 at 0.5 req/s on each best "
+             f"layout): {floors}. "
+             + ("The SLA is above every floor, so goodput measures capacity, not the floor."
+                if all(t < sla["ttft_p90_s"] and i < sla["itl_p90_ms"]
+                       for t, i in f4["floors"].values())
+                else "**The SLA is not above every floor**: a setup failing at idle gets no "
+                     "goodput at any size."), "",
              "| setup | layout | GPUs | $/h | goodput req/s | BCR req/$ |",
              "|---|---|---|---|---|---|"]
     for key in ("baseline", "hetero", "pdd"):
@@ -207,8 +216,11 @@ def f4_section(data: dict, results: dict, paper: dict, quick: bool) -> list:
         lines.append(f"| {gpus}{' + line' if key == 'pdd' else ''} | {row['per_hour']:.2f} |")
     saving = 100 * (1 - costs["pdd"]["per_hour"] / costs["baseline"]["per_hour"])
     low, high = paper["cost_saving_pct"]
-    lines += ["", f"PDD's layout is {saving:.1f}% cheaper per hour at these prices (report: "
-              f"{low}-{high}%).", ""]
+    by_premium = results["cost"]["saving_pct_by_gpu_b_premium"]
+    lines += ["", f"PDD's layout is {saving:.1f}% cheaper per hour at these prices; with GPU-B "
+              + ", ".join(f"{100 * (float(k) - 1):.0f}% dearer than GPU-A: {v:.1f}%"
+                          for k, v in by_premium.items())
+              + f" (report: {low}-{high}% for 20-30% dearer).", ""]
     return lines
 
 
