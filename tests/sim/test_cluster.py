@@ -125,7 +125,9 @@ def test_relay_only_collapses_where_pdd_stays_stable():
         return sum(j.pipeline is not Pipeline.PREFILL_MAIN for j in hits) / len(hits)
     assert relay_share_of_prefill_hits(relay_only, 3) > 0.5
     assert relay_share_of_prefill_hits(pdd, 3) < 0.35
-    assert quarter_stats(relay_only)[3]["relay_share"] > 2 * quarter_stats(relay_only)[0]["relay_share"]
+    # the relay's share climbs: the share still reaching main at least halves
+    first, last = quarter_stats(relay_only)[0]["relay_share"], quarter_stats(relay_only)[3]["relay_share"]
+    assert 1 - last < 0.5 * (1 - first)
 
 
 def test_reactive_filter_saves_wan_bytes_and_relay_time(small_workload):
