@@ -135,8 +135,18 @@ class PdProxy:
                     return web.Response(body=await answer.read(), status=answer.status,
                                         content_type=answer.content_type)
 
+        async def flush_cache(request: web.Request) -> web.Response:
+            async with ClientSession() as session:
+                for server in (self.prefill, self.decode):
+                    async with session.post(server.url + "/flush_cache",
+                                            params=request.query) as answer:
+                        if answer.status != 200:
+                            return web.Response(status=answer.status, body=await answer.read())
+            return web.Response(text="ok")
+
         app = web.Application()
         app.router.add_post("/generate", generate)
+        app.router.add_post("/flush_cache", flush_cache)
         for path in ("/get_model_info", "/model_info", "/server_info", "/v1/models", "/health"):
             app.router.add_get(path, passthrough)
         runner = web.AppRunner(app)
