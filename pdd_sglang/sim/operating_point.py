@@ -149,7 +149,8 @@ def sweep(point: OperatingPoint, line_scales=(0.05, 0.125, 0.25, 0.5, 1.0, 2.0),
     """F1's right panel: TTFT percentiles of each setup against line rate and against load,
     around the operating point.  {"line": {setup: [(Gb/s, p50, p90, p99)]}, "load": {...}}."""
     out = {"line": {s.value: [] for s in SWEEP_SETUPS},
-           "load": {s.value: [] for s in SWEEP_SETUPS}}
+           "load": {s.value: [] for s in SWEEP_SETUPS},
+           "duration_s": point.workload.duration_s}
     requests, warmup = generate_agentic(point.workload)
     line = load_link(point.base.wan_link)
     for scale in line_scales:
