@@ -122,6 +122,7 @@ def task_f4(quick):
                                                      main_instances=r.main), workload)
               for name, r in best.items()}
     return {"sla": sla.__dict__, "floors": floors, "gains": plan.bcr_gains(best),
+            "idle_rate_per_s": plan.IDLE_RATE_PER_S,
             "baseline": [r.__dict__ for r in found["same_dc_pd"]],
             "hetero": [r.__dict__ for r in found["same_dc_hetero_pd"]],
             "pdd": [r.__dict__ for r in found["pdd"]]}

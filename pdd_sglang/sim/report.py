@@ -34,7 +34,8 @@ def operating_point_section(results: dict) -> list:
              f"need {op['fixed_cost_alternative']['fixed_s']:.2f} s per request at "
              f"{op['fixed_cost_alternative']['rate_per_s']} req/s (where the median is "
              f"{op['fixed_cost_alternative']['bare_p50_s']:.2f} s without it); no such cost is "
-             "known, so the load is fitted instead: the report's 4.2 s median is read as "
+             f"known, so the load is fitted instead: the report's {op['checks'][0]['target']} s "
+             "median is read as "
              "queueing for prefill at a load it does not state.", "",
              f"Prompts average {op['mean_input_tokens'] / 1000:.1f}K tokens with a token-weighted "
              f"prefix hit of {100 * op['prefill_hit']:.1f}% at prefill (the report's F1: 64K "
@@ -191,7 +192,7 @@ def f2_f3_section(data: dict, results: dict, paper: dict, measured) -> list:
              f"{f1['pdd']['summary']['main_hit']:.3f} at main's DRC in PDD.", ""]
     sim = data["f3"]
     op = results["operating_point"]
-    lines += ["## F3: handing over 100 tokens (f3.png)", "",
+    lines += [f"## F3: handing over {sim['tokens']} tokens (f3.png)", "",
               "| path | payload | mean ms | max ms | std ms | report mean | report max |"
               + (" measured mean | measured max |" if measured else ""),
               "|---|---|---|---|---|---|---|" + ("---|---|" if measured else "")]
@@ -211,7 +212,7 @@ def f2_f3_section(data: dict, results: dict, paper: dict, measured) -> list:
               f"{paper['handoff']['token_ids']['mean_ms']} ms (one-way delay, waiting for main's "
               "next step and the extend; whatever else the report's path pays is not modelled)."
               + (" Measured: scripts/bench_handoff.py's real handoff on the CPU demo (a tiny "
-                 "model on 2 cores), shown for its shape, not its scale." if measured else
+                 "model on CPUs), shown for its shape, not its scale." if measured else
                  " No measured handoff file was given (--measured-handoff)."), ""]
     return lines
 
@@ -224,7 +225,8 @@ def f4_section(data: dict, results: dict, paper: dict, quick: bool) -> list:
     lines = ["## F4: BCR and cost (f4.png)", "",
              f"SLA (DECLARED): TTFT P90 <= {sla['ttft_p90_s']} s and ITL P90 <= "
              f"{sla['itl_p90_ms']} ms, nothing left unfinished; goodput is the highest offered "
-             "load meeting it. Idle floors (TTFT P90 and ITL P90 at 0.5 req/s on each best "
+             f"load meeting it. Idle floors (TTFT P90 and ITL P90 at {f4['idle_rate_per_s']} req/s "
+             "on each best "
              f"layout): {floors}. "
              + ("The SLA is above every floor, so goodput measures capacity, not the floor."
                 if all(t < sla["ttft_p90_s"] and i < sla["itl_p90_ms"]
