@@ -50,12 +50,20 @@ def task_f1(quick):
     out = {name: {"summary": s.as_dict(), "ttfts": sorted(j.ttft_s for j in c.jobs if j.completions)}
            for name, (s, c) in runs.items()}
     out["hit_bins"] = E.hit_bins_over_time(runs["pdd"][1].jobs, 60.0)
+    jobs = runs["pdd"][1].jobs
+    out["mean_input_tokens"] = sum(j.request.input_tokens for j in jobs) / len(jobs)
     aware, _ = E.f1_ttft(quick, placement="congestion-aware", setups=(Setup.PDD,))["pdd"]
     out["pdd_congestion_aware"] = {"summary": aware.as_dict()}
+    rate = OP.REFERENCE_RATE_PER_S
+    fixed, bare = OP.fixed_cost_alternative(OP.operating_point(quick), rate)
+    out["fixed_cost_alternative"] = {"rate_per_s": rate, "fixed_s": fixed, "bare_p50_s": bare}
     return out
 
 
 def task_sweep(quick):
+    if quick:
+        return OP.sweep(OP.operating_point(True), line_scales=(0.05, 0.25, 1.0, 2.0),
+                        load_scales=(0.5, 1.0, 1.15))
     return OP.sweep(OP.operating_point(True))
 
 
@@ -114,6 +122,7 @@ def task_f4(quick):
                                                      main_instances=r.main), workload)
               for name, r in best.items()}
     return {"sla": sla.__dict__, "floors": floors, "gains": plan.bcr_gains(best),
+            "idle_rate_per_s": plan.IDLE_RATE_PER_S,
             "baseline": [r.__dict__ for r in found["same_dc_pd"]],
             "hetero": [r.__dict__ for r in found["same_dc_hetero_pd"]],
             "pdd": [r.__dict__ for r in found["pdd"]]}
@@ -159,6 +168,9 @@ def build_results(data: dict, measured_handoff: dict | None) -> dict:
         "decode_admission_wait_p99_s": {name: f1[name]["summary"]["decode_admission_wait_p99_s"]
                                         for name in ttft},
         "pdd_congestion_aware": percentiles_from(f1["pdd_congestion_aware"]["summary"]),
+        "fixed_cost_alternative": f1["fixed_cost_alternative"],
+        "prefill_hit": f1["same_dc_pd"]["summary"]["prefill_hit"],
+        "mean_input_tokens": f1["mean_input_tokens"],
     }
     return {
         "operating_point": operating,

@@ -68,4 +68,4 @@ def handoff_microbenchmark(trials: int = 200, seed: int = 3, tokens: int = 100,
                 "std_ms": statistics.pstdev(ms), "trials": len(ms)}
     return {"kv": stats(kv_latencies, kv_bytes),
             "token_ids": stats(id_latencies, TOKEN_ID_BYTES * tokens),
-            "kv_gpu_copy_ms": copy_s * 1000}
+            "kv_gpu_copy_ms": copy_s * 1000, "tokens": tokens}

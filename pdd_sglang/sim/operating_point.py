@@ -35,6 +35,7 @@ REPORT_SAME_DC_P50_S = 4.2
 REPORT_CROSS_DC_S = {"p50": 6.7, "p90": 18.3, "p99": 29.7}
 REPORT_F3_KV_BYTES = 4649e3
 REPORT_F3_KV_MEAN_S = 0.185
+REFERENCE_RATE_PER_S = 3.3       # where the fixed-cost alternative to the load fit is shown
 SAME_DC_TOLERANCE = 0.10          # the issue's acceptance band for the operating point
 CROSS_DC_TOLERANCE = 0.25
 
@@ -149,7 +150,8 @@ def sweep(point: OperatingPoint, line_scales=(0.05, 0.125, 0.25, 0.5, 1.0, 2.0),
     """F1's right panel: TTFT percentiles of each setup against line rate and against load,
     around the operating point.  {"line": {setup: [(Gb/s, p50, p90, p99)]}, "load": {...}}."""
     out = {"line": {s.value: [] for s in SWEEP_SETUPS},
-           "load": {s.value: [] for s in SWEEP_SETUPS}}
+           "load": {s.value: [] for s in SWEEP_SETUPS},
+           "duration_s": point.workload.duration_s}
     requests, warmup = generate_agentic(point.workload)
     line = load_link(point.base.wan_link)
     for scale in line_scales:
@@ -172,7 +174,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Fit F1's operating point (see module docstring)")
     parser.add_argument("--fit", action="store_true", required=True)
     parser.add_argument("--quick", action="store_true", help="the --quick duration")
-    parser.add_argument("--reference-rate", type=float, default=3.3,
+    parser.add_argument("--reference-rate", type=float, default=REFERENCE_RATE_PER_S,
                         help="req/s for the fixed-cost alternative, and the bisection's low end")
     parser.add_argument("--max-rate", type=float, default=8.0)
     parser.add_argument("--rates-gbps", default="100,150,200,300")

@@ -125,7 +125,10 @@ def goodput(cfg: ClusterConfig, workload: AgenticConfig, sla: Sla,
     return low
 
 
-def idle_floor(cfg: ClusterConfig, workload, rate: float = 0.5) -> tuple:
+IDLE_RATE_PER_S = 0.5     # the light load an idle floor is measured at
+
+
+def idle_floor(cfg: ClusterConfig, workload, rate: float = IDLE_RATE_PER_S) -> tuple:
     """(TTFT P90 s, ITL P90 ms) at a light load: what no amount of hardware improves."""
     requests, warmup = workload_at(workload, rate)
     summary, _ = simulate(cfg.with_(drain_limit_s=120.0), requests, warmup)
@@ -210,7 +213,7 @@ def main(argv=None) -> None:
                        report)
     best = {name: results[0] for name, results in best.items()}
     print(f"\nSLA: TTFT P90 <= {sla.ttft_p90_s} s, ITL P90 <= {sla.itl_p90_ms} ms; line "
-          f"{point.base.wan_link}; idle floors (TTFT P90 s, ITL P90 ms at 0.5 req/s):")
+          f"{point.base.wan_link}; idle floors (TTFT P90 s, ITL P90 ms at {IDLE_RATE_PER_S} req/s):")
     for name, result in best.items():
         floor = idle_floor(point.base.with_(setup=Setup(name), prefill_instances=result.prefill,
                                             main_instances=result.main), workload)

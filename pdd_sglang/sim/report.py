@@ -30,6 +30,16 @@ def operating_point_section(results: dict) -> list:
              f"**{1000 * op['per_transfer_fixed_s']:.0f} ms** (CALIBRATED from F3's incremental-KV "
              "point). `python -m pdd_sglang.sim.operating_point --fit` prints each fit beside its "
              "target.", "",
+             f"The other way to land the same-DC median, a fixed latency before prefill, would "
+             f"need {op['fixed_cost_alternative']['fixed_s']:.2f} s per request at "
+             f"{op['fixed_cost_alternative']['rate_per_s']} req/s (where the median is "
+             f"{op['fixed_cost_alternative']['bare_p50_s']:.2f} s without it); no such cost is "
+             f"known, so the load is fitted instead: the report's {op['checks'][0]['target']} s "
+             "median is read as "
+             "queueing for prefill at a load it does not state.", "",
+             f"Prompts average {op['mean_input_tokens'] / 1000:.1f}K tokens with a token-weighted "
+             f"prefix hit of {100 * op['prefill_hit']:.1f}% at prefill (the report's F1: 64K "
+             "total length, about 90% hit).", "",
              "| condition | simulated | report | allowed | met |", "|---|---|---|---|---|"]
     for row in op["checks"]:
         lines.append(f"| {row['quantity']} | {row['simulated']:.2f} | {row['target']} | "
@@ -65,13 +75,15 @@ def f1_section(data: dict, results: dict, paper: dict) -> list:
                      f"{_pct(mech['relay'][q])} | {_pct(bound[q])} | {target}% |")
     best = max(QUANTILES, key=lambda q: total[q])
     aware_cut = {q: 100 * (1 - aware[q] / ttft["cross_dc_pd"][q]) for q in QUANTILES}
-    lines += ["", verdict(total, mech, bound, target, best, aware_cut), ""]
+    compute_p99 = results["operating_point"]["ttft_parts_s"]["same_dc_pd"]["prefill_compute"]["p99"]
+    lines += ["", verdict(total, mech, bound, target, best, aware_cut, compute_p99), ""]
+    lines += [tail_verdict(total, mech, bound, target, ttft, paper), ""]
     lines += ttft_parts(results)
     return lines
 
 
 def verdict(total: dict, mech: dict, bound: dict, target: float, best: str,
-            aware_cut: dict) -> str:
+            aware_cut: dict, same_dc_compute_p99: float) -> str:
     """Which mechanism falls short of the report's cut, and by how much (computed)."""
     if total[best] >= target:
         return (f"PDD's cut reaches the report's {target}% at {best.upper()} "
@@ -91,9 +103,33 @@ def verdict(total: dict, mech: dict, bound: dict, target: float, best: str,
                  f"{aware_cut[best] - total[best]:+.1f} points of that gap are requests the "
                  "idle-line prediction sent straight to main while the line was busy.")
     lowest = min(QUANTILES, key=lambda q: bound[q])
-    parts.append(f"At {lowest.upper()} the bound itself is {bound[lowest]:.1f}%: the tail of "
-                 "every setup is the cold prefills (compacted sessions, singular documents), "
-                 "which no placement of decode shortens.")
+    parts.append(f"At {lowest.upper()} the bound itself is {bound[lowest]:.1f}%: prefill compute "
+                 f"alone reaches {same_dc_compute_p99:.1f} s at P99 in every setup (cold "
+                 "prefills of compacted sessions and singular documents), which no placement "
+                 "of decode shortens.")
+    return " ".join(parts)
+
+
+def tail_verdict(total: dict, mech: dict, bound: dict, target: float, ttft: dict,
+                 paper: dict) -> str:
+    """The report's claim at P90 and P99, where the issue asks for it, split into what the
+    baselines allow and what the mechanisms leave."""
+    parts = []
+    for q in ("p90", "p99"):
+        short = target - total[q]
+        if short <= 0:
+            parts.append(f"At {q.upper()} PDD's cut, {total[q]:.1f}%, reaches the report's {target}%.")
+            continue
+        needed = (1 - target / 100) * paper["ttft_s"]["cross_dc_pd"][q]
+        parts.append(
+            f"At {q.upper()} the cut is {total[q]:.1f}%, {short:.1f} points short: "
+            f"{max(0.0, target - bound[q]):.1f} of them because same-DC PD itself is only "
+            f"{bound[q]:.1f}% below naive cross-DC, {max(0.0, bound[q] - total[q]):.1f} because "
+            f"PDD stays above same-DC (DRC {mech['drc'][q]:.1f} and relay {mech['relay'][q]:.1f} "
+            f"points earned). Against the report's own naive {q.upper()} of "
+            f"{paper['ttft_s']['cross_dc_pd'][q]} s, a {target}% cut means a PDD {q.upper()} of "
+            f"{needed:.1f} s; simulated same-DC PD, which PDD cannot beat, has "
+            f"{ttft['same_dc_pd'][q]:.1f} s.")
     return " ".join(parts)
 
 
@@ -127,7 +163,8 @@ def sweep_section(data: dict) -> list:
     for axis, unit in (("line", "line Gb/s"), ("load", "req/s")):
         rows = data["sweep"][axis]
         names = list(rows)
-        lines += [f"TTFT P90 (s) against {unit}, everything else at the operating point:", "",
+        lines += [f"TTFT P90 (s) against {unit}, everything else at the operating point "
+                  f"({data['sweep']['duration_s']:.0f} s of arrivals):", "",
                   f"| {unit} | " + " | ".join(LABELS[n] for n in names) + " |",
                   "|---|" + "---|" * len(names)]
         for i, point in enumerate(rows[names[0]]):
@@ -155,7 +192,7 @@ def f2_f3_section(data: dict, results: dict, paper: dict, measured) -> list:
              f"{f1['pdd']['summary']['main_hit']:.3f} at main's DRC in PDD.", ""]
     sim = data["f3"]
     op = results["operating_point"]
-    lines += ["## F3: handing over 100 tokens (f3.png)", "",
+    lines += [f"## F3: handing over {sim['tokens']} tokens (f3.png)", "",
               "| path | payload | mean ms | max ms | std ms | report mean | report max |"
               + (" measured mean | measured max |" if measured else ""),
               "|---|---|---|---|---|---|---|" + ("---|---|" if measured else "")]
@@ -175,7 +212,7 @@ def f2_f3_section(data: dict, results: dict, paper: dict, measured) -> list:
               f"{paper['handoff']['token_ids']['mean_ms']} ms (one-way delay, waiting for main's "
               "next step and the extend; whatever else the report's path pays is not modelled)."
               + (" Measured: scripts/bench_handoff.py's real handoff on the CPU demo (a tiny "
-                 "model on 2 cores), shown for its shape, not its scale." if measured else
+                 "model on CPUs), shown for its shape, not its scale." if measured else
                  " No measured handoff file was given (--measured-handoff)."), ""]
     return lines
 
@@ -188,7 +225,8 @@ def f4_section(data: dict, results: dict, paper: dict, quick: bool) -> list:
     lines = ["## F4: BCR and cost (f4.png)", "",
              f"SLA (DECLARED): TTFT P90 <= {sla['ttft_p90_s']} s and ITL P90 <= "
              f"{sla['itl_p90_ms']} ms, nothing left unfinished; goodput is the highest offered "
-             "load meeting it. Idle floors (TTFT P90 and ITL P90 at 0.5 req/s on each best "
+             f"load meeting it. Idle floors (TTFT P90 and ITL P90 at {f4['idle_rate_per_s']} req/s "
+             "on each best "
              f"layout): {floors}. "
              + ("The SLA is above every floor, so goodput measures capacity, not the floor."
                 if all(t < sla["ttft_p90_s"] and i < sla["itl_p90_ms"]

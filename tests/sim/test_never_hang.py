@@ -100,3 +100,16 @@ def test_a_row_without_hash_ids_is_a_clear_error(tmp_path):
     write_mooncake_trace(path, [{"timestamp": 0, "input_length": 5, "output_length": 1}])
     with pytest.raises(ValueError, match=r"bad.jsonl:1: not a Mooncake trace row.*hash_ids"):
         read_trace(path)
+
+
+def test_f9_runs_on_any_mooncake_trace_and_measures_its_hit(tmp_path):
+    from pdd_sglang.sim.experiments import trace_study
+    rows = [{"timestamp": 500 * i, "input_length": 2048, "output_length": 8,
+             "hash_ids": [0, 1, 2, 100 + i]} for i in range(40)]     # 3 of 4 blocks shared
+    path = tmp_path / "shared_prefix.jsonl"
+    write_mooncake_trace(path, rows)
+    out = trace_study(quick=True, trace_path=path)
+    assert len(out) == 10
+    for summary in out.values():
+        assert summary.finished == 40
+        assert 0.6 < summary.prefill_hit < 0.75       # 1536 of 2048 tokens after the first
