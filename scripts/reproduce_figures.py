@@ -51,6 +51,7 @@ def task_f1(quick):
            for name, (s, c) in runs.items()}
     out["hit_bins"] = E.hit_bins_over_time(runs["pdd"][1].jobs, 60.0)
     jobs = runs["pdd"][1].jobs
+    out["same_dc_p50_by_quarter"] = [q["ttft_p50_s"] for q in E.quarter_stats(runs["same_dc_pd"][1])]
     out["mean_input_tokens"] = sum(j.request.input_tokens for j in jobs) / len(jobs)
     aware, _ = E.f1_ttft(quick, placement="congestion-aware", setups=(Setup.PDD,))["pdd"]
     out["pdd_congestion_aware"] = {"summary": aware.as_dict()}
@@ -171,6 +172,7 @@ def build_results(data: dict, measured_handoff: dict | None) -> dict:
         "fixed_cost_alternative": f1["fixed_cost_alternative"],
         "prefill_hit": f1["same_dc_pd"]["summary"]["prefill_hit"],
         "mean_input_tokens": f1["mean_input_tokens"],
+        "same_dc_p50_by_quarter": f1["same_dc_p50_by_quarter"],
     }
     return {
         "operating_point": operating,

@@ -37,6 +37,10 @@ def operating_point_section(results: dict) -> list:
              f"known, so the load is fitted instead: the report's {op['checks'][0]['target']} s "
              "median is read as "
              "queueing for prefill at a load it does not state.", "",
+             "Same-DC PD's TTFT P50 in each quarter of the run (by arrival): "
+             + " / ".join(f"{v:.2f}" for v in op["same_dc_p50_by_quarter"])
+             + " s: the median is queueing for prefill near saturation, so it moves with the "
+             "workload's bursts.", "",
              f"Prompts average {op['mean_input_tokens'] / 1000:.1f}K tokens with a token-weighted "
              f"prefix hit of {100 * op['prefill_hit']:.1f}% at prefill (the report's F1: 64K "
              "total length, about 90% hit).", "",

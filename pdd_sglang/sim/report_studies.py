@@ -107,7 +107,7 @@ def trace_section(data: dict) -> list:
             cut = 100 * (1 - pdd["ttft_p90_s"] / naive["ttft_p90_s"])
             relay = pdd["finished_at"].get("relay", 0) / max(1, sum(pdd["finished_at"].values()))
             unfinished = {name: s["requests"] - s["finished"] for name, s in
-                          (("naive cross-DC PD", naive), ("PDD", pdd)) if s["finished"] < s["requests"]}
+                          (("Naive cross-DC PD", naive), ("PDD", pdd)) if s["finished"] < s["requests"]}
             lines.append(f"On {line}: PDD's TTFT P90 is {cut:.1f}% below naive cross-DC PD's, and "
                          f"{100 * relay:.1f}% of PDD's requests finish at the relay."
                          + "".join(f" {n} left {count} requests unfinished when the run stopped "
