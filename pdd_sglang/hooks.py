@@ -257,4 +257,4 @@ def wait_while_stalled(scheduler: Scheduler) -> None:
         return
     from pdd_sglang.stall import stall_wait_for
 
-    stall_wait_for(scheduler).wait()
+    stall_wait_for(scheduler, pdd_role()).wait()

@@ -5,9 +5,11 @@ waits on a KV transfer, a bootstrap, or a handoff), so its loop spins, one core 
 as long as a WAN copy is on the line (issue 16: prefill ran at 0.9 core while its copies
 crossed). Patch 0011 calls :meth:`StallWait.wait` there on PDD servers: it blocks on the
 scheduler's input sockets (a new request wakes it at once) for a pause that doubles from
-:data:`FIRST_PAUSE_S` to :data:`LONGEST_PAUSE_S` while nothing changes, and starts short again
-as soon as the scheduler makes progress (a forward ran, a queue changed). A transfer that lands
-is noticed at most :data:`LONGEST_PAUSE_S` late.
+:data:`FIRST_PAUSE_S` up to the role's longest pause while nothing changes, and starts short
+again as soon as the scheduler makes progress (a forward ran, a queue changed). A decode server
+(relay, main) notices landed KV at most :data:`LONGEST_PAUSE_S` late (it delays a first token);
+a prefill only frees a sent request's KV when it notices, so it waits up to
+:data:`PREFILL_LONGEST_PAUSE_S`.
 """
 
 from __future__ import annotations
@@ -17,11 +19,14 @@ from typing import Any, Callable, Optional
 
 FIRST_PAUSE_S = 0.0005
 LONGEST_PAUSE_S = 0.02
+PREFILL_LONGEST_PAUSE_S = 0.05
 
 
 class StallWait:
-    def __init__(self, scheduler: Any, sleep: Callable[[float], None] = time.sleep):
+    def __init__(self, scheduler: Any, sleep: Callable[[float], None] = time.sleep,
+                 longest_s: float = LONGEST_PAUSE_S):
         self.scheduler = scheduler
+        self.longest_s = longest_s
         self.pause_s = FIRST_PAUSE_S
         self._progress: Optional[tuple] = None
         self._poller = _input_poller(scheduler)
@@ -46,7 +51,7 @@ class StallWait:
             self._poller.poll(pause * 1e3)
         else:
             self._sleep(pause)
-        self.pause_s = min(pause * 2, LONGEST_PAUSE_S)
+        self.pause_s = min(pause * 2, self.longest_s)
         return pause
 
 
@@ -65,8 +70,9 @@ def _input_poller(scheduler: Any) -> Optional[Any]:
     return poller
 
 
-def stall_wait_for(scheduler: Any) -> StallWait:
+def stall_wait_for(scheduler: Any, role: Optional[str]) -> StallWait:
     waiter = getattr(scheduler, "_pdd_stall_wait", None)
     if waiter is None:
-        waiter = scheduler._pdd_stall_wait = StallWait(scheduler)
+        longest = PREFILL_LONGEST_PAUSE_S if role == "prefill" else LONGEST_PAUSE_S
+        waiter = scheduler._pdd_stall_wait = StallWait(scheduler, longest_s=longest)
     return waiter

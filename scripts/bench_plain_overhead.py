@@ -39,10 +39,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from pdd_sglang.dev.testing.cluster import Cluster, SGLangServer, free_port  # noqa: E402
+from pdd_sglang.dev.testing.cluster import RELAY_CPU_ARGS, Cluster, SGLangServer, free_port  # noqa: E402
 from pdd_sglang.dev.testing.tiny_model import ensure_tiny_model  # noqa: E402
 
 TRANSPORT = ("--disaggregation-transfer-backend", "mooncake_tcp")
+# RELAY_CPU_ARGS: a decode server without a radix cache backs retracted requests up in a host
+# pool that pins memory through CUDA by default; on the CPU engine per-request tensors instead.
 
 
 CPU_FIX = "0002-mooncake-host-paths-on-cpu.patch"  # PD on SGLang's CPU engine needs it
@@ -165,7 +167,7 @@ def run_workload(label: str, out: Path, model: Path, env: dict, args) -> dict:
         "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bootstrap_port),
         *TRANSPORT))
     decode = SGLangServer("decode", model, log_dir, env=dict(env), extra_args=(
-        "--disaggregation-mode", "decode", *TRANSPORT))
+        "--disaggregation-mode", "decode", *TRANSPORT, *RELAY_CPU_ARGS))
     with Cluster([prefill, decode]), PdProxy(prefill, decode, bootstrap_port) as proxy:
         result_file = log_dir / "bench.jsonl"
         cmd = [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang",

@@ -37,3 +37,12 @@ def test_a_new_request_wakes_the_wait_at_once():
     finally:
         sender.close(0)
         receiver.close(0)
+
+
+def test_a_prefill_waits_longer_than_a_decode_server():
+    from pdd_sglang.stall import PREFILL_LONGEST_PAUSE_S, stall_wait_for
+
+    prefill, main = SimpleNamespace(), SimpleNamespace()
+    assert stall_wait_for(prefill, "prefill").longest_s == PREFILL_LONGEST_PAUSE_S
+    assert stall_wait_for(main, "main").longest_s == LONGEST_PAUSE_S
+    assert stall_wait_for(prefill, "main") is stall_wait_for(prefill, "prefill")  # one per scheduler

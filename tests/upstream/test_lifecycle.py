@@ -61,7 +61,7 @@ def test_a_patched_server_without_a_role_is_plain_sglang(tmp_path):
             "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port",
             str(bootstrap_port), *TRANSPORT))
         decode = SGLangServer("decode", model_path, tmp_path, extra_args=(
-            "--disaggregation-mode", "decode", *TRANSPORT))
+            "--disaggregation-mode", "decode", *TRANSPORT, *RELAY_CPU_ARGS))
         pristine = SGLangServer("pristine", model_path, tmp_path, env=pristine_env(scratch))
         with Cluster([prefill, decode, pristine]) as cluster:
             for prompt in prompts():
@@ -105,7 +105,9 @@ def test_every_role_closes_its_pdd_threads_on_shutdown(tmp_path):
             assert "PDD: closed on scheduler exit; PDD threads left: none" in log, server.name
         assert "PDD: prefill WAN path closed (workers, watchdog and engine)" in (
             prefill.log_path.read_text(errors="replace"))
-        print("shutdown seconds per role:", {k: round(v, 2) for k, v in seconds.items()})
+        figures = {k: round(v, 2) for k, v in seconds.items()}
+        print("shutdown seconds per role:", figures)
+        (tmp_path / "shutdown_seconds.json").write_text(__import__("json").dumps(figures))
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
