@@ -8,6 +8,7 @@ them on every exit path: normal exit, an exception, a failed start, or interpret
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import signal
@@ -145,21 +146,33 @@ class SGLangServer:
         return self.process is not None and self.process.poll() is None
 
     def stop(self, grace_s: float = 20.0) -> None:
+        self.begin_stop()
+        self.finish_stop(grace_s)
+
+    def begin_stop(self) -> None:
+        """SIGTERM to the server process alone: SGLang's own handler stops its scheduler and
+        detokenizer, and PDD closes what it owns on the scheduler's way out (a signal to the
+        whole group would kill the scheduler before it could)."""
+        if self.process is not None and self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(self.process.pid, signal.SIGTERM)
+
+    def finish_stop(self, grace_s: float = 20.0) -> None:
+        """Wait for the graceful stop, then make sure nothing of the group is left."""
         proc, self.process = self.process, None
         _LIVE.discard(self)
-        if proc is None or proc.poll() is not None:
+        if proc is None:
             return
-        # SGLang forks a scheduler and a detokenizer; signal the whole group.
-        _signal_group(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
-            pass
+            _signal_group(proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
+        # SGLang forks a scheduler and a detokenizer: none may outlive the server process.
         _signal_group(proc.pid, signal.SIGKILL)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
 
     def log_tail(self, lines: int = 60) -> str:
         try:
@@ -251,8 +264,11 @@ class Cluster:
         self.stop()
 
     def stop(self) -> None:
+        # All at once: each server's graceful stop takes seconds.
         for server in self.servers.values():
-            server.stop()
+            server.begin_stop()
+        for server in self.servers.values():
+            server.finish_stop()
 
     def dead_servers(self) -> list[str]:
         return [name for name, server in self.servers.items() if not server.alive()]
