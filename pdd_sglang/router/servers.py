@@ -12,6 +12,8 @@ from urllib.parse import urlparse
 logger = logging.getLogger("pdd_sglang.router")
 
 PREFILL, RELAY, MAIN = "prefill", "relay", "main"
+# What a health poll found (UpstreamClient.health).
+HEALTH_OK, HEALTH_STALLED, HEALTH_UNREACHABLE = "ok", "stalled", "unreachable"
 
 
 @dataclass(eq=False)
@@ -87,6 +89,9 @@ class ServerPool:
 class HealthMonitor:
     """Polls /health; a server leaves after N failures in a row and returns on one success.
 
+    A stall (the server answers unhealthy or late) never takes out the last healthy server of its
+    role; only an unreachable one (connection refused: the process is gone) does.
+
     Request-path connection failures count too (``report_failure``), so a dead server stops
     receiving traffic before the next poll.
     """
@@ -118,13 +123,26 @@ class HealthMonitor:
             await self.check_all()
 
     async def _check(self, upstream: Upstream) -> None:
-        if await self.http.healthy(upstream):
+        status = await self.http.health(upstream)
+        if status == HEALTH_OK:
             if not upstream.healthy and self.on_recovered is not None:
                 if not await self.on_recovered(upstream):
                     return
             self.report_success(upstream)
+        elif status == HEALTH_STALLED and self._last_of_its_role(upstream):
+            # The process is there but busy past SGLang's own health deadline (e.g. a long
+            # prefill behind WAN copies). Taking the only server of a role out of rotation turns
+            # every queued and new request into a 503 and cures nothing; requests in flight have
+            # their own timeouts, and a dead process refuses connections, which does count.
+            upstream.consecutive_failures += 1
+            logger.warning("%s %s stalled (health check %d in a row) but is the only one of its "
+                           "role: kept in rotation", upstream.role, upstream.url,
+                           upstream.consecutive_failures)
         else:
             self.report_failure(upstream)
+
+    def _last_of_its_role(self, upstream: Upstream) -> bool:
+        return self.pool.healthy(upstream.role) == [upstream]
 
     def report_success(self, upstream: Upstream) -> None:
         if not upstream.healthy:
