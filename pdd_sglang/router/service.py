@@ -12,6 +12,7 @@ from pdd_sglang.router.dispatch import Dispatcher
 from pdd_sglang.router.metrics import RouterMetrics
 from pdd_sglang.router.model import ModelInfo, load_model_info
 from pdd_sglang.router.landing import LandingCopies
+from pdd_sglang.router.line_state import LineAccounting
 from pdd_sglang.router.placement import Placer
 from pdd_sglang.router.prefix_mirror import PrefixMirror
 from pdd_sglang.router.servers import MAIN, PREFILL, HealthMonitor, ServerPool, Upstream
@@ -49,8 +50,10 @@ class RouterService:
                       or DEFAULT_MIRROR_TOKENS)
             self.mirrors[upstream.url] = PrefixMirror(budget)
         landing = LandingCopies()
+        lines = LineAccounting()
         placer = Placer(self.pool, self.mirrors, self.config.link, self.model.kv_bytes_per_token,
-                        self.config.policy, landing)
+                        self.config.policy, landing, lines,
+                        congestion_aware=self.config.placement == "congestion-aware")
         self.dispatcher = Dispatcher(self.pool, placer, self.mirrors, self.client, self.health,
                                      self.metrics, self.model, landing,
                                      self.config.main_wait_for_landing_s,

@@ -1,0 +1,90 @@
+"""The router's own view of the WAN line to each main, for congestion-aware placement.
+
+Life cycle of a copy the router placed:
+
+1. ``begin(main_url, kv_bytes)`` when the router sends a request to main (P->MD, or main's leg of
+   P->RLD->MD): main's uncached suffix joins the bytes ahead of the next copy on that line.
+2. ``land(copy)`` when main shows it has the KV (its first chunk: it has run a forward on it), or
+   ``drop(copy)`` when main's leg ends without (aborted, failed, cancelled). Landing records
+   (start, end, bytes) among the recent copies.
+3. ``state(main_url)`` is a :class:`pdd_sglang.policy.LineState`: the bytes of copies begun and
+   not landed, and the throughput over the recent copies (their bytes over the time at least
+   one of them was on the line, so copies sharing the line are not counted as slow).
+
+What this does not see: copies another router placed, and prefill's own queueing. Prefill's
+/server_info will carry the line's live state per main (bytes queued and in flight, recent
+throughput); when it does, that replaces this estimate.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from pdd_sglang import policy
+
+RECENT_COPIES = 16
+MIN_SAMPLE_BYTES = 1 << 20  # in smaller copies prefill's forward and round trips dominate
+
+
+@dataclass(eq=False)
+class Copy:
+    main_url: str
+    kv_bytes: int
+    started: float
+    open: bool = field(default=True)
+
+
+class LineAccounting:
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self._clock = clock
+        self._open: dict[str, list[Copy]] = {}
+        self._recent: dict[str, deque] = {}
+
+    def begin(self, main_url: str, kv_bytes: int) -> Copy:
+        copy = Copy(main_url, max(0, int(kv_bytes)), self._clock())
+        self._open.setdefault(main_url, []).append(copy)
+        return copy
+
+    def land(self, copy: Copy) -> None:
+        if self._close(copy) and copy.kv_bytes >= MIN_SAMPLE_BYTES:
+            self._recent.setdefault(copy.main_url, deque(maxlen=RECENT_COPIES)).append(
+                (copy.started, self._clock(), copy.kv_bytes))
+
+    def drop(self, copy: Copy) -> None:
+        self._close(copy)
+
+    def _close(self, copy: Copy) -> bool:
+        if not copy.open:
+            return False
+        copy.open = False
+        self._open[copy.main_url].remove(copy)
+        return True
+
+    def bytes_ahead(self, main_url: str) -> int:
+        return sum(c.kv_bytes for c in self._open.get(main_url, ()))
+
+    def measured_bytes_per_s(self, main_url: str) -> float | None:
+        samples = sorted(self._recent.get(main_url, ()))
+        if not samples:
+            return None
+        busy, end = 0.0, float("-inf")
+        for start, stop, _ in samples:  # the union of the copies' time on the line
+            if stop > end:
+                busy += stop - max(start, end)
+                end = stop
+        total = sum(b for _, _, b in samples)
+        return total / busy if busy > 0 else None
+
+    def state(self, main_url: str) -> policy.LineState:
+        return policy.LineState(bytes_ahead=self.bytes_ahead(main_url),
+                                measured_bytes_per_s=self.measured_bytes_per_s(main_url))
+
+    def snapshot(self) -> dict:
+        """For /pdd/line: what placement sees per main right now."""
+        urls = set(self._open) | set(self._recent)
+        return {url: {"bytes_ahead": self.bytes_ahead(url),
+                      "copies_open": len(self._open.get(url, ())),
+                      "measured_bytes_per_s": self.measured_bytes_per_s(url)} for url in urls}

@@ -1,0 +1,57 @@
+"""The router's accounting of the WAN line per main, and congestion-aware placement from it."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdd_sglang import policy
+from pdd_sglang.router.line_state import MIN_SAMPLE_BYTES, LineAccounting
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_bytes_ahead_count_copies_begun_and_not_landed():
+    lines = LineAccounting(FakeClock())
+    a = lines.begin("m1", 3_000_000)
+    b = lines.begin("m1", 1_000_000)
+    lines.begin("m2", 5)
+    assert lines.bytes_ahead("m1") == 4_000_000
+    lines.land(a)
+    lines.drop(b)
+    lines.land(b)  # closing twice changes nothing
+    assert lines.bytes_ahead("m1") == 0 and lines.bytes_ahead("m2") == 5
+
+
+def test_throughput_counts_the_time_any_copy_was_on_the_line_once():
+    clock = FakeClock()
+    lines = LineAccounting(clock)
+    first = lines.begin("m", 2 * MIN_SAMPLE_BYTES)
+    clock.now = 1.0
+    second = lines.begin("m", 2 * MIN_SAMPLE_BYTES)
+    clock.now = 2.0
+    lines.land(first)
+    clock.now = 4.0
+    lines.land(second)
+    # Both copies shared the line from 0 to 4 s: 4 x MIN_SAMPLE_BYTES over 4 s.
+    assert lines.measured_bytes_per_s("m") == pytest.approx(MIN_SAMPLE_BYTES)
+    small = lines.begin("m", 10)
+    clock.now = 100.0
+    lines.land(small)  # too small to say anything about the rate
+    assert lines.measured_bytes_per_s("m") == pytest.approx(MIN_SAMPLE_BYTES)
+
+
+def test_a_busy_line_sends_a_small_suffix_through_the_relay():
+    lines = LineAccounting(FakeClock())
+    rate, rtt, kv = 1.25e6, 0.04, 8192  # 10 Mbit/s, 8 KiB per token
+    uncached = 40  # 0.33 MB: about 0.3 s on an idle line, under the 0.5 s threshold
+    assert policy.choose_pipeline(uncached, 128, kv, rate, rtt,
+                                  line=lines.state("m")) is policy.Pipeline.PREFILL_MAIN
+    lines.begin("m", 8_000_000)  # a document's copy on its way: 6.4 s ahead
+    assert policy.choose_pipeline(uncached, 128, kv, rate, rtt,
+                                  line=lines.state("m")) is policy.Pipeline.PREFILL_RELAY_MAIN
