@@ -340,8 +340,10 @@ def write_and_print(args, results: dict, line: WanLine, server_cpu: float, workl
     summary = {
         "setups": load, "latency_setups": results["latency"], "placement": args.placement,
         "other_placement_setup": other, "bar": bar,
-        "workload": {point: workload_stats(spec, system, conversations, results[point])
-                     for point, (system, conversations, spec) in workloads.items()},
+        # The load point's workload at the top (what scripts/validate_sim.py reads), the latency
+        # point's under "latency".
+        "workload": {**workload_stats(*workloads["load"], load),
+                     "latency": workload_stats(*workloads["latency"], results["latency"])},
         "cpu_budget": {"server_cores": server_cpu, "period_us": cpu_budget.PERIOD_US,
                        "machine_cores": len(os.sched_getaffinity(0)),
                        "rule": "every SGLang server in every setup: its own cgroup v1 cpu group, "
@@ -389,7 +391,7 @@ def write_and_print(args, results: dict, line: WanLine, server_cpu: float, workl
     return 1 if (bar["errors"] or leaks or leftovers or no_handoff) else 0
 
 
-def workload_stats(spec: agentic.WorkloadSpec, system: list, conversations: list,
+def workload_stats(system: list, conversations: list, spec: agentic.WorkloadSpec,
                    setups: dict) -> dict:
     rows = [r for s in setups.values() for r in s["rows"] if r["error"] is None]
     pct = agentic.percentile

@@ -58,7 +58,7 @@ def test_quick_demo_runs_both_points_and_pdd_hands_off(tmp_path):
     assert data["placement"] == "congestion-aware" and other == "pdd_idle_line"
     for point, names in (("setups", ("same_dc_pd", "cross_dc_pd", "pdd", other)),
                          ("latency_setups", ("same_dc_pd", "cross_dc_pd", "pdd"))):
-        workload = data["workload"]["load" if point == "setups" else "latency"]
+        workload = data["workload"] if point == "setups" else data["workload"]["latency"]
         for name in names:
             setup = data[point][name]
             missing = [k for k in SETUP_KEYS if setup.get(k) is None]
