@@ -347,7 +347,11 @@ def write_and_print(args, results: dict, line: WanLine, server_cpu: float, workl
         "cpu_budget": {"server_cores": server_cpu, "period_us": cpu_budget.PERIOD_US,
                        "machine_cores": len(os.sched_getaffinity(0)),
                        "rule": "every SGLang server in every setup: its own cgroup v1 cpu group, "
-                               "the same quota; the rest is headroom for router, line, clients"},
+                               "the same quota; the rest is headroom for router, line, clients",
+                       "fields": "per setup, cpu.<server>: cpu_s (cpuacct.usage), cores_used, "
+                                 "run_queue_wait_s (schedstat wait summed over the server's "
+                                 "threads alive throughout, so it can exceed wall time), "
+                                 "throttled_s and throttled_periods (cpu.stat)"},
         "line": line_info,
         "model": {**DEMO_MODEL.__dict__, "kv_bytes_per_token": DEMO_MODEL.kv_bytes_per_token,
                   "dtype": "float32", "path": str(model)},

@@ -146,6 +146,7 @@ class Dispatcher:
         # Wall-clock marks (comparable with SGLang's own *_ts time stats on this host) for the
         # stage split of TTFT; the prefill's own stats are logged when its answer comes.
         marks = {"router_received_ts": time.time() - (time.perf_counter() - started)}
+        copies: dict = {}  # main's WAN copy (router/line_state.py), shared by the two pumps
         splicer = StreamSplicer(
             with_relay=placement.relay is not None,
             decode=lambda ids: self.model.decode(ids, job.skip_special_tokens))
@@ -153,7 +154,7 @@ class Dispatcher:
         main_after = self._main_waits_for(job, placement)
         tasks = {u.role: self._spawn(self._pump(u, body, queues[u.role], splicer,
                                                 main_after if u is placement.main else None,
-                                                placement, job, marks))
+                                                placement, job, marks, copies))
                  for u in placement.decoders}
         prefill_task = self._spawn(self._prefill(placement.prefill, body, list(queues.values())))
         clean = False
@@ -267,7 +268,7 @@ class Dispatcher:
     async def _pump(self, upstream: Upstream, body: dict, queue: asyncio.Queue,
                     splicer: StreamSplicer, after: asyncio.Event | None = None,
                     placement: Placement | None = None, job: GenerateJob | None = None,
-                    marks: dict | None = None) -> None:
+                    marks: dict | None = None, copies: dict | None = None) -> None:
         copy = None
         try:
             if after is not None and not after.is_set():
@@ -281,6 +282,8 @@ class Dispatcher:
                 uncached = max(len(job.prompt_ids) - placement.main_cached_tokens, 0)
                 copy = self.placer.lines.begin(upstream.url,
                                                uncached * self.model.kv_bytes_per_token)
+                if copies is not None:
+                    copies["main"] = copy
             async for chunk in self.client.generate_stream(upstream, body):
                 if upstream.role == "main" and splicer.main_cached_tokens is None:
                     splicer.main_cached_tokens = chunk.meta.get("cached_tokens")
@@ -288,6 +291,9 @@ class Dispatcher:
                     self.placer.lines.land(copy)  # main ran a forward on the landed KV
                 if marks is not None and f"{upstream.role}_first_chunk_ts" not in marks:
                     marks[f"{upstream.role}_first_chunk_ts"] = time.time()
+                    if upstream.role == "relay" and copies is not None:
+                        # Prefill's forward is done: main's copy is on the line from here.
+                        self.placer.lines.on_wire(copies.get("main"))
                 queue.put_nowait(chunk)
             queue.put_nowait(_END)
         except asyncio.CancelledError:

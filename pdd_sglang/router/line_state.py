@@ -4,10 +4,14 @@ Life cycle of a copy the router placed:
 
 1. ``begin(main_url, kv_bytes)`` when the router sends a request to main (P->MD, or main's leg of
    P->RLD->MD): main's uncached suffix joins the bytes ahead of the next copy on that line.
-2. ``land(copy)`` when main shows it has the KV (its first chunk: it has run a forward on it), or
+2. ``on_wire(copy)`` when the KV is known to exist (on P->RLD->MD: the relay's first chunk, which
+   needs prefill's forward done): the copy's clock restarts there, so prefill's queue and forward
+   do not count as line time. (P->MD copies have no such mark; they are mostly small, under
+   MIN_SAMPLE_BYTES, which keeps prefill's time out of the rate too.)
+3. ``land(copy)`` when main shows it has the KV (its first chunk: it has run a forward on it), or
    ``drop(copy)`` when main's leg ends without (aborted, failed, cancelled). Landing records
    (start, end, bytes) among the recent copies.
-3. ``state(main_url)`` is a :class:`pdd_sglang.policy.LineState`: the bytes of copies begun and
+4. ``state(main_url)`` is a :class:`pdd_sglang.policy.LineState`: the bytes of copies begun and
    not landed, and the throughput over the recent copies (their bytes over the time at least
    one of them was on the line, so copies sharing the line are not counted as slow).
 
@@ -47,6 +51,10 @@ class LineAccounting:
         copy = Copy(main_url, max(0, int(kv_bytes)), self._clock())
         self._open.setdefault(main_url, []).append(copy)
         return copy
+
+    def on_wire(self, copy: Copy | None) -> None:
+        if copy is not None and copy.open:
+            copy.started = max(copy.started, self._clock())
 
     def land(self, copy: Copy) -> None:
         if self._close(copy) and copy.kv_bytes >= MIN_SAMPLE_BYTES:

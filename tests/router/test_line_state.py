@@ -55,3 +55,15 @@ def test_a_busy_line_sends_a_small_suffix_through_the_relay():
     lines.begin("m", 8_000_000)  # a document's copy on its way: 6.4 s ahead
     assert policy.choose_pipeline(uncached, 128, kv, rate, rtt,
                                   line=lines.state("m")) is policy.Pipeline.PREFILL_RELAY_MAIN
+
+
+def test_the_line_clock_starts_when_the_kv_exists():
+    clock = FakeClock()
+    lines = LineAccounting(clock)
+    copy = lines.begin("m", 2 * MIN_SAMPLE_BYTES)
+    clock.now = 3.0  # prefill's queue and forward: not line time
+    lines.on_wire(copy)
+    clock.now = 5.0
+    lines.land(copy)
+    lines.on_wire(copy)  # after landing: nothing changes
+    assert lines.measured_bytes_per_s("m") == pytest.approx(MIN_SAMPLE_BYTES)
