@@ -89,8 +89,8 @@ class ServerPool:
 class HealthMonitor:
     """Polls /health; a server leaves after N failures in a row and returns on one success.
 
-    A stall (the server answers unhealthy or late) never takes out the last healthy server of its
-    role; only an unreachable one (connection refused: the process is gone) does.
+    A stall (the server answers unhealthy or late) never takes out the last healthy prefill, which
+    nothing can replace; only an unreachable one (connection refused: the process is gone) does.
 
     Request-path connection failures count too (``report_failure``), so a dead server stops
     receiving traffic before the next poll.
@@ -129,20 +129,21 @@ class HealthMonitor:
                 if not await self.on_recovered(upstream):
                     return
             self.report_success(upstream)
-        elif status == HEALTH_STALLED and self._last_of_its_role(upstream):
+        elif status == HEALTH_STALLED and self._last_prefill(upstream):
             # The process is there but busy past SGLang's own health deadline (e.g. a long
-            # prefill behind WAN copies). Taking the only server of a role out of rotation turns
-            # every queued and new request into a 503 and cures nothing; requests in flight have
-            # their own timeouts, and a dead process refuses connections, which does count.
+            # prefill behind its WAN copies). Without a prefill nothing can be served: taking the
+            # only one out of rotation turns every queued and new request into a 503 and cures
+            # nothing. Requests in flight keep their own timeouts; a dead process refuses
+            # connections, which does count. (A stalled main or relay still leaves: the other
+            # decode server answers instead, e.g. the relay alone while the line is cut.)
             upstream.consecutive_failures += 1
-            logger.warning("%s %s stalled (health check %d in a row) but is the only one of its "
-                           "role: kept in rotation", upstream.role, upstream.url,
-                           upstream.consecutive_failures)
+            logger.warning("prefill %s stalled (health check %d in a row) but is the only one: "
+                           "kept in rotation", upstream.url, upstream.consecutive_failures)
         else:
             self.report_failure(upstream)
 
-    def _last_of_its_role(self, upstream: Upstream) -> bool:
-        return self.pool.healthy(upstream.role) == [upstream]
+    def _last_prefill(self, upstream: Upstream) -> bool:
+        return upstream.role == PREFILL and self.pool.healthy(PREFILL) == [upstream]
 
     def report_success(self, upstream: Upstream) -> None:
         if not upstream.healthy:

@@ -1,12 +1,13 @@
-"""The health monitor: a stall never takes out the only server of a role; a dead one does."""
+"""The health monitor: a stall never takes out the only prefill; a dead one does. A stalled main
+(e.g. behind a cut line) still leaves: the relay answers alone meanwhile."""
 
 from __future__ import annotations
 
 import asyncio
 
 from pdd_sglang.router.config import PrefillEndpoint
-from pdd_sglang.router.servers import (HEALTH_OK, HEALTH_STALLED, HEALTH_UNREACHABLE, PREFILL,
-                                       HealthMonitor, ServerPool)
+from pdd_sglang.router.servers import (HEALTH_OK, HEALTH_STALLED, HEALTH_UNREACHABLE, MAIN,
+                                       PREFILL, HealthMonitor, ServerPool)
 
 
 class ScriptedHealth:
@@ -49,3 +50,11 @@ def test_a_stalled_prefill_leaves_while_another_one_serves():
                                "http://m": [HEALTH_OK] * 2}), 2)
     p1, p2 = pool.by_role[PREFILL]
     assert not p1.healthy and p2.healthy
+
+
+def test_a_stalled_only_main_leaves():
+    pool = ServerPool([PrefillEndpoint("http://p1", 1)], ["http://r"], ["http://m"])
+    poll(pool, ScriptedHealth({"http://p1": [HEALTH_OK] * 2, "http://r": [HEALTH_OK] * 2,
+                               "http://m": [HEALTH_STALLED] * 2}), 2)
+    (main,) = pool.by_role[MAIN]
+    assert not main.healthy
