@@ -40,6 +40,7 @@ sys.path.insert(0, str(REPO))
 
 from pdd_sglang.dev import cpu_budget  # noqa: E402
 from pdd_sglang.dev.demo import figures, report  # noqa: E402
+from pdd_sglang.dev.demo.progress import Progress  # noqa: E402
 from pdd_sglang.dev.testing import agentic  # noqa: E402
 from pdd_sglang.dev.testing.cluster import RELAY_CPU_ARGS, Cluster, free_port  # noqa: E402
 from pdd_sglang.dev.testing.tiny_model import WAN_DEMO_MODEL, ensure_tiny_model  # noqa: E402
@@ -78,35 +79,6 @@ class Aborted(RuntimeError):
 
 def _raise_exit(signum, frame):
     raise SystemExit(128 + signum)
-
-
-class Progress:
-    """One-line progress bar on stderr."""
-
-    def __init__(self, label: str, total: int, width: int = 30):
-        self.label, self.total, self.width = label, total, width
-        self.done = self.errors = 0
-        self.started = time.perf_counter()
-        self.tty = sys.stderr.isatty()
-        self._last_line = 0.0
-
-    def update(self, result: agentic.RequestResult) -> None:
-        self.done += 1
-        self.errors += bool(result.error)
-        now = time.perf_counter()
-        if self.tty or now - self._last_line > 5 or self.done == self.total:
-            self._last_line = now
-            filled = int(self.width * self.done / max(self.total, 1))
-            bar = "#" * filled + "-" * (self.width - filled)
-            sys.stderr.write(f"\r  {self.label:<26} [{bar}] {self.done:>4}/{self.total} requests"
-                             f"  errors {self.errors}  {now - self.started:6.1f} s"
-                             f"{'' if self.tty else chr(10)}")
-            sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.tty:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
 
 
 def line_bytes(line: WanLine) -> dict:
@@ -342,8 +314,8 @@ def write_and_print(args, results: dict, line: WanLine, server_cpu: float, workl
         "other_placement_setup": other, "bar": bar,
         # The load point's workload at the top (what scripts/validate_sim.py reads), the latency
         # point's under "latency".
-        "workload": {**workload_stats(*workloads["load"], load),
-                     "latency": workload_stats(*workloads["latency"], results["latency"])},
+        "workload": {**report.workload_stats(*workloads["load"], load),
+                     "latency": report.workload_stats(*workloads["latency"], results["latency"])},
         "cpu_budget": {"server_cores": server_cpu, "period_us": cpu_budget.PERIOD_US,
                        "machine_cores": len(os.sched_getaffinity(0)),
                        "rule": "every SGLang server in every setup: its own cgroup v1 cpu group, "
@@ -393,22 +365,6 @@ def write_and_print(args, results: dict, line: WanLine, server_cpu: float, workl
               f"{load['pdd']['outcomes']}): the demo does not show PDD working")
     print(f"wrote {args.out / 'demo.json'}, {args.out / 'ttft.png'} and {args.out / 'stages.png'}")
     return 1 if (bar["errors"] or leaks or leftovers or no_handoff) else 0
-
-
-def workload_stats(system: list, conversations: list, spec: agentic.WorkloadSpec,
-                   setups: dict) -> dict:
-    rows = [r for s in setups.values() for r in s["rows"] if r["error"] is None]
-    pct = agentic.percentile
-    stats = lambda v: {"min": min(v), "p50": pct(v, 50), "p90": pct(v, 90),  # noqa: E731
-                       "max": max(v), "mean": round(sum(v) / len(v), 1)} if v else None
-    documents = sum(1 for c in conversations for new, _ in c.turns
-                    if len(new) >= spec.document_tokens[0])
-    return {**spec.to_json(), "kind": "agentic multi-turn",
-            "requests_per_setup": spec.conversations * spec.turns, "document_turns": documents,
-            "system_prompt_tokens": len(system),
-            "prompt_token_stats": stats([r["prompt_tokens"] for r in rows]),
-            "output_token_stats": stats([r["output_tokens"] for r in rows]),
-            "warmup": "one unmeasured request with the shared system prompt per setup"}
 
 
 def _leftovers(line: WanLine, pids: list, groups: dict, report_to=None) -> dict:

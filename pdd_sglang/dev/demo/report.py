@@ -216,3 +216,19 @@ def print_bar(bar: dict) -> None:
         print("where PDD's TTFT exceeds same-DC's, by stage (P50 / P99, s):")
         for stage, d in bar["pdd_excess_by_stage"].items():
             print(f"  {stage:<20} {d['p50_s']!s:>8} / {d['p99_s']!s:>8}")
+
+
+def workload_stats(system: list, conversations: list, spec: agentic.WorkloadSpec,
+                   setups: dict) -> dict:
+    rows = [r for s in setups.values() for r in s["rows"] if r["error"] is None]
+    pct = agentic.percentile
+    stats = lambda v: {"min": min(v), "p50": pct(v, 50), "p90": pct(v, 90),  # noqa: E731
+                       "max": max(v), "mean": round(sum(v) / len(v), 1)} if v else None
+    documents = sum(1 for c in conversations for new, _ in c.turns
+                    if len(new) >= spec.document_tokens[0])
+    return {**spec.to_json(), "kind": "agentic multi-turn",
+            "requests_per_setup": spec.conversations * spec.turns, "document_turns": documents,
+            "system_prompt_tokens": len(system),
+            "prompt_token_stats": stats([r["prompt_tokens"] for r in rows]),
+            "output_token_stats": stats([r["output_tokens"] for r in rows]),
+            "warmup": "one unmeasured request with the shared system prompt per setup"}
