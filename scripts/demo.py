@@ -57,7 +57,7 @@ RATE_MBIT, RTT_MS, JITTER_MS = 10.0, 40.0, 4.0
 AGENTIC = dict(output_tokens=(64, 256), document_prob=0.12)
 POINTS = {  # operating point -> workload; latency: one conversation at a time, load: 4
     "full": {"latency": agentic.WorkloadSpec(conversations=1, turns=5, concurrency=1, **AGENTIC),
-             "load": agentic.WorkloadSpec(conversations=6, turns=6, concurrency=4, **AGENTIC)},
+             "load": agentic.WorkloadSpec(conversations=6, turns=5, concurrency=4, **AGENTIC)},
     "quick": {"latency": agentic.WorkloadSpec(conversations=1, turns=3, concurrency=1,
                                               system_tokens=1024, output_tokens=(64, 128),
                                               document_prob=0.12),
