@@ -25,7 +25,7 @@ test-fast: setup
 	$(PY) -m pytest -m "not integration" $(PYTEST_ARGS)
 
 patches-check: setup
-	$(PY) scripts/apply_patches.py --check
+	$(PY) scripts/apply_patches.py --check --with-debug
 
 # Re-resolve requirements/cpu.lock from requirements/cpu.in (needs network access to the index).
 lock:

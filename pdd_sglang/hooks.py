@@ -3,151 +3,258 @@
 Every patch in ``patches/`` adds one guarded call to a function here; the functions stay thin and
 dispatch to the modules that hold the logic. Keeping the surface in one file makes the contract
 with upstream readable at a glance, and ``tests/upstream`` checks both sides of it.
+
+Inert without a role: a server started without ``--pdd-role`` (a plain SGLang server that merely
+has this package installed) must pay nothing. Every hook's first line asks :func:`pdd_role`, read
+once per process, and returns SGLang's own answer when it is ``None``: no PDD module is imported,
+no thread started, no ledger row or lock taken, no ``/server_info`` block added.
+
+The hooks hold no state: per-server state lives on the object SGLang hands in (the KV manager's
+``pdd_fanout``/``pdd_wan_path``, the scheduler's handoff), owned and closed there.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Iterable, Optional
+
+if TYPE_CHECKING:
+    from sglang.srt.disaggregation.common.conn import CommonKVReceiver
+    from sglang.srt.disaggregation.common.utils import TransferKVChunk
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager, TransferInfo
+    from sglang.srt.managers.io_struct import AbortReq
+    from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.server_args import ServerArgs
+
+_UNRESOLVED = object()
+_role: object = _UNRESOLVED  # then the role: "prefill", "relay", "main" or None
+
+
+def pdd_role() -> Optional[str]:
+    """This process's ``--pdd-role`` (None: not a PDD server), read once from SGLang's args."""
+    global _role
+    if _role is _UNRESOLVED:
+        try:
+            from sglang.srt.runtime_context import get_server_args
+
+            args = get_server_args()
+        except Exception:  # no server args published in this process (yet): not a server
+            return None
+        if args is None:
+            return None
+        _role = getattr(args, "pdd_role", None)
+    return _role  # type: ignore[return-value]
 
 
 def server_arg_namespaces() -> list:
-    """Extra typed argument namespaces for ``ServerArgs`` (patch 0001)."""
+    """Extra typed argument namespaces for ``ServerArgs`` (patch 0001): the flags always exist."""
     from pdd_sglang.server_args import PddArgs
 
     return [PddArgs]
 
 
-def resolve_server_args(server_args: Any) -> None:
+def resolve_server_args(server_args: ServerArgs) -> None:
     """Map ``--pdd-role`` onto the PD flags, or refuse contradictions (patch 0001)."""
+    global _role
+    _role = getattr(server_args, "pdd_role", None)
+    if _role is None:
+        return
     from pdd_sglang.server_args import resolve_pdd_server_args
 
     resolve_pdd_server_args(server_args)
 
 
+# ---- transfer accounting (prefill): patch 0003 ----------------------------------------------
 def begin_kv_transfer(room: int, destination_session: str, pages: int) -> None:
-    """A prefill transfer worker starts a chunk of ``room`` to one destination (patch 0003)."""
+    """A prefill transfer worker starts a chunk of ``room`` to one destination."""
+    if pdd_role() is None:
+        return
     from pdd_sglang.prefill.ledger import LEDGER
 
     LEDGER.begin(room, destination_session, pages)
 
 
 def begin_aux_transfer(room: int, destination_session: str) -> None:
-    """A prefill sends one request's aux metadata to one destination (patch 0003)."""
+    """A prefill sends one request's aux metadata to one destination."""
+    if pdd_role() is None:
+        return
     from pdd_sglang.prefill.ledger import LEDGER
 
     LEDGER.begin_aux(room, destination_session)
 
 
-def record_kv_transfer_batch(destination_session: str, lengths) -> None:
-    """Bytes handed to Mooncake in one batch (patch 0003)."""
+def record_kv_transfer_batch(destination_session: str, lengths: Iterable[int]) -> None:
+    """Bytes handed to Mooncake in one batch."""
+    if pdd_role() is None:
+        return
     from pdd_sglang.prefill.ledger import LEDGER
 
     LEDGER.record_batch(destination_session, lengths)
 
 
-def add_internal_state(scheduler: Any, state: dict) -> None:
-    """PDD's part of ``/server_info`` (patch 0004)."""
+# ---- /server_info: patch 0004 -----------------------------------------------------------------
+def add_internal_state(scheduler: Scheduler, state: dict) -> None:
+    """PDD's part of ``/server_info``."""
+    if pdd_role() is None:
+        return
     from pdd_sglang.diagnostics.server_info import add_pdd_state
 
     add_pdd_state(scheduler, state)
 
 
 # ---- decode side (relay, main): patch 0005 ------------------------------------------------
-def attach_route(receiver: Any, req: Any) -> None:
+def attach_route(receiver: CommonKVReceiver, req: Req) -> None:
     """Keep the request's PDD route (from ``kv_hints``) on its new KV receiver."""
+    if pdd_role() is None:
+        return
     from pdd_sglang.decode.destination import attach_route as attach
 
     attach(receiver, req)
 
 
-def receiver_metadata(receiver: Any, decode_prefix_len) -> tuple:
+def receiver_metadata(receiver: CommonKVReceiver, decode_prefix_len: Optional[int]) -> tuple:
     """``(required_dst_info_num, extra_frames)`` for a receiver's transfer metadata."""
+    if pdd_role() is None:
+        return receiver.required_dst_info_num, []
     from pdd_sglang.decode.destination import receiver_metadata as metadata
 
     return metadata(receiver, decode_prefix_len)
 
 
-# ---- prefill side: patch 0006 -----------------------------------------------------------
-def start_prefill_fanout(kv_mgr: Any) -> None:
-    """Start the WAN transfer path of a prefill KV manager."""
+# ---- prefill side: patches 0006 (offsets), 0007 (WAN path), 0008 (relay failure) -------------
+def start_prefill_fanout(kv_mgr: MooncakeKVManager) -> None:
+    """Start the WAN transfer path of a PDD prefill's KV manager."""
+    if pdd_role() != "prefill":
+        return
     from pdd_sglang.prefill.wan_path import start_wan_path
 
     start_wan_path(kv_mgr)
 
 
-def on_destination_registered(kv_mgr: Any, room: int, session: str, frames: list) -> None:
+def on_destination_registered(kv_mgr: MooncakeKVManager, room: int, session: str,
+                              frames: list) -> None:
+    if pdd_role() != "prefill":
+        return
     kv_mgr.pdd_fanout.on_destination_registered(room, session, frames)
 
 
-def room_send_start(kv_mgr: Any, room: int, transfer_infos: dict) -> int:
+def room_send_start(kv_mgr: MooncakeKVManager, room: int,
+                    transfer_infos: dict[str, TransferInfo]) -> int:
+    """Where sending a room's KV starts: SGLang's rule (one prefix for all) unless PDD's room."""
+    if pdd_role() != "prefill":
+        return next((i.decode_prefix_len for i in transfer_infos.values()
+                     if i.decode_prefix_len is not None), 0)
     return kv_mgr.pdd_fanout.room_send_start(room, transfer_infos)
 
 
-def destinations_on_this_path(kv_mgr: Any, kv_chunk: Any, reqs) -> list:
-    return kv_mgr.pdd_fanout.destinations_on_this_path(kv_chunk, list(reqs))
+def destinations_on_this_path(kv_mgr: MooncakeKVManager, kv_chunk: TransferKVChunk,
+                              reqs: list[TransferInfo], queue: object) -> list[TransferInfo]:
+    """The destinations this transfer worker sends ``kv_chunk`` to; ``queue`` is the worker's."""
+    if pdd_role() != "prefill":
+        return reqs
+    return kv_mgr.pdd_fanout.destinations_on_this_path(kv_chunk, list(reqs), queue)
 
 
-def chunk_for_destination(kv_mgr: Any, room_chunk: Any, req: Any) -> Any:
+def chunk_for_destination(kv_mgr: MooncakeKVManager, room_chunk: TransferKVChunk,
+                          req: TransferInfo) -> TransferKVChunk:
+    if pdd_role() != "prefill":
+        return room_chunk
     return kv_mgr.pdd_fanout.chunk_for_destination(room_chunk, req)
 
 
-def is_pdd_room(kv_mgr: Any, room: int) -> bool:
+def is_pdd_room(kv_mgr: MooncakeKVManager, room: int) -> bool:
+    if pdd_role() != "prefill":
+        return False
     return kv_mgr.pdd_fanout.is_pdd_room(room)
 
 
-def destination_sent(kv_mgr: Any, req: Any, ok: bool) -> None:
+def destination_sent(kv_mgr: MooncakeKVManager, req: TransferInfo, ok: bool) -> None:
+    if pdd_role() != "prefill":
+        return
     kv_mgr.pdd_fanout.destination_sent(req, ok)
 
 
-def destination_failed(kv_mgr: Any, req: Any) -> bool:
+def destination_failed(kv_mgr: MooncakeKVManager, req: TransferInfo) -> bool:
     """True when PDD takes a failed destination out of its room and the room goes on."""
-    fanout = getattr(kv_mgr, "pdd_fanout", None)
-    return fanout is not None and fanout.destination_failed(req)
+    if pdd_role() != "prefill":
+        return False
+    return kv_mgr.pdd_fanout.destination_failed(req)
 
 
-def engine_for_session(kv_mgr: Any, session: str) -> Any:
-    """The Mooncake engine for one destination: the WAN engine for a main (patch 0006)."""
-    fanout = getattr(kv_mgr, "pdd_fanout", None)
-    return kv_mgr.engine if fanout is None else fanout.engine_for(session)
+def engine_for_session(kv_mgr: MooncakeKVManager, session: str):
+    """The Mooncake engine for one destination: the WAN engine for a main."""
+    if pdd_role() != "prefill":
+        return kv_mgr.engine
+    return kv_mgr.pdd_fanout.engine_for(session)
 
 
-# ---- debug: patch 0007 -------------------------------------------------------------------
-def on_prompt_kv_complete(scheduler: Any, req: Any) -> None:
+# ---- debug (patches/debug/0001, applied only with --with-debug) ---------------------------------
+def on_prompt_kv_complete(scheduler: Scheduler, req: Req) -> None:
     """A server holds a request's whole prompt KV (prefill: last chunk; decode: transfer done)."""
+    if pdd_role() is None:
+        return
     from pdd_sglang.diagnostics import kv_digest
 
     kv_digest.record(scheduler, req)
 
 
-# ---- the handoff (relay, main): patch 0008 ---------------------------------------------------
-def handoff_hold(scheduler: Any, transferred_reqs: list) -> list:
+# ---- the handoff (relay, main): patch 0009 ---------------------------------------------------
+def handoff_hold(scheduler: Scheduler, transferred_reqs: list[Req]) -> list[Req]:
     """Requests whose KV has landed: main keeps P->RLD->MD ones for the handoff."""
+    if pdd_role() is None:
+        return transferred_reqs
     from pdd_sglang.decode import handoff_for
 
     handoff = handoff_for(scheduler)
     return transferred_reqs if handoff is None else handoff.hold(transferred_reqs)
 
 
-def handoff_step(scheduler: Any, running_batch: Any) -> tuple:
+def handoff_step(scheduler: Scheduler, running_batch: ScheduleBatch) -> tuple:
     """Between two decode steps: ``(running_batch, a handoff EXTEND batch to run now or None)``."""
+    if pdd_role() is None:
+        return running_batch, None
     from pdd_sglang.decode import handoff_for
 
     handoff = handoff_for(scheduler)
     return (running_batch, None) if handoff is None else handoff.step(running_batch)
 
 
-def handoff_idle(scheduler: Any) -> bool:
+def handoff_idle(scheduler: Scheduler) -> bool:
     """False while a handoff holds requests outside SGLang's own queues."""
+    if pdd_role() is None:
+        return True
     from pdd_sglang.decode import handoff_for
 
     handoff = handoff_for(scheduler)
     return handoff is None or handoff.idle()
 
 
-def handoff_abort(scheduler: Any, abort_req: Any) -> None:
+def handoff_abort(scheduler: Scheduler, abort_req: AbortReq) -> None:
     """SGLang's /abort_request: also drop matching requests the handoff holds outside its queues."""
+    if pdd_role() is None:
+        return
     from pdd_sglang.decode import handoff_for
 
     handoff = handoff_for(scheduler)
     if handoff is not None:
         handoff.abort(abort_req)
+
+
+# ---- shutdown: patch 0010 -----------------------------------------------------------------------
+def on_scheduler_exit(scheduler: Scheduler) -> None:
+    """The scheduler leaves its event loop: close every PDD owner in this process."""
+    if pdd_role() is None:
+        return
+    from pdd_sglang.lifecycle import close_scheduler
+
+    close_scheduler(scheduler)
+
+
+# ---- waiting without spinning: patch 0011 ---------------------------------------------------
+def wait_while_stalled(scheduler: Scheduler) -> None:
+    """No batch to run, but work in flight (transfers, bootstraps, a handoff): wait, don't spin."""
+    if pdd_role() is None:
+        return
+    from pdd_sglang.stall import stall_wait_for
+
+    stall_wait_for(scheduler).wait()

@@ -17,7 +17,6 @@ main       decode                  decode radix cache on (only the unmatched suf
 
 from __future__ import annotations
 
-import os
 from typing import Any, Literal, Optional
 
 import msgspec
@@ -53,9 +52,9 @@ class PddArgs(msgspec.Struct):
     ] = None
     pdd_wan_transfer_timeout: A[
         int,
-        "PDD prefill: seconds a Mooncake transfer may take before it fails (MC_TRANSFER_TIMEOUT, "
-        "process-wide in Mooncake). Multi-second WAN copies need more than Mooncake's 30 s "
-        "default. Default: 120.",
+        "PDD prefill: seconds one batch of KV on the WAN path to a main may take before it "
+        "fails. Enforced by the WAN engine itself (not MC_TRANSFER_TIMEOUT, which stays "
+        "SGLang's for the relay path). Default: 120.",
     ] = 120
     pdd_relay_bootstrap_timeout: A[
         float,
@@ -140,6 +139,12 @@ class PddArgs(msgspec.Struct):
         "it is sent, so a test can make main's copy slow without a WAN emulator. For tests "
         "only. Default: 0.",
     ] = 0
+    pdd_debug_wan_blocking_wait: A[
+        bool,
+        "PDD debug (prefill): wait on WAN copies inside Mooncake's synchronous batch call, "
+        "which polls without sleeping (the behaviour before the asynchronous WAN path), so a "
+        "benchmark can compare the two. For benchmarks only.",
+    ] = False
     pdd_debug_kv_digest: A[
         bool,
         "PDD debug: hash each request's prompt KV on every server (prefill after its last "
@@ -173,16 +178,53 @@ def resolve_pdd_server_args(server_args: Any) -> None:
         disable_overlap_schedule=cfg.disable_overlap_schedule,
     )
     _check_handoff_flags(cfg)
+    check_parallelism(role, tp_size=cfg.tp_size, pp_size=cfg.pp_size,
+                      enable_dp_attention=cfg.enable_dp_attention,
+                      staging_buffer=_staging_buffer_enabled())
     check_transfer_engine()
     if cfg.pdd_wan_transfer_timeout <= 0:
         raise PddConfigError(
             f"--pdd-wan-transfer-timeout must be positive, got {cfg.pdd_wan_transfer_timeout}"
         )
-    if role == "prefill":
-        # Mooncake reads this once per process, before its first engine starts.
-        os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(cfg.pdd_wan_transfer_timeout))
     if decisions:
         declare_resolution(server_args, "resolve_pdd_server_args", **decisions)
+
+
+# What TP support needs (README, "Tensor parallelism"): the relay's control channel and handoff on
+# rank 0 only, its decisions broadcast through the scheduler's input path so every rank acts at
+# the same step; room completion counted per destination rank set (required_dst_info_num); the
+# prefill waiting for every relay rank before it starts. None of it exists yet.
+_UNSUPPORTED_PARALLELISM = {
+    "tp_size": "--tp-size {value}: PDD supports tensor parallelism 1 only (each TP rank would run "
+               "its own handoff and control loop, and a room would conclude per rank); run "
+               "--tp-size 1 or leave --pdd-role out",
+    "pp_size": "--pp-size {value}: PDD does not support pipeline parallelism; run --pp-size 1 or "
+               "leave --pdd-role out",
+    "enable_dp_attention": "--enable-dp-attention: PDD does not support DP attention (its rooms "
+                           "and handoffs assume one scheduler); drop the flag or leave "
+                           "--pdd-role out",
+    "staging_buffer": "SGLANG_DISAGG_STAGING_BUFFER=1: PDD's per-destination sending does not "
+                      "support SGLang's staging buffer; unset it or leave --pdd-role out",
+}
+
+
+def check_parallelism(role: str, *, tp_size: int = 1, pp_size: int = 1,
+                      enable_dp_attention: bool = False, staging_buffer: bool = False) -> None:
+    """Refuse, one clear message each, what PDD does not support yet (issue 14, item 2)."""
+    given = {"tp_size": tp_size if tp_size != 1 else None,
+             "pp_size": pp_size if pp_size != 1 else None,
+             "enable_dp_attention": True if enable_dp_attention else None,
+             "staging_buffer": True if staging_buffer else None}
+    for key, value in given.items():
+        if value is not None:
+            raise PddConfigError(f"--pdd-role {role} with "
+                                 + _UNSUPPORTED_PARALLELISM[key].format(value=value))
+
+
+def _staging_buffer_enabled() -> bool:
+    from sglang.srt.environ import envs
+
+    return bool(envs.SGLANG_DISAGG_STAGING_BUFFER.get())
 
 
 def check_transfer_engine(import_engine=None) -> None:

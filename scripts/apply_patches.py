@@ -4,6 +4,11 @@
     python scripts/apply_patches.py            # apply (idempotent)
     python scripts/apply_patches.py --check    # verify only; exit 1 unless fully applied
     python scripts/apply_patches.py --revert   # restore the installed files
+    python scripts/apply_patches.py --with-debug   # also patches/debug/ (the test suite's aids)
+
+The production series is ``patches/series``; ``patches/debug/series`` lists optional debug
+patches that come after it (``make setup`` applies them for the tests; a production server
+needs none). Switching between the two is an ordinary upgrade of the series (below).
 
 Each file that the series touches is in one of three states, decided from the hashes that pip
 recorded when it installed the wheel (the dist-info RECORD):
@@ -64,15 +69,29 @@ def read_upstream(patch_dir: Path = PATCH_DIR) -> dict:
     return fields
 
 
-def read_series(patch_dir: Path = PATCH_DIR) -> list[str]:
+DEBUG_DIR = "debug"  # optional debug patches, after the production series (--with-debug)
+
+
+def read_series(patch_dir: Path = PATCH_DIR, with_debug: bool = False) -> list[str]:
+    """The production series (patches/series), then with_debug the debug one (patches/debug/series),
+    its names prefixed ``debug/``: one chain of hunks either way."""
+    names = _series_file(patch_dir, "")
+    if with_debug:
+        names += _series_file(patch_dir, DEBUG_DIR)
+    return names
+
+
+def _series_file(patch_dir: Path, subdir: str) -> list[str]:
+    folder = patch_dir / subdir if subdir else patch_dir
     names = [
-        line.strip()
-        for line in (patch_dir / "series").read_text().splitlines()
+        f"{subdir}/{line.strip()}" if subdir else line.strip()
+        for line in (folder / "series").read_text().splitlines()
         if line.strip() and not line.startswith("#")
     ]
     for name in names:
         if not (patch_dir / name).is_file():
-            raise PatchError(f"patches/series names {name}, which is not in patches/")
+            raise PatchError(f"patches/{subdir + '/' if subdir else ''}series names {name}, "
+                             "which is not in patches/")
     return names
 
 
@@ -130,7 +149,8 @@ def run_patch(workdir: Path, hunks: FileHunks, reverse: bool) -> None:
 
 
 class Installation:
-    def __init__(self, patch_dir: Path = PATCH_DIR, site_packages: Path | None = None):
+    def __init__(self, patch_dir: Path = PATCH_DIR, site_packages: Path | None = None,
+                 with_debug: bool = False):
         self.upstream = read_upstream(patch_dir)
         self.package = self.upstream["package"]
         if site_packages is None:
@@ -149,7 +169,7 @@ class Installation:
                 f"{self.package} {installed} is installed at {self.site_packages}. Nothing was "
                 "changed. To port the series to another release, see CONTRIBUTING.md."
             )
-        self.series = read_series(patch_dir)
+        self.series = read_series(patch_dir, with_debug)
         self.hunks = [h for name in self.series for h in split_patch(name, (patch_dir / name).read_text())]
         self.recorded = record_hashes(dists[0])
         self.paths = list(dict.fromkeys(h.path for h in self.hunks))
@@ -268,9 +288,14 @@ def main(argv: list[str] | None = None) -> int:
         "--site-packages", type=Path, default=None,
         help="patch the sglang under this directory instead of the importable one",
     )
+    parser.add_argument(
+        "--with-debug", action="store_true",
+        help="also the optional debug patches (patches/debug/), which the test suite needs; "
+             "production servers leave them out. Use the same choice for --check and --revert",
+    )
     args = parser.parse_args(argv)
     try:
-        inst = Installation(args.patch_dir, args.site_packages)
+        inst = Installation(args.patch_dir, args.site_packages, args.with_debug)
         with tempfile.TemporaryDirectory(prefix="pdd-patches-") as tmp:
             workdir = Path(tmp)
             states = inst.states(workdir)

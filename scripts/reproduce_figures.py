@@ -10,6 +10,7 @@ simulator; the report's numbers appear only in the "paper" columns.
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 import json
 import os
 import sys
@@ -20,10 +21,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pdd_sglang.sim import experiments as E  # noqa: E402
+from pdd_sglang.sim import operating_point as OP  # noqa: E402
+from pdd_sglang.sim.microbench import F1_LINE, handoff_microbenchmark  # noqa: E402
+from pdd_sglang.sim.profiles import load_link  # noqa: E402
 from pdd_sglang.sim import plan  # noqa: E402
-from pdd_sglang.sim.cluster import ClusterConfig, Setup  # noqa: E402
-from pdd_sglang.sim.workload import AgenticConfig  # noqa: E402
+from pdd_sglang.sim.cluster import Setup  # noqa: E402
 from pdd_sglang.sim.report import write_report  # noqa: E402
+from pdd_sglang.sim.workload import TRACE_PATH  # noqa: E402
 
 PAPER = {
     "ttft_s": {"same_dc_pd": {"p50": 4.2}, "cross_dc_pd": {"p50": 6.7, "p90": 18.3, "p99": 29.7}},
@@ -46,16 +50,28 @@ def task_f1(quick):
     out = {name: {"summary": s.as_dict(), "ttfts": sorted(j.ttft_s for j in c.jobs if j.completions)}
            for name, (s, c) in runs.items()}
     out["hit_bins"] = E.hit_bins_over_time(runs["pdd"][1].jobs, 60.0)
-    out["p50_at_physical_mfu_s"] = E.same_dc_p50(quick, E.PHYSICAL_PREFILL_MFU)
+    jobs = runs["pdd"][1].jobs
+    out["same_dc_p50_by_quarter"] = [q["ttft_p50_s"] for q in E.quarter_stats(runs["same_dc_pd"][1])]
+    out["mean_input_tokens"] = sum(j.request.input_tokens for j in jobs) / len(jobs)
+    aware, _ = E.f1_ttft(quick, placement="congestion-aware", setups=(Setup.PDD,))["pdd"]
+    out["pdd_congestion_aware"] = {"summary": aware.as_dict()}
+    rate = OP.REFERENCE_RATE_PER_S
+    fixed, bare = OP.fixed_cost_alternative(OP.operating_point(quick), rate)
+    out["fixed_cost_alternative"] = {"rate_per_s": rate, "fixed_s": fixed, "bare_p50_s": bare}
     return out
 
 
 def task_sweep(quick):
-    return E.load_sweep(quick)
+    if quick:
+        return OP.sweep(OP.operating_point(True), line_scales=(0.05, 0.25, 1.0, 2.0),
+                        load_scales=(0.5, 1.0, 1.15))
+    return OP.sweep(OP.operating_point(True))
 
 
 def task_f3(quick):
-    return E.handoff_microbenchmark(trials=100 if quick else 500)
+    line = load_link(OP.operating_point(quick).base.wan_link)
+    return handoff_microbenchmark(trials=100 if quick else 500, link=line,
+                                  kv_payload_bytes=OP.REPORT_F3_KV_BYTES)
 
 
 def task_f5(quick):
@@ -85,25 +101,32 @@ def task_f8(quick):
     return E.drc_sweep(quick)
 
 
-def task_f9(quick):
-    return {name: s.as_dict() for name, s in E.trace_study(quick).items()}
+def task_f9(quick, trace=None):
+    return {name: s.as_dict() for name, s in E.trace_study(quick, trace).items()}
 
 
 def task_f4(quick):
+    point = OP.operating_point(True)
     sla = plan.Sla()
-    workload = AgenticConfig(duration_s=150.0 if quick else 300.0)
-    common = dict(wan_link="wan_100g")
-    baseline = ClusterConfig(setup=Setup.SAME_DC_PD, main_hardware="gpu_a", **common)
-    pdd = ClusterConfig(setup=Setup.PDD, main_hardware="gpu_b", **common)
-    if quick:
-        base = [plan.evaluate(baseline.with_(prefill_instances=1, main_instances=2), workload, sla)]
-        ours = [plan.evaluate(pdd.with_(prefill_instances=1, main_instances=1), workload, sla)]
+    workload = replace(point.workload, duration_s=150.0 if quick else 300.0)
+    if quick:      # one layout per setup: what the operating point runs
+        layouts = {"same_dc_pd": (1, point.gpu_a_decode_instances),
+                   "same_dc_hetero_pd": (1, 1), "pdd": (1, 1)}
+        found = {name: [plan.evaluate(point.base.with_(setup=Setup(name), prefill_instances=p,
+                                                       main_instances=d), workload, sla)]
+                 for name, (p, d) in layouts.items()}
     else:
-        base = plan.search(baseline, workload, sla, range(1, 4), [0], range(1, 4))
-        ours = plan.search(pdd, workload, sla, range(1, 4), [1], range(1, 3))
-    return {"sla": sla.__dict__, "baseline": [r.__dict__ for r in base],
-            "pdd": [r.__dict__ for r in ours], "line_cost": plan.cost_per_hour(pdd)
-            - plan.cost_per_hour(pdd.with_(setup=Setup.SAME_DC_PD))}
+        found = plan.plan_setups(point.base, workload, sla, range(1, 3), range(1, 6), range(1, 3))
+    best = {name: rows[0] for name, rows in found.items()}
+    floors = {name: plan.idle_floor(point.base.with_(setup=Setup(name),
+                                                     prefill_instances=r.prefill,
+                                                     main_instances=r.main), workload)
+              for name, r in best.items()}
+    return {"sla": sla.__dict__, "floors": floors, "gains": plan.bcr_gains(best),
+            "idle_rate_per_s": plan.IDLE_RATE_PER_S,
+            "baseline": [r.__dict__ for r in found["same_dc_pd"]],
+            "hetero": [r.__dict__ for r in found["same_dc_hetero_pd"]],
+            "pdd": [r.__dict__ for r in found["pdd"]]}
 
 
 TASKS = {"f4": task_f4, "f6": task_f6, "f1": task_f1, "f9": task_f9, "sweep": task_sweep,
@@ -111,37 +134,56 @@ TASKS = {"f4": task_f4, "f6": task_f6, "f1": task_f1, "f9": task_f9, "sweep": ta
 
 
 # --- results.json ---------------------------------------------------------------------------
-def paper_cost(counts: dict) -> float:
+def paper_cost(counts: dict, gpu_b_premium: float | None = None) -> float:
+    """$/h of the report's GPU counts at our prices (GPU-B at `gpu_b_premium` x GPU-A's price
+    when given), plus the line for the layout that has one."""
     from pdd_sglang.sim.profiles import load_hardware, load_link
-    total = sum(load_hardware(name).cost_per_gpu_hour * n for name, n in counts.items())
-    return total + (load_link("wan_100g").cost_per_hour if "gpu_b" in counts else 0.0)
+    prices = {name: load_hardware(name).cost_per_gpu_hour for name in counts}
+    if gpu_b_premium is not None and "gpu_b" in prices:
+        prices["gpu_b"] = load_hardware("gpu_a").cost_per_gpu_hour * gpu_b_premium
+    total = sum(prices[name] * n for name, n in counts.items())
+    return total + (load_link(F1_LINE).cost_per_hour if "gpu_b" in counts else 0.0)
 
 
 def build_results(data: dict, measured_handoff: dict | None) -> dict:
     f1 = data["f1"]
-    ttft = {name: percentiles_from(f1[name]["summary"]) for name in ("same_dc_pd", "cross_dc_pd", "pdd")}
-    reduction = {q: 100 * (1 - ttft["pdd"][q] / ttft["cross_dc_pd"][q]) for q in ("p50", "p90", "p99")}
+    ttft = {s.value: percentiles_from(f1[s.value]["summary"]) for s in E.SETUPS_F1}
+    reduction, by_mechanism = E.ttft_reductions(ttft)
     f4 = data["f4"]
     best_base, best_pdd = f4["baseline"][0], f4["pdd"][0]
-    gain = (100 * (best_pdd["bcr_requests_per_dollar"] / best_base["bcr_requests_per_dollar"] - 1)
-            if best_base["bcr_requests_per_dollar"] else None)
+    gain = f4["gains"]["same_dc_pd"]
     ratios = {f"{row['prefill_hit']:.2f}": row["ratio"] for row in data["f8"]}
     handoff = measured_handoff or {k: {m: data["f3"][k][m] for m in
                                        ("payload_bytes", "mean_ms", "max_ms", "std_ms")}
                                    for k in ("kv", "token_ids")}
-    from pdd_sglang.sim.profiles import load_hardware
-    calibration = {
-        "parameter": "prefill_mfu of configs/hardware/gpu_a.toml (effective prefill efficiency)",
-        "prefill_mfu": load_hardware("gpu_a").prefill_mfu,
-        "target": "same-DC PD TTFT P50 = the paper's 4.2 s (the only number used as an input)",
-        "physical_mfu": E.PHYSICAL_PREFILL_MFU,
-        "p50_at_physical_mfu_s": f1["p50_at_physical_mfu_s"]}
+    point = OP.operating_point(False)
+    line = load_link(point.base.wan_link)
+    operating = {
+        "checks": [dict(zip(("quantity", "simulated", "target", "tolerance", "within"), row))
+                   for row in OP.checks(ttft)],
+        "rate_per_s": point.workload.rate_per_s,
+        "line_gbps": line.bytes_per_s * 8 / 1e9, "window_bytes": line.window_bytes,
+        "per_flow_gbps": line.per_flow_bytes_per_s * 8 / 1e9,
+        "per_transfer_fixed_s": line.per_transfer_fixed_s,
+        "ttft_parts_s": {name: f1[name]["summary"]["ttft_parts_s"] for name in ttft},
+        "decode_admission_wait_p99_s": {name: f1[name]["summary"]["decode_admission_wait_p99_s"]
+                                        for name in ttft},
+        "pdd_congestion_aware": percentiles_from(f1["pdd_congestion_aware"]["summary"]),
+        "fixed_cost_alternative": f1["fixed_cost_alternative"],
+        "prefill_hit": f1["same_dc_pd"]["summary"]["prefill_hit"],
+        "mean_input_tokens": f1["mean_input_tokens"],
+        "same_dc_p50_by_quarter": f1["same_dc_p50_by_quarter"],
+    }
     return {
-        "calibration": calibration,
+        "operating_point": operating,
         "ttft_s": ttft,
         "ttft_reduction_pct": reduction,
+        "ttft_reduction_pct_by_mechanism": by_mechanism,
         "bcr": {"baseline": best_base["bcr_requests_per_dollar"],
                 "pdd": best_pdd["bcr_requests_per_dollar"], "gain_pct": gain,
+                "gain_vs_hetero_pct": f4["gains"]["same_dc_hetero_pd"],
+                "hetero": f4["hetero"][0]["bcr_requests_per_dollar"],
+                "idle_floors": f4["floors"], "sla": f4["sla"],
                 "baseline_goodput_rps": best_base["goodput_rps"],
                 "pdd_goodput_rps": best_pdd["goodput_rps"]},
         "cost": {"baseline": {"gpus": best_base["gpus"], "per_hour": best_base["cost_per_hour"]},
@@ -150,7 +192,11 @@ def build_results(data: dict, measured_handoff: dict | None) -> dict:
                      "baseline": {"gpus": PAPER["cost_counts"]["baseline"],
                                   "per_hour": paper_cost(PAPER["cost_counts"]["baseline"])},
                      "pdd": {"gpus": PAPER["cost_counts"]["pdd"],
-                             "per_hour": paper_cost(PAPER["cost_counts"]["pdd"])}}},
+                             "per_hour": paper_cost(PAPER["cost_counts"]["pdd"])}},
+                 "saving_pct_by_gpu_b_premium": {
+                     f"{premium:.2f}": 100 * (1 - paper_cost(PAPER["cost_counts"]["pdd"], premium)
+                                              / paper_cost(PAPER["cost_counts"]["baseline"]))
+                     for premium in (1.2, 1.25, 1.3)}},
         "wan_bytes_ratio_drc": ratios,
         "handoff": handoff,
         "handoff_source": "measured" if measured_handoff else "simulated",
@@ -181,15 +227,12 @@ def main(argv=None) -> int:
                         help="handoff.json from scripts/bench_handoff.py (or any JSON with "
                              "{kv: {...}, token_ids: {...}}: payload_bytes, mean_ms, max_ms, "
                              "std_ms)")
+    parser.add_argument("--trace", type=Path,
+                        help="a Mooncake-format jsonl trace for F9 (timestamp ms, input_length, "
+                             "output_length, hash_ids of 512-token blocks); default: "
+                             "the public conversation trace")
     parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
-    parser.add_argument("--calibrate", action="store_true",
-                        help="only bisect the prefill MFU that puts same-DC PD's TTFT P50 at the "
-                             "paper's 4.2 s, print it, and exit (copy it into gpu_a.toml)")
     args = parser.parse_args(argv)
-    if args.calibrate:
-        mfu, p50 = E.calibrate_prefill_mfu(PAPER["ttft_s"]["same_dc_pd"]["p50"], args.quick)
-        print(f"prefill_mfu = {mfu:.4f}  (same-DC PD TTFT P50 {p50:.2f} s)")
-        return 0
     args.out.mkdir(parents=True, exist_ok=True)
     measured = json.loads(args.measured_handoff.read_text()) if args.measured_handoff else None
     if measured is not None and "handoff" in measured:
@@ -197,11 +240,14 @@ def main(argv=None) -> int:
     started = time.time()
     data = {}
     with ProcessPoolExecutor(max_workers=args.workers) as pool:
-        futures = {name: pool.submit(task, args.quick) for name, task in TASKS.items()}
+        extra = {"f9": {"trace": args.trace}}
+        futures = {name: pool.submit(task, args.quick, **extra.get(name, {}))
+                   for name, task in TASKS.items()}
         for name, future in futures.items():
             data[name] = future.result()
             print(f"  {name} done at {time.time() - started:.0f} s", flush=True)
     results = build_results(data, measured)
+    results["trace_file"] = (args.trace or TRACE_PATH).name
     (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
     from pdd_sglang.sim.figures import draw_all
     draw_all(args.out, data, results, PAPER, measured)

@@ -79,5 +79,6 @@ if [ -z "${CI:-}" ] || [ ! -f "$site/pdd_sglang_checkout.pth" ]; then
     rm -f "$site/pdd_sglang_cpu_standin.pth"
   fi
 fi
-"$venv/bin/python" "$repo/scripts/apply_patches.py"
+# --with-debug: the test suite's debug aids (patches/debug/) too; production applies without it.
+"$venv/bin/python" "$repo/scripts/apply_patches.py" --with-debug
 ln -sfn "$venv" "$repo/.venv"

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from pdd_sglang.diagnostics import kv_digest
+from pdd_sglang.lifecycle import kv_manager_of
 from pdd_sglang.prefill.ledger import LEDGER
 
 
@@ -31,11 +32,22 @@ def pool_state(scheduler: Any) -> dict:
     }
 
 
+def wan_line_state(kv_mgr: Any) -> dict | None:
+    """Prefill's WAN line per main Mooncake session (congestion-aware placement reads it)."""
+    fanout = getattr(kv_mgr, "pdd_fanout", None)
+    return None if fanout is None else fanout.wan_line.snapshot()
+
+
 def add_pdd_state(scheduler: Any, state: dict) -> None:
+    kv_mgr = kv_manager_of(scheduler)
+    engine = getattr(kv_mgr, "engine", None)
     state["pdd"] = {
         "pool": pool_state(scheduler),
         "transfers": LEDGER.snapshot(),
         "kv_digests": kv_digest.snapshot(),
+        # This server's Mooncake session: a main's is the key of prefill's wan_line entry for it.
+        "mooncake_session": engine.get_session_id() if engine is not None else None,
+        "wan_line": wan_line_state(kv_mgr),
     }
     from pdd_sglang.decode import handoff_for
 

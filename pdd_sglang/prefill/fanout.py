@@ -24,9 +24,8 @@ Rooms without hellos (plain SGLang PD, or P->MD) take SGLang's own path unchange
 Faults: a relay that has not registered ``--pdd-relay-bootstrap-timeout`` seconds after the main
 did is dropped, and the room proceeds to the main alone (a late relay is refused with a Failed
 status, so it frees its slots). A main that has not registered ``--pdd-main-bootstrap-timeout``
-seconds after its relay, once the relay has all its KV, is dropped the same way: the room
-concludes, prefill frees its KV, the relay answers alone, a late main is refused. A destination whose prefix claim exceeds the prompt fails the room
-cleanly; malformed, mismatched and repeated hellos are refused and counted.
+seconds after its relay, once the relay has all its KV, is dropped the same way. A prefix claim
+beyond the prompt fails the room; malformed, mismatched and repeated hellos are refused.
 """
 
 from __future__ import annotations
@@ -38,9 +37,10 @@ import time
 from collections import OrderedDict
 from typing import Any, Optional
 
-from pdd_sglang.prefill.destination_chunks import skip_prefix_pages
+from pdd_sglang.prefill.destination_chunks import bytes_past_prefixes, skip_prefix_pages
 from pdd_sglang.protocol.messages import DestinationHello, MessageError, decode
 from pdd_sglang.prefill.ledger import LEDGER
+from pdd_sglang.prefill.wan_line import WanLine
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,6 @@ logger = logging.getLogger(__name__)
 HELLO_FRAME_INDEX = 10
 MAX_TRACKED_ROOMS = 65536
 STALE_ROOM_S = 600.0
-on_wan_path = threading.local()
 
 
 @dataclasses.dataclass
@@ -87,12 +86,15 @@ class PrefillFanout:
         self.relay_bootstrap_timeout_s = 5.0
         self.main_bootstrap_timeout_s = 30.0
         self.mains_dropped = 0
-        self.wan_queues: list = []
+        self.wan_queues: list = []  # pdd_sglang.prefill.wan_line.ChargedQueue, one per WAN worker
         self.wan_engine = None  # pdd_sglang.prefill.wan_engine.WanTransferEngine, set at start
+        self.wan_line = WanLine()  # bytes queued and in flight per main, recent throughput
+        self._main_sessions: set[str] = set()  # Mooncake sessions of mains: the WAN engine's
+        self.defer = None  # runs a job off SGLang's locks (WanPath's housekeeping); None: inline
 
     def engine_for(self, session: str) -> Any:
         """The engine that carries batches to ``session``: the WAN engine for mains."""
-        if self.wan_engine is not None and LEDGER.role_of(session) == "main":
+        if self.wan_engine is not None and session in self._main_sessions:
             return self.wan_engine
         return self.kv_mgr.engine
 
@@ -124,7 +126,9 @@ class PrefillFanout:
                 return
             if not late:
                 # The role first: the engine for a replayed chunk is chosen by it.
-                LEDGER.set_role(session, hello.role)
+                if hello.role == "main":
+                    self._main_sessions.add(session)
+                LEDGER.set_role(session, hello.role)  # labels the figures only
                 fanout.hellos[session] = hello
                 start_now = hello.role == "relay" and fanout.expected == 2 and not fanout.has("main")
                 if hello.role == "main":
@@ -263,17 +267,23 @@ class PrefillFanout:
         relay = self.kv_mgr.transfer_infos.get(room, {}).pop(session, None)
         logger.warning("PDD: the transfer to relay %s of room %s failed; the room goes on to its "
                        "main alone", session, room)
-        if relay is not None:
-            # A relay that is still up frees the request's slots now rather than at its
-            # waiting timeout (a dead one never reads this; the send gives up after 1 s).
-            self.kv_mgr.send_kv_status_message(
-                targets=[(relay.endpoint, relay.dst_port)], bootstrap_room=room,
-                status=KVPoll.Failed, failure_reason="PDD: the KV transfer to this relay failed")
-        if complete:  # main had all its KV already: the room is done
-            main = next(iter(self.kv_mgr.transfer_infos.get(room, {}).values()), None)
-            self.kv_mgr.conclude_transfer(
-                bootstrap_room=room, status=KVPoll.Success if all_ok else KVPoll.Failed,
-                targets=[] if main is None else [(main.endpoint, main.dst_port)])
+        main = next(iter(self.kv_mgr.transfer_infos.get(room, {}).values()), None)
+
+        def tell() -> None:
+            if relay is not None:
+                # A relay that is still up frees the request's slots now rather than at its
+                # waiting timeout (a dead one never reads this; the send gives up after 1 s).
+                self.kv_mgr.send_kv_status_message(
+                    targets=[(relay.endpoint, relay.dst_port)], bootstrap_room=room,
+                    status=KVPoll.Failed, failure_reason="PDD: the KV transfer to this relay failed")
+            if complete:  # main had all its KV already: the room is done
+                self.kv_mgr.conclude_transfer(
+                    bootstrap_room=room, status=KVPoll.Success if all_ok else KVPoll.Failed,
+                    targets=[] if main is None else [(main.endpoint, main.dst_port)])
+
+        # SGLang calls this holding its session_lock: the sends (up to 1 s to a dead relay) go
+        # out on the WAN path's housekeeping thread, never under that lock.
+        (self.defer or (lambda job: job()))(tell)
         return True
 
     def is_pdd_room(self, room: int) -> bool:
@@ -289,9 +299,10 @@ class PrefillFanout:
         return min(p or 0 for p in prefixes)
 
     # ---- 3. which destinations this worker sends to -------------------------------------
-    def destinations_on_this_path(self, kv_chunk: Any, reqs: Any) -> list:
+    def destinations_on_this_path(self, kv_chunk: Any, reqs: Any, queue: Any) -> list:
+        """``queue`` is the one the chunk came from: a WAN queue's chunk goes to mains only."""
         reqs = list(reqs)  # a live view of SGLang's table, which registrations change
-        wan_worker = getattr(on_wan_path, "active", False)
+        wan_worker = any(queue is q for q in self.wan_queues)
         with self._lock:
             fanout = self._rooms.get(kv_chunk.room)
             hellos = dict(fanout.hellos) if fanout else {}
@@ -313,7 +324,15 @@ class PrefillFanout:
 
     def _to_wan_path(self, kv_chunk: Any) -> None:
         if self.wan_queues:
-            self.wan_queues[kv_chunk.room % len(self.wan_queues)].put(_uncounted(kv_chunk))
+            self.wan_queues[kv_chunk.room % len(self.wan_queues)].put(
+                _uncounted(kv_chunk), self._wan_charges(kv_chunk))
+
+    def _wan_charges(self, kv_chunk: Any) -> list:
+        """``(main session, bytes)`` this chunk will put on the line: pages past main's prefix."""
+        with self._lock:
+            fanout = self._rooms.get(kv_chunk.room)
+            mains = [s for s, h in (fanout.hellos.items() if fanout else ()) if _is_wan(h)]
+        return bytes_past_prefixes(self.kv_mgr, kv_chunk, mains)
 
     # ---- 4. pages past each destination's own prefix -----------------------------------
     def chunk_for_destination(self, room_chunk: Any, req: Any) -> Any:

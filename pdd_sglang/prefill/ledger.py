@@ -79,10 +79,6 @@ class TransferLedger:
         with self._lock:
             self._roles[str(destination)] = role
 
-    def role_of(self, destination: str) -> str | None:
-        with self._lock:
-            return self._roles.get(str(destination))
-
     def begin(self, room: int, destination: str, pages: int) -> None:
         """Open the scope of one chunk of one request to one destination."""
         self._scope.key = (int(room), str(destination))

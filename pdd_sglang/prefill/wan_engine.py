@@ -7,27 +7,43 @@ so the prefill opens a second engine with the WAN's own protocol and device
 (``--pdd-wan-transfer-protocol``, ``--pdd-wan-ib-device``), registers the same KV memory with it,
 and sends every batch for a main session through it. Mooncake does the transport on both paths.
 
-Mooncake reads its transfer timeout (``MC_TRANSFER_TIMEOUT``) once per process, so it cannot
-differ between the two engines: a PDD prefill raises it to ``--pdd-wan-transfer-timeout`` (a
-multi-second WAN copy must not time out at Mooncake's 30 s default), which is harmless for the
-relay path, whose copies take milliseconds.
+A WAN copy takes seconds, and Mooncake's synchronous batch call (the one SGLang's engine uses)
+waits for it by polling the batch status in a loop without sleeping: a core per waiting worker.
+This engine submits each block asynchronously (``transfer_submit_write``, one single-task batch
+per block, the only status Mooncake can report without blocking) and waits with an exponential
+back-off sleep, so a worker waiting on the line costs next to nothing. The transfer timeout
+(``--pdd-wan-transfer-timeout``) is enforced here, passed in where the engine is made; Mooncake's
+process-wide ``MC_TRANSFER_TIMEOUT`` only governs SGLang's own (relay) engine.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, List
+import time
+from typing import Any, List, Optional
+
+from pdd_sglang.prefill.wan_line import WanLine
 
 logger = logging.getLogger(__name__)
+
+# Mooncake's transfer_check_status: 1 done, 0 in progress, -1 failed, -2 timed out.
+_DONE, _PENDING = 1, 0
+# Back-off between status polls of a waiting batch: from a fast line's latency up to a period
+# that is noise beside a multi-second WAN copy.
+FIRST_POLL_S = 0.0005
+LONGEST_POLL_S = 0.02
 
 
 class WanTransferEngine:
     """A Mooncake TransferEngine with the call surface SGLang's transfer code uses."""
 
-    def __init__(self, hostname: str, protocol: str, device: str | None):
+    def __init__(self, hostname: str, protocol: str, device: Optional[str], timeout_s: float,
+                 line: Optional[WanLine] = None, blocking_wait: bool = False):
         from mooncake.engine import TransferEngine
 
+        if not timeout_s > 0:
+            raise ValueError(f"the WAN transfer timeout must be positive, got {timeout_s}")
         self.engine = TransferEngine()
         ret = self.engine.initialize(hostname, "P2PHANDSHAKE", protocol, device or "")
         if ret != 0:
@@ -36,9 +52,17 @@ class WanTransferEngine:
                 f"device {device!r}, host {hostname!r})"
             )
         self.protocol = protocol
+        self.timeout_s = float(timeout_s)
+        # --pdd-debug-wan-blocking-wait: Mooncake's own (spinning) wait, for the benchmark only.
+        self.blocking_wait = blocking_wait
+        self.line = line if line is not None else WanLine()
         self.session_id = f"{hostname}:{self.engine.get_rpc_port()}"
         self._registered: list[int] = []
         self._lock = threading.Lock()
+        # Batches given up on (timed out) that Mooncake still owns: freed once they end.
+        self._abandoned: list[int] = []
+        self._stopping = False  # set by stop_waiting: a waiting copy gives up at its next poll
+        self._closed = False
 
     def register_regions(self, regions: List[tuple]) -> None:
         if not regions:
@@ -50,24 +74,92 @@ class WanTransferEngine:
         self._registered.extend(ptrs)
 
     def batch_transfer_sync(self, session_id: str, buffers, peer_addresses, lengths) -> int:
+        """Write the blocks to ``session_id``; 0 when all landed, -1 otherwise (as SGLang's)."""
+        nbytes = int(sum(lengths))
+        started_at = self.line.started(session_id, nbytes)
+        ok = False
         try:
-            return self.engine.batch_transfer_sync_write(
-                session_id, list(buffers), list(peer_addresses), list(lengths)
-            )
+            ok = self._write(session_id, list(buffers), list(peer_addresses), list(lengths))
         except Exception:  # SGLang's engine wrapper reports failures as -1 the same way
             logger.exception("PDD: WAN transfer to %s raised", session_id)
-            return -1
+        finally:
+            self.line.finished(session_id, nbytes, started_at, ok)
+        return 0 if ok else -1
+
+    def _write(self, session_id: str, buffers: list, peers: list, lengths: list) -> bool:
+        if self.blocking_wait:
+            return self.engine.batch_transfer_sync_write(session_id, buffers, peers, lengths) == 0
+        pending: list[int] = []
+        for src, dst, length in zip(buffers, peers, lengths):
+            batch = self.engine.transfer_submit_write(session_id, src, dst, length)
+            if batch <= 0:
+                logger.error("PDD: submitting a WAN transfer to %s failed (%s)", session_id, batch)
+                self._abandon(pending)
+                return False
+            pending.append(batch)
+        deadline = time.monotonic() + self.timeout_s
+        pause = FIRST_POLL_S
+        # Blocks complete roughly in submission order: wait on the oldest, then the next.
+        while pending:
+            status = self.engine.transfer_check_status(pending[0])
+            if status == _DONE:
+                pending.pop(0)
+                pause = FIRST_POLL_S
+                continue
+            if status != _PENDING:
+                # A failed batch is freed by Mooncake's status call; a timed-out one is not.
+                self._abandon(pending if status != -1 else pending[1:])
+                logger.error("PDD: a WAN transfer to %s failed (Mooncake status %s)",
+                             session_id, status)
+                return False
+            if self._stopping:
+                self._abandon(pending)
+                logger.warning("PDD: shutting down with a WAN transfer to %s in flight; failing it",
+                               session_id)
+                return False
+            if time.monotonic() > deadline:
+                self._abandon(pending)
+                logger.error("PDD: a WAN transfer to %s took over --pdd-wan-transfer-timeout "
+                             "(%.0f s); failing it", session_id, self.timeout_s)
+                return False
+            time.sleep(pause)
+            pause = min(pause * 2, LONGEST_POLL_S)
+        self._reap_abandoned()
+        return True
+
+    def _abandon(self, batches: list) -> None:
+        with self._lock:
+            self._abandoned.extend(batches)
+
+    def _reap_abandoned(self) -> None:
+        """Free abandoned batches that have ended (Mooncake's status call frees an ended one)."""
+        with self._lock:
+            if not self._abandoned:
+                return
+            self._abandoned = [
+                b for b in self._abandoned if self.engine.transfer_check_status(b) == _PENDING
+            ]
+
+    def stop_waiting(self) -> None:
+        """Shutdown: copies still on the line fail at their next poll (at most LONGEST_POLL_S),
+        so the workers waiting on them can be joined."""
+        self._stopping = True
 
     def close(self) -> None:
+        self._stopping = True
         with self._lock:
+            if self._closed:
+                return
+            self._closed = True
             if self._registered:
                 self.engine.batch_unregister_memory(self._registered)
                 self._registered = []
 
 
-def open_wan_engine(kv_mgr: Any, protocol: str, device: str | None) -> WanTransferEngine:
+def open_wan_engine(kv_mgr: Any, protocol: str, device: Optional[str], timeout_s: float,
+                    line: WanLine, blocking_wait: bool = False) -> WanTransferEngine:
     hostname = getattr(kv_mgr.engine, "hostname", None) or kv_mgr.local_ip
-    engine = WanTransferEngine(hostname, protocol, device)
+    engine = WanTransferEngine(hostname, protocol, device, timeout_s, line, blocking_wait)
     engine.register_regions(kv_mgr._registerable_regions())
     logger.info(
         "PDD: WAN transfer path ready: Mooncake %s engine %s (relay path: SGLang's engine %s)",

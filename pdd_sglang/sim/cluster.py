@@ -1,66 +1,23 @@
 """The cluster: builds the servers and links of a setup and moves each request through it.
 
-Setups:
-  same_dc_pd   P and decode in one datacenter, KV over RDMA.
-  cross_dc_pd  naive cross-DC PD: decode behind the WAN (with its DRC), KV over the WAN.
-  pdd          P and relay in A, main in B; placement and handoff from pdd_sglang.policy.
-  prld_only    the excluded variant: requests that would need hiding finish at the relay.
+Setups and their knobs: config.py (Setup, ClusterConfig; re-exported here).
 """
 
 from __future__ import annotations
 
-import enum
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from .. import policy
-from ..policy import Pipeline, PolicyConfig
+from ..policy import Pipeline
 from .cache import BlockPrefixCache
+from .config import PLACEMENTS, SETUP_LABELS, ClusterConfig, Setup  # noqa: F401 (re-exported)
 from .engine import Callback, Event, Simulator
 from .handoff import HandoffProtocol
 from .link import FairShareLink
 from .profiles import InstanceCost, load_hardware, load_link, load_model
 from .records import Job, summarise
 from .servers import ITL_BIN_S, DecodeServer, PrefillServer
-
-
-class Setup(enum.Enum):
-    SAME_DC_PD = "same_dc_pd"
-    CROSS_DC_PD = "cross_dc_pd"
-    PDD = "pdd"
-    RELAY_ONLY = "prld_only"
-
-
-@dataclass(frozen=True)
-class ClusterConfig:
-    """One simulated deployment. Decode servers of every setup use main_hardware, so setups
-    differ only in where they sit, unless a caller sets otherwise (the cost study does)."""
-
-    setup: Setup = Setup.PDD
-    model: str = "moe_1t_50kb"
-    prefill_hardware: str = "gpu_a"
-    relay_hardware: str = "gpu_a"
-    main_hardware: str = "gpu_b"
-    wan_link: str = "wan_10g"
-    rdma_link: str = "rdma_intra_dc"
-    wan_bandwidth_scale: float = 1.0
-    prefill_instances: int = 2
-    relay_instances: int = 1
-    main_instances: int = 1
-    relay_max_running: int = 32
-    main_max_running: int = 256
-    prefill_cache_tokens: int = 16_000_000    # HBM plus host-memory tier (HiCache), assumed
-    main_cache_tokens: int = 16_000_000
-    use_drc: bool = True
-    policy: PolicyConfig = field(default_factory=PolicyConfig)
-    sample_interval_s: float = 5.0
-    drain_limit_s: float = 1800.0             # stop this long after the last arrival
-    seed: int = 0
-    prefill_mfu: float | None = None          # overrides the prefill hardware's (calibration)
-    block_tokens: int = 512                   # prefix-cache granularity (the trace's 512)
-
-    def with_(self, **changes) -> "ClusterConfig":
-        return replace(self, **changes)
 
 
 class Arrival(Event):
@@ -95,13 +52,18 @@ class Cluster:
         wan_profile = load_link(cfg.wan_link)
         if cfg.wan_bandwidth_scale != 1.0:
             wan_profile = wan_profile.scaled(cfg.wan_bandwidth_scale)
+        if cfg.wan_window_bytes is not None:
+            wan_profile = wan_profile.with_window(cfg.wan_window_bytes)
+        if cfg.wan_transfer_fixed_s is not None:
+            wan_profile = replace(wan_profile, per_transfer_fixed_s=cfg.wan_transfer_fixed_s)
         self.wan = FairShareLink(self.sim, wan_profile, "wan")
         rdma_profile = load_link(cfg.rdma_link)
         prefill_hardware = load_hardware(cfg.prefill_hardware)
         if cfg.prefill_mfu is not None:
             prefill_hardware = replace(prefill_hardware, prefill_mfu=cfg.prefill_mfu)
         prefill_cost = InstanceCost(prefill_hardware, self.model)
-        self.dispatch_latency_s = prefill_hardware.dispatch_latency_s
+        self.dispatch_latency_s = (prefill_hardware.dispatch_latency_s
+                                   if cfg.dispatch_latency_s is None else cfg.dispatch_latency_s)
         self.prefills = [PrefillServer(self.sim, i, prefill_cost,
                                        BlockPrefixCache(cfg.prefill_cache_tokens,
                                                         cfg.block_tokens),
@@ -111,9 +73,9 @@ class Cluster:
         self.rdma = [[FairShareLink(self.sim, rdma_profile, f"rdma{i}.{lane}")
                       for lane in range(prefill_cost.prefill_lanes)]
                      for i in range(cfg.prefill_instances)]
-        main_cost = InstanceCost(load_hardware(cfg.main_hardware), self.model)
-        behind_wan = cfg.setup is not Setup.SAME_DC_PD
-        main_cache = cfg.use_drc and behind_wan
+        main_cost = InstanceCost(load_hardware(cfg.decode_hardware), self.model)
+        behind_wan = cfg.setup.behind_wan
+        main_cache = cfg.drc
         self.mains = [DecodeServer(self.sim, "main", i, main_cost, cfg.main_max_running,
                                    BlockPrefixCache(cfg.main_cache_tokens, cfg.block_tokens)
                                    if main_cache else None)
@@ -121,7 +83,7 @@ class Cluster:
         for main in self.mains:
             main.delivery_delay_s = self.wan.one_way_s if behind_wan else 0.0
         self.relays = []
-        if cfg.setup in (Setup.PDD, Setup.RELAY_ONLY):
+        if cfg.setup.has_relay:
             relay_cost = InstanceCost(load_hardware(cfg.relay_hardware), self.model)
             self.relays = [DecodeServer(self.sim, "relay", i, relay_cost, cfg.relay_max_running,
                                         None) for i in range(cfg.relay_instances)]
@@ -192,20 +154,20 @@ class Cluster:
     def _on_prefill_done(self, job: Job) -> None:
         setup = self.cfg.setup
         request = job.request
-        if setup is Setup.SAME_DC_PD:
-            job.pipeline = Pipeline.PREFILL_MAIN
-            self._send_to_main(job, self._pick_main(job))
-            return
         main = self._pick_main(job)
-        if setup is Setup.CROSS_DC_PD:
+        if not setup.has_relay:
             job.pipeline = Pipeline.PREFILL_MAIN
             self._send_to_main(job, main)
             return
         uncached = request.input_tokens - (main.candidate(request).cached_prefix_tokens)
         job.main_uncached_tokens = uncached      # the router's prediction, kept for the filter
+        # What the router would configure: one copy on an idle line moves at the lesser of the
+        # line rate and its window / RTT, and pays the RTT plus the transfer's fixed cost.
         job.pipeline = policy.choose_pipeline(
-            uncached, request.output_tokens, self.kv_bytes_per_token, self.wan.rate,
-            self.wan.profile.rtt_s, self.cfg.policy)
+            uncached, request.output_tokens, self.kv_bytes_per_token,
+            min(self.wan.rate, self.wan.per_flow_cap),
+            self.wan.profile.rtt_s + self.wan.transfer_fixed_s, self.cfg.policy,
+            line=self.line_state(main))
         if job.pipeline is Pipeline.PREFILL_MAIN:
             self._send_to_main(job, main)
         elif setup is Setup.RELAY_ONLY or job.pipeline is Pipeline.RELAY_SINGULAR:
@@ -213,6 +175,18 @@ class Cluster:
         else:
             self._send_to_relay(job, relay_only=False)
             self._send_to_main(job, main)
+
+    def line_state(self, main: DecodeServer) -> policy.LineState:
+        """What the router knows of the line to `main` (policy.IDLE_LINE under idle-line
+        placement): bytes of its copies not yet sent, and its recent copies' throughput."""
+        if self.cfg.placement == "idle-line":
+            return policy.IDLE_LINE
+        ahead = sum(max(0.0, flow.finish_virtual - self.wan.virtual_bytes)
+                    for flow in main.copies_in_flight if flow.active)
+        recent = main.recent_copies
+        seconds = sum(s for _, s in recent)
+        measured = sum(b for b, _ in recent) / seconds if recent and seconds > 0 else None
+        return policy.LineState(int(ahead), measured)
 
     def _pick_main(self, job: Job) -> DecodeServer:
         candidates = [m.candidate(job.request) for m in self.mains]
@@ -226,6 +200,7 @@ class Cluster:
 
     def _main_reserved(self, job: Job) -> None:
         job.main_reserved = True
+        job.main_reserved_s = self.sim.now
         if job.cancelled_wan:
             job.main.release(job)
             return
@@ -235,12 +210,18 @@ class Cluster:
             job.main_cached_tokens = main.cache.cached_tokens(
                 request.prompt_blocks, request.input_tokens, touch=True)
         size = (request.input_tokens - job.main_cached_tokens) * self.kv_bytes_per_token
-        behind_wan = self.cfg.setup is not Setup.SAME_DC_PD
-        link = self.wan if behind_wan else self.rdma_of(job)
+        link = self.wan if self.cfg.setup.behind_wan else self.rdma_of(job)
         job.wan_bytes = size if link is self.wan else 0.0
         job.wan_flow = link.start_flow(size, lambda: self._main_has_kv(job))
+        if link is self.wan:
+            job.wan_started_s = self.sim.now
+            main.copies_in_flight.add(job.wan_flow)
 
     def _main_has_kv(self, job: Job) -> None:
+        if job.wan_flow is not None and job.wan_flow in job.main.copies_in_flight:
+            job.main.copies_in_flight.discard(job.wan_flow)
+            if job.wan_bytes > 0:
+                job.main.recent_copies.append((job.wan_bytes, self.sim.now - job.wan_started_s))
         job.wan_flow = None
         job.main_ready = True
         if job.handoff_cancelled:      # the relay answered alone; the copy still landed

@@ -2,6 +2,10 @@
 
 Ties break in a fixed order: events at the same time fire in the order they were scheduled
 (a monotone sequence number is the heap's second key), so a seed gives the same run.
+
+A run that stops advancing its clock is a bug (an event rescheduling itself below the float step
+of the clock); Simulator.run raises ClockStalled, naming the event and the time, instead of
+spinning forever.
 """
 
 from __future__ import annotations
@@ -32,13 +36,23 @@ class Callback(Event):
         self.function(*self.args)
 
 
+class ClockStalled(RuntimeError):
+    """Too many consecutive events fired without the clock advancing."""
+
+
 class Simulator:
-    def __init__(self, seed: int = 0):
+    # Consecutive events at one clock value before the run is declared stalled.  A real burst
+    # (every request of a trace arriving at t = 0, each with a few follow-up events) stays far
+    # below this; a self-rescheduling event reaches it in well under a second.
+    STALL_EVENTS = 200_000
+
+    def __init__(self, seed: int = 0, stall_events: int = STALL_EVENTS):
         self.now = 0.0
         self.rng = random.Random(seed)
         self._heap: list = []
         self._sequence = 0
         self.events_fired = 0
+        self.stall_events = stall_events
 
     def schedule(self, delay_s: float, event: Event) -> None:
         if delay_s < 0:
@@ -51,8 +65,18 @@ class Simulator:
 
     def run(self, until_s: float = float("inf"), progress=None) -> None:
         heap = self._heap
+        same_time = 0
         while heap and heap[0][0] <= until_s:
             time_s, _, event = heapq.heappop(heap)
+            if time_s == self.now:
+                same_time += 1
+                if same_time >= self.stall_events:
+                    raise ClockStalled(
+                        f"the clock stopped advancing: {same_time} consecutive events at "
+                        f"t = {time_s!r} s, the last a {type(event).__name__} ({event!r}); "
+                        f"{len(heap)} events pending")
+            else:
+                same_time = 0
             self.now = time_s
             event.fire(self)
             self.events_fired += 1

@@ -3,78 +3,50 @@
 from __future__ import annotations
 
 import math
-import random
-import statistics
 from dataclasses import replace
 
 from ..policy import PolicyConfig
 from .cluster import ClusterConfig, Setup, simulate
-from .engine import Callback, Simulator
-from .handoff import CONTROL_MESSAGE_BYTES, TOKEN_ID_BYTES
-from .link import FairShareLink
-from .profiles import InstanceCost, load_hardware, load_link, load_model
-from .servers import DecodeServer
-from .workload import AgenticConfig, generate_agentic, ideal_prefix_hits, read_trace
+from . import operating_point as op
+from .operating_point import QUANTILES
+from .workload import TRACE_PATH, AgenticConfig, generate_agentic, ideal_prefix_hits, read_trace
 
 HIT_BINS = [(0.0, 0.10), (0.10, 0.50), (0.50, 0.80), (0.80, 0.90), (0.90, 0.95),
             (0.95, 0.99), (0.99, 1.01)]
 HIT_BIN_LABELS = ["<10%", "10-50%", "50-80%", "80-90%", "90-95%", "95-99%", ">=99%"]
-SETUPS_F1 = (Setup.SAME_DC_PD, Setup.CROSS_DC_PD, Setup.PDD)
+SETUPS_F1 = (Setup.SAME_DC_PD, Setup.SAME_DC_HETERO_PD, Setup.CROSS_DC_PD,
+             Setup.CROSS_DC_PD_DRC, Setup.PDD)
 
 
-def operating_point(quick: bool) -> tuple:
-    """F1's cluster and workload: 2 P + 1 RLD (GPU-A), 1 MD (GPU-B), the 10 Gb/s line."""
+def ttft_reductions(ttft: dict) -> tuple:
+    """PDD's TTFT cut against naive cross-DC PD, in % of cross_dc_pd, and its split by mechanism:
+    drc = cross_dc_pd -> cross_dc_pd_drc, relay = cross_dc_pd_drc -> pdd (relay, handoff and
+    filter on top of DRC).  The two add up to the total by construction.  ttft maps a setup's
+    name to {p50, p90, p99} in seconds."""
+    naive, drc, pdd = ttft["cross_dc_pd"], ttft["cross_dc_pd_drc"], ttft["pdd"]
+    total = {q: 100 * (naive[q] - pdd[q]) / naive[q] for q in QUANTILES}
+    by_mechanism = {"drc": {q: 100 * (naive[q] - drc[q]) / naive[q] for q in QUANTILES},
+                    "relay": {q: 100 * (drc[q] - pdd[q]) / naive[q] for q in QUANTILES}}
+    return total, by_mechanism
+
+
+def study_point(quick: bool) -> tuple:
+    """The cluster and workload of the mechanism studies (F5-F9): 2 P + 1 RLD (GPU-A), 1 MD
+    (GPU-B), the 10 Gb/s line, the generator's default sessions at 3.3 req/s.  They show how a
+    mechanism behaves, not the report's headline numbers (F1 has its own operating point)."""
     workload = AgenticConfig(rate_per_s=3.3, duration_s=600.0 if quick else 1800.0)
     return ClusterConfig(), workload
 
 
-def f1_ttft(quick: bool) -> dict:
-    cfg, workload = operating_point(quick)
-    requests, warmup = generate_agentic(workload)
+def f1_ttft(quick: bool, placement: str = "idle-line", setups=SETUPS_F1) -> dict:
+    """Every F1 setup at the declared operating point (configs/operating_point.toml)."""
+    point = op.operating_point(quick)
+    requests, warmup = generate_agentic(point.workload)
     out = {}
-    for setup in SETUPS_F1:
-        summary, cluster = simulate(cfg.with_(setup=setup), requests, warmup)
+    for setup in setups:
+        summary, cluster = simulate(point.cluster(setup, placement=placement), requests, warmup)
         out[setup.value] = (summary, cluster)
     return out
-
-
-PHYSICAL_PREFILL_MFU = 0.45     # a measured large-EP prefill MFU (LMSYS, 0.49), rounded down
-
-
-def same_dc_p50(quick: bool, prefill_mfu: float | None = None) -> float:
-    """Same-DC PD TTFT P50 on F1's workload, optionally with another prefill MFU."""
-    cfg, workload = operating_point(quick)
-    requests, warmup = generate_agentic(workload)
-    summary, _ = simulate(cfg.with_(setup=Setup.SAME_DC_PD, prefill_mfu=prefill_mfu),
-                          requests, warmup)
-    return summary.ttft_p50_s
-
-
-def calibrate_prefill_mfu(target_p50_s: float, quick: bool = True, low: float = 0.05,
-                          high: float = PHYSICAL_PREFILL_MFU, steps: int = 10) -> tuple:
-    """Bisect the effective prefill MFU so that same-DC PD's TTFT P50 on F1's workload is
-    target_p50_s (P50 falls as MFU rises).  Returns (mfu, p50 at that mfu).  The result is
-    written by hand into configs/hardware/gpu_a.toml; the figures never call this."""
-    for _ in range(steps):
-        middle = (low * high) ** 0.5
-        if same_dc_p50(quick, middle) > target_p50_s:
-            low = middle
-        else:
-            high = middle
-    return high, same_dc_p50(quick, high)
-
-
-def load_sweep(quick: bool, rates=(1.5, 2.5, 3.3, 4.0)) -> dict:
-    """TTFT P90 against offered load for the three setups (F1's second panel)."""
-    cfg, workload = operating_point(True)
-    workload = replace(workload, duration_s=300.0 if quick else 900.0)
-    rows = {s.value: [] for s in SETUPS_F1}
-    for rate in rates:
-        requests, warmup = generate_agentic(replace(workload, rate_per_s=rate))
-        for setup in SETUPS_F1:
-            summary, _ = simulate(cfg.with_(setup=setup), requests, warmup)
-            rows[setup.value].append((rate, summary.ttft_p90_s, summary.ttft_p99_s))
-    return rows
 
 
 def hit_bins_over_time(jobs, window_s: float) -> list:
@@ -92,64 +64,9 @@ def hit_bins_over_time(jobs, window_s: float) -> list:
     return rows
 
 
-def handoff_microbenchmark(trials: int = 200, seed: int = 3, tokens: int = 100,
-                           prefix_tokens: int = 65536, background_load: float = 0.5) -> dict:
-    """F3: hand `tokens` tokens to main as incremental KV vs as token ids plus recompute.
-
-    The WAN carries Poisson background flows at `background_load` of its rate (sizes of a
-    low-hit suffix, exponential), and main decodes a background batch of 64 requests at 64K,
-    so each trial meets a different queue, as a live service would.
-    """
-    model = load_model("moe_1t_50kb")
-    sim = Simulator(seed)
-    wan = FairShareLink(sim, load_link("wan_10g"), "wan")
-    cost = InstanceCost(load_hardware("gpu_b"), model)
-    main = DecodeServer(sim, "main", 0, cost, 512, None)
-
-    class Background:      # a stand-in job object for the background batch
-        def __init__(self, i):
-            self.request = type("R", (), {"request_id": -1 - i})()
-    for i in range(64):
-        main.start_decoding(Background(i), prefix_tokens, 10 ** 9, lambda: None)
-    mean_flow = 8000 * model.kv_bytes_per_token
-    flow_rate = background_load * wan.rate / mean_flow
-    rng = random.Random(seed)
-
-    def background_flow():
-        wan.start_flow(rng.expovariate(1 / mean_flow), lambda: None)
-        sim.schedule(rng.expovariate(flow_rate), Callback(background_flow))
-    sim.schedule(0.0, Callback(background_flow))
-    kv_bytes = tokens * model.kv_bytes_per_token
-    # Scattering the received KV into main's paged pool: one read and one write of the bytes.
-    copy_s = 2 * kv_bytes / (cost.hardware.hbm_bytes_per_s * cost.hardware.memory_efficiency
-                             * cost.hardware.gpus_per_instance)
-    kv_latencies, id_latencies = [], []
-
-    def trial(index):
-        start = sim.now
-        wan.start_flow(kv_bytes, lambda: kv_latencies.append(sim.now - start + copy_s))
-        delay = wan.message_delay(TOKEN_ID_BYTES * tokens + CONTROL_MESSAGE_BYTES)
-
-        def arrive():
-            main.extend(index, tokens, prefix_tokens,
-                        lambda: id_latencies.append(sim.now - start))
-        sim.schedule(delay, Callback(arrive))
-    for i in range(trials):
-        sim.at(5.0 + i * 1.0 + rng.random() * 0.5, Callback(trial, i))
-    sim.run(until_s=5.0 + trials * 1.0 + 60.0)
-
-    def stats(values, payload):
-        ms = [v * 1000 for v in values]
-        return {"payload_bytes": payload, "mean_ms": statistics.fmean(ms), "max_ms": max(ms),
-                "std_ms": statistics.pstdev(ms), "trials": len(ms)}
-    return {"kv": stats(kv_latencies, kv_bytes),
-            "token_ids": stats(id_latencies, TOKEN_ID_BYTES * tokens),
-            "kv_gpu_copy_ms": copy_s * 1000}
-
-
 def handoff_modes(quick: bool) -> dict:
     """F5: the same run with every handoff forced ONE_SHOT, then forced CATCH_UP."""
-    cfg, workload = operating_point(True)
+    cfg, workload = study_point(True)
     workload = replace(workload, duration_s=300.0 if quick else 900.0)
     requests, warmup = generate_agentic(workload)
     hits = ideal_prefix_hits(requests, warmup)
@@ -173,7 +90,7 @@ def handoff_modes(quick: bool) -> dict:
 
 def collapse_study(quick: bool) -> dict:
     """F6: the excluded P->RLD-only pipeline against PDD on the same cluster and workload."""
-    cfg, workload = operating_point(True)
+    cfg, workload = study_point(True)
     workload = replace(workload, rate_per_s=3.0, duration_s=900.0 if quick else 1800.0)
     requests, warmup = generate_agentic(workload)
     out = {}
@@ -220,7 +137,7 @@ def singular_filter_study(quick: bool) -> dict:
     """F7: no filter (the relay holds each request until main is aligned), the reactive filter
     (default: relay-first finishes drop the handoff, only singular copies are cancelled),
     reactive plus predictive, and cancelling every relay-first copy."""
-    cfg, workload = operating_point(True)
+    cfg, workload = study_point(True)
     workload = replace(workload, duration_s=600.0 if quick else 1800.0)
     requests, warmup = generate_agentic(workload)
     variants = {
@@ -234,11 +151,11 @@ def singular_filter_study(quick: bool) -> dict:
 
 
 def drc_sweep(quick: bool) -> list:
-    """F8: WAN bytes of naive cross-DC PD with and without DRC across hit rates.
+    """F8: WAN bytes of cross-DC PD with and without DRC across hit rates.
 
-    Without DRC every prompt crosses whole, so its bytes are the prompt sizes; with DRC they
-    are what the simulated link carried."""
-    cfg, workload = operating_point(True)
+    Without DRC every prompt crosses whole, so its bytes are the prompt sizes; with DRC
+    (cross_dc_pd_drc) they are what the simulated link carried."""
+    cfg, workload = study_point(True)
     workload = replace(workload, rate_per_s=2.0, duration_s=300.0 if quick else 900.0)
     shapes = [dict(turns_min=1, turns_max=3, big_delta_probability=0.9),
               dict(turns_min=3, turns_max=8, big_delta_probability=0.6),
@@ -249,7 +166,7 @@ def drc_sweep(quick: bool) -> list:
     rows = []
     for shape in shapes:
         requests, warmup = generate_agentic(replace(workload, **shape))
-        summary, _ = simulate(cfg.with_(setup=Setup.CROSS_DC_PD, wan_link="wan_100g"),
+        summary, _ = simulate(cfg.with_(setup=Setup.CROSS_DC_PD_DRC, wan_link="wan_100g"),
                               requests, warmup)
         seconds = max(summary.duration_s, 1.0)
         rows.append({"prefill_hit": summary.prefill_hit, "main_hit": summary.main_hit,
@@ -259,10 +176,13 @@ def drc_sweep(quick: bool) -> list:
     return rows
 
 
-def trace_study(quick: bool, progress=None) -> dict:
-    """F9: the public conversation trace (37% hit) on the F1 cluster, 10 and 100 Gb/s lines."""
-    requests = read_trace(max_duration_s=600.0 if quick else None)
-    cfg, _ = operating_point(True)
+def trace_study(quick: bool, trace_path=None, progress=None) -> dict:
+    """F9: a Mooncake-format trace (default: the public conversation trace) on the F1 cluster,
+    10 and 100 Gb/s lines.  Its hit rate is measured by the run, not assumed."""
+    requests = read_trace(trace_path or TRACE_PATH, max_duration_s=600.0 if quick else None)
+    if not requests:
+        raise ValueError(f"{trace_path}: no requests")
+    cfg, _ = study_point(True)
     out = {}
     for line in ("wan_10g", "wan_100g"):
         for setup in SETUPS_F1:

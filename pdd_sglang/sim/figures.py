@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .cluster import Setup
 from .experiments import HIT_BIN_LABELS
 
 
@@ -22,28 +23,37 @@ def _save(fig, out: Path, name: str) -> None:
 
 def draw_all(out: Path, data: dict, results: dict, paper: dict, measured) -> None:
     plt = _plt()
-    names = ["same_dc_pd", "cross_dc_pd", "pdd"]
+    names = list(results["ttft_s"])
+    labels = {s.value: s.label for s in Setup}
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
     width = 0.25
     for i, q in enumerate(("p50", "p90", "p99")):
-        left.bar([x + i * width for x in range(3)], [results["ttft_s"][n][q] for n in names],
-                 width, label=f"sim {q.upper()}")
+        left.bar([x + i * width for x in range(len(names))],
+                 [results["ttft_s"][n][q] for n in names], width, label=f"TTFT {q.upper()}")
+    starred = False
     for x, name in enumerate(names):
         for q, value in paper["ttft_s"].get(name, {}).items():
-            left.plot(x + ("p50", "p90", "p99").index(q) * width, value, "k*", ms=9)
-    left.set_xticks([x + width for x in range(3)], names)
+            left.plot(x + ("p50", "p90", "p99").index(q) * width, value, "k*", ms=9,
+                      label=None if starred else "report")
+            starred = True
+    left.set_xticks([x + width for x in range(len(names))],
+                    [_wrap(labels[n]) for n in names], fontsize=8)
     left.set_ylabel("TTFT (s)")
     left.set_yscale("log")
-    left.set_title("F1: TTFT at 64K, ~90% hit (stars: paper)")
+    left.set_title("F1: TTFT at the operating point")
     left.legend()
-    for name in names:
-        rows = data["sweep"][name]
-        right.plot([r[0] for r in rows], [r[1] for r in rows], "o-", label=f"{name} P90")
-    right.set_xlabel("offered load (req/s)")
+    for name, rows in data["sweep"]["line"].items():
+        right.plot([r[0] for r in rows], [r[2] for r in rows], "o-",
+                   label=f"{labels[name]}, TTFT P90")
+    right.axvline(results["operating_point"]["line_gbps"], color="grey", ls=":",
+                  label="operating point")
+    right.set_xlabel("line rate (Gb/s)")
     right.set_ylabel("TTFT P90 (s)")
-    right.set_title("TTFT P90 against load")
-    right.legend()
+    right.set_xscale("log")
+    right.set_yscale("log")
+    right.set_title("TTFT P90 against line rate")
+    right.legend(fontsize=7)
     _save(fig, out, "f1.png")
 
     fig, ax = plt.subplots(figsize=(8, 4))
@@ -63,11 +73,12 @@ def draw_all(out: Path, data: dict, results: dict, paper: dict, measured) -> Non
     ax.bar([0, 1], [sim[k]["mean_ms"] for k in kinds], 0.35, yerr=[sim[k]["std_ms"] for k in kinds],
            label="simulated mean ± std")
     ax.plot([0, 1], [sim[k]["max_ms"] for k in kinds], "rv", label="simulated max")
-    ax.bar([0.4, 1.4], [paper["handoff"][k]["mean_ms"] for k in kinds], 0.35, label="paper mean")
-    ax.plot([0.4, 1.4], [paper["handoff"][k]["max_ms"] for k in kinds], "k^", label="paper max")
+    ax.bar([0.4, 1.4], [paper["handoff"][k]["mean_ms"] for k in kinds], 0.35, label="report mean")
+    ax.plot([0.4, 1.4], [paper["handoff"][k]["max_ms"] for k in kinds], "k^", label="report max")
     if measured:
         ax.plot([0.2, 1.2], [measured[k]["mean_ms"] for k in kinds], "gs", ms=10, label="measured mean")
-    ax.set_xticks([0.2, 1.2], ["incremental KV (5 MB)", "token ids + recompute (1.5 KB)"])
+    ax.set_xticks([0.2, 1.2], [f"incremental KV ({sim['kv']['payload_bytes'] / 1e6:.1f} MB)",
+                               f"token ids + recompute ({sim['token_ids']['payload_bytes'] / 1e3:.1f} KB)"])
     ax.set_ylabel("latency (ms)")
     ax.set_title("F3: handing over 100 tokens")
     ax.legend()
@@ -75,11 +86,15 @@ def draw_all(out: Path, data: dict, results: dict, paper: dict, measured) -> Non
 
     fig, ax = plt.subplots(figsize=(8, 4))
     f4 = data["f4"]
-    labels = ["same-DC PD\n" + _layout(f4["baseline"][0]), "PDD\n" + _layout(f4["pdd"][0])]
-    ax.bar(labels, [f4["baseline"][0]["bcr_requests_per_dollar"], f4["pdd"][0]["bcr_requests_per_dollar"]])
+    rows = [(labels[r["setup"]] + "\n" + _layout(r), r["bcr_requests_per_dollar"])
+            for key in ("baseline", "hetero", "pdd") for r in f4.get(key, [])[:1]]
+    ax.bar([r[0] for r in rows], [r[1] for r in rows])
     ax.set_ylabel("BCR (requests per dollar within SLA)")
-    gain = results['bcr']['gain_pct']
-    ax.set_title(f"F4: BCR, simulated gain {'n/a' if gain is None else f'{gain:+.1f}%'} (paper +37.5%)")
+    gains = [results["bcr"]["gain_pct"], results["bcr"].get("gain_vs_hetero_pct")]
+    shown = ["n/a" if g is None else f"{g:+.1f}%" for g in gains]
+    ax.set_title(f"F4: BCR of PDD vs same-DC PD {shown[0]}, vs same-DC with GPU-B decode "
+                 f"{shown[1]} (report +{paper['bcr_gain_pct']}%)", fontsize=10)
+    ax.tick_params(axis="x", labelsize=8)
     _save(fig, out, "f4.png")
 
     fig, ax = plt.subplots(figsize=(9, 4))
@@ -97,8 +112,8 @@ def draw_all(out: Path, data: dict, results: dict, paper: dict, measured) -> Non
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
     for name in ("pdd", "prld_only"):
         timeline = data["f6"][name]["timeline"]
-        top.plot([r[0] for r in timeline], [r[1] for r in timeline], label=f"{name} relay queue")
-        bottom.plot([r[0] for r in timeline], [r[3] for r in timeline], label=f"{name} relay utilisation")
+        top.plot([r[0] for r in timeline], [r[1] for r in timeline], label=f"{labels[name]}: requests waiting for the relay")
+        bottom.plot([r[0] for r in timeline], [r[3] for r in timeline], label=f"{labels[name]}: relay utilisation")
     top.set_ylabel("requests waiting")
     top.legend()
     bottom.set_ylabel("utilisation")
@@ -126,21 +141,30 @@ def draw_all(out: Path, data: dict, results: dict, paper: dict, measured) -> Non
     ax.plot(hits, [r["with_drc_gbps"] for r in rows], "o-", label="with DRC")
     ax.set_yscale("log")
     ax.set_xlabel("token-weighted prefix hit (%)")
-    ax.set_ylabel("mean WAN Gb/s at 2 req/s")
+    ax.set_ylabel("mean WAN Gb/s")
     ax.set_title("F8: WAN bandwidth needed against hit rate")
     ax.legend()
     _save(fig, out, "f8.png")
 
-    fig, ax = plt.subplots(figsize=(10, 4))
+    fig, ax = plt.subplots(figsize=(15, 4.8))
     keys = list(data["f9"])
-    for i, q in enumerate(("ttft_p50_s", "ttft_p90_s", "ttft_p99_s")):
-        ax.bar([x + i * 0.25 for x in range(len(keys))], [data["f9"][k][q] for k in keys], 0.25, label=q)
-    ax.set_xticks([x + 0.25 for x in range(len(keys))], [k.replace("@", "\n") for k in keys], fontsize=8)
+    for i, q in enumerate(("p50", "p90", "p99")):
+        ax.bar([x + i * 0.25 for x in range(len(keys))], [data["f9"][k][f"ttft_{q}_s"] for k in keys],
+               0.25, label=f"TTFT {q.upper()}")
+    ax.set_xticks([x + 0.25 for x in range(len(keys))],
+                  [_wrap(labels[k.split("@")[0]]) + "\n@ " + k.split("@")[1] for k in keys],
+                  fontsize=7)
     ax.set_yscale("log")
     ax.set_ylabel("TTFT (s)")
-    ax.set_title("F9: the public conversation trace (37% hit)")
+    hit = data["f9"][keys[0]]["prefill_hit"]
+    ax.set_title(f"F9: {results.get('trace_file', 'trace')}, {100 * hit:.0f}% prefix hit (measured)")
     ax.legend()
     _save(fig, out, "f9.png")
+
+
+def _wrap(label: str) -> str:
+    """A setup's label over lines short enough to sit under one bar group."""
+    return label.replace(" (", "\n(").replace(", ", ",\n").replace(" + ", "\n+ ")
 
 
 def _layout(result: dict) -> str:

@@ -145,6 +145,7 @@ class HandoffProtocol:
         main = job.main
         flow = job.wan_flow
         if flow is not None and flow.active:
+            main.copies_in_flight.discard(flow)
             job.wan_bytes = self.wan.cancel_flow(flow)
             job.wan_flow = None
             main.release(job)

@@ -1,17 +1,28 @@
-"""A network line shared fairly by concurrent flows (processor sharing, like TCP fair share).
+"""A network line shared fairly by concurrent flows (processor sharing, like TCP fair share),
+with a per-flow throughput cap and a per-transfer fixed cost.
 
-With n flows active each gets rate / n, so a small high-hit transfer slips through while a
-large low-hit one crawls.  Implemented with a virtual clock: every active flow has received the
-same number of bytes since it started, V(t), which grows at rate / n; a flow of size S that
-started at V0 finishes when V reaches V0 + S.  Each change costs O(log n).
+With n flows active each gets min(per_flow_cap, rate / n): one TCP flow cannot go faster than
+its window over the RTT, however idle the line.  Implemented with a virtual clock: every active
+flow has received the same number of bytes since it started, V(t), which grows at that per-flow
+rate; a flow of size S that started at V0 finishes when V reaches V0 + S.  Each change costs
+O(log n).  The last byte then reaches the far end after the one-way delay, jitter and the
+transfer's fixed cost (connection, handshake, completion notice), which occupy no bandwidth.
+
+Completion is decided in time, not in bytes: a flow whose remaining bytes take less than a few
+float steps of the clock is done.  (A byte tolerance cannot work: at t ~ 500 s one float step
+is 1e-13 s, and a 40 GB/s line moves 0.004 B in it, so a byte test could leave a flow whose
+next check lands on the same clock value forever.)
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 
 from .engine import Event, Simulator
 from .profiles import LinkProfile
+
+TIME_STEPS_TOLERANCE = 16    # a flow this many float steps of the clock from done is done
 
 
 class Flow:
@@ -43,7 +54,8 @@ class LinkCheck(Event):
 
 
 class FlowDelivered(Event):
-    """The last byte of a flow reaches the far end, one-way delay plus jitter after sending."""
+    """The last byte of a flow reaches the far end: one-way delay, jitter and the transfer's
+    fixed cost after sending."""
 
     __slots__ = ("link", "flow")
 
@@ -65,7 +77,9 @@ class FairShareLink:
         self.profile = profile
         self.name = name
         self.rate = profile.bytes_per_s
+        self.per_flow_cap = profile.per_flow_bytes_per_s
         self.one_way_s = profile.rtt_s / 2
+        self.transfer_fixed_s = profile.per_transfer_fixed_s
         self.version = 0
         self._virtual = 0.0
         self._last_update = 0.0
@@ -79,6 +93,16 @@ class FairShareLink:
     @property
     def active_flows(self) -> int:
         return self._active
+
+    @property
+    def virtual_bytes(self) -> float:
+        """Bytes every active flow has received since the line was last idle (now)."""
+        self._advance()
+        return self._virtual
+
+    def flow_rate(self, flows: int) -> float:
+        """Bytes per second each of `flows` concurrent flows gets."""
+        return min(self.per_flow_cap, self.rate / max(flows, 1))
 
     def jitter(self) -> float:
         return self.sim.rng.uniform(0.0, self.profile.jitter_s) if self.profile.jitter_s else 0.0
@@ -110,20 +134,24 @@ class FairShareLink:
         return pushed
 
     def message_delay(self, size_bytes: float) -> float:
-        """Delay of a small control message: one-way delay, jitter and its fair share of rate.
+        """Delay of a small control message on an open connection: one-way delay, jitter and its
+        share of the rate (no per-transfer fixed cost: the control channel stays connected).
 
         Counted in the byte totals but not modelled as a flow (it is too small to matter to others).
         """
         self.messages_sent += 1
         self.bytes_sent += size_bytes
         self.bytes_received += size_bytes
-        return self.one_way_s + self.jitter() + size_bytes * (self._active + 1) / self.rate
+        return self.one_way_s + self.jitter() + size_bytes / self.flow_rate(self._active + 1)
 
     def _advance(self) -> None:
         now = self.sim.now
         if self._active:
-            self._virtual += (now - self._last_update) * self.rate / self._active
+            self._virtual += (now - self._last_update) * self.flow_rate(self._active)
         self._last_update = now
+
+    def _time_tolerance(self) -> float:
+        return TIME_STEPS_TOLERANCE * math.ulp(max(self.sim.now, 1.0))
 
     def _reschedule(self) -> None:
         self.version += 1
@@ -131,22 +159,24 @@ class FairShareLink:
         while heap and not heap[0][2].active:
             heapq.heappop(heap)
         if heap:
-            delay = max(0.0, (heap[0][0] - self._virtual) * self._active / self.rate)
-            self.sim.schedule(delay, LinkCheck(self, self.version))
+            delay = max(0.0, (heap[0][0] - self._virtual) / self.flow_rate(self._active))
+            # _complete_due_flows finishes every flow due within the tolerance, so the check
+            # always lands on a later clock value.
+            self.sim.schedule(max(delay, self._time_tolerance()), LinkCheck(self, self.version))
 
     def _complete_due_flows(self) -> None:
         self._advance()
         heap = self._heap
-        # Relative tolerance: virtual bytes reach 1e12, where float rounding exceeds one byte.
-        tolerance = 1e-9 * max(1.0, self._virtual) + 1e-3
-        while heap and (not heap[0][2].active or heap[0][0] <= self._virtual + tolerance):
+        due_virtual = self._virtual + self._time_tolerance() * self.flow_rate(self._active)
+        while heap and (not heap[0][2].active or heap[0][0] <= due_virtual):
             _, _, flow = heapq.heappop(heap)
             if not flow.active:
                 continue
             flow.active = False
             self._active -= 1
             self.bytes_sent += flow.size_bytes
-            self.sim.schedule(self.one_way_s + self.jitter(), FlowDelivered(self, flow))
+            self.sim.schedule(self.one_way_s + self.jitter() + self.transfer_fixed_s,
+                              FlowDelivered(self, flow))
         if not self._active:
             self._virtual = 0.0
             heap.clear()

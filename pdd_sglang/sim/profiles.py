@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import tomllib
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, fields, replace
 from pathlib import Path
 
 CONFIG_ROOT = Path(__file__).resolve().parents[2] / "configs"
@@ -29,9 +30,32 @@ class HardwareProfile:
     # attention of its own requests, the MoE layers are shared by all GPUs of the instance.
     attention_parallel_gpus: int = 0        # 0: the whole instance (plain tensor parallelism)
     # Latency every request pays before prefill that occupies no instance: HTTP hops, the PD
-    # bootstrap handshake, scheduler polling.  Measurable on the CPU demo, where it dwarfs the
-    # tiny model's compute; 0 for the GPU profiles (their calibrated MFU absorbs it).
+    # bootstrap handshake, tokenizing, scheduler polling.
     dispatch_latency_s: float = 0.0
+    # Efficiency of prefill attention (FlashAttention-class kernels); 0: prefill_mfu, which
+    # then covers the linear/MoE layers only.
+    attention_mfu: float = 0.0
+    # Prefill runs in chunks of this many new tokens (SGLang's --chunked-prefill-size); each
+    # chunk is one forward pass and pays prefill_overhead_s.  0: the whole prompt in one pass.
+    chunked_prefill_tokens: int = 0
+    # Expert-parallel dispatch + combine latency per MoE layer of a decode step at this
+    # instance's EP width.  Overlapped with compute (two-batch overlap), so a step lasts at least
+    # moe_layers x this; it is what keeps a lightly loaded decoder from running faster.
+    ep_layer_latency_s: float = 0.0
+
+    def __post_init__(self):
+        for key in ("peak_flops", "hbm_bytes_per_s", "prefill_mfu", "decode_mfu",
+                    "memory_efficiency"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"hardware {self.name!r}: {key} must be > 0")
+        for key in ("prefill_mfu", "decode_mfu", "attention_mfu", "memory_efficiency"):
+            if getattr(self, key) > 1:
+                raise ValueError(f"hardware {self.name!r}: {key} is a fraction of peak, got "
+                                 f"{getattr(self, key)}")
+
+    @property
+    def prefill_attention_mfu(self) -> float:
+        return self.attention_mfu or self.prefill_mfu
 
     @property
     def attention_gpus(self) -> int:
@@ -58,6 +82,7 @@ class ModelProfile:
     attention_flops_per_token_pair: float
     # Decode may use another attention form (MLA's weight-absorbed path); 0: same as prefill.
     decode_attention_flops_per_token_pair: float = 0.0
+    moe_layers: int = 0          # layers whose experts are spread over the instance (EP)
 
     @property
     def decode_pair_flops(self) -> float:
@@ -72,11 +97,34 @@ class LinkProfile:
     rtt_s: float
     jitter_s: float
     cost_per_hour: float
+    # One flow's window: a flow never moves more than window_bytes per RTT (TCP's window / RTT,
+    # or the transfer engine's in-flight limit), however idle the line.  0: no per-flow limit.
+    window_bytes: float = 0.0
+    # Paid once per transfer after its last byte is sent, occupying no bandwidth: connection or
+    # session setup, handshake, completion notice and polling at the receiver.
+    per_transfer_fixed_s: float = 0.0
+
+    def __post_init__(self):
+        for key in ("bytes_per_s", "rtt_s", "jitter_s", "window_bytes", "per_transfer_fixed_s"):
+            value = getattr(self, key)
+            if not value >= 0 or math.isinf(value):
+                raise ValueError(f"link {self.name!r}: {key} must be finite and >= 0, got {value!r}")
+        if self.window_bytes and not self.rtt_s:
+            raise ValueError(f"link {self.name!r}: a window needs a positive rtt_s")
+
+    @property
+    def per_flow_bytes_per_s(self) -> float:
+        """The most one flow can move: window / RTT (infinite without a window)."""
+        return self.window_bytes / self.rtt_s if self.window_bytes else math.inf
 
     def scaled(self, factor: float) -> "LinkProfile":
-        """The same line with `factor` times the bandwidth (for sweeps)."""
-        return LinkProfile(self.name + f" x{factor:g}", self.source, self.bytes_per_s * factor,
-                           self.rtt_s, self.jitter_s, self.cost_per_hour)
+        """The same line with `factor` times the bandwidth (for sweeps); the per-flow window is
+        a property of the endpoints and stays."""
+        return replace(self, name=self.name + f" x{factor:g}", bytes_per_s=self.bytes_per_s * factor)
+
+    def with_window(self, window_bytes: float) -> "LinkProfile":
+        return replace(self, name=self.name + f" window {window_bytes / 1e6:g} MB",
+                       window_bytes=window_bytes)
 
 
 def _load(cls, kind: str, name_or_path: str | Path):
@@ -122,7 +170,8 @@ class InstanceCost:
     with every lane busy each lane gets 1/lanes of the instance, so throughput is exact.
 
     Decode: a forward pass costs the larger of its memory time (weights touched + KV read, over
-    the instance's HBM bandwidth) and its compute time, plus a fixed overhead.  MoE weights
+    the instance's HBM bandwidth), its compute time and its expert-parallel communication
+    (moe_layers x ep_layer_latency_s, overlapped with the other two), plus a fixed overhead.  MoE weights
     touched grow with the tokens in the batch until every expert is read, which is why decode
     is memory-bound and a small extend is nearly free.
     """
@@ -136,8 +185,10 @@ class InstanceCost:
         self._lane_memory_rate = (hardware.attention_gpus * hardware.hbm_bytes_per_s
                                   * hardware.memory_efficiency)
         self._prefill_flops = gpus * hardware.peak_flops * hardware.prefill_mfu
-        self._lane_prefill_flops = hardware.attention_gpus * hardware.peak_flops * hardware.prefill_mfu
         self._decode_flops = gpus * hardware.peak_flops * hardware.decode_mfu
+        self._lane_attention_flops = (hardware.attention_gpus * hardware.peak_flops
+                                      * hardware.prefill_attention_mfu)
+        self._ep_step_s = model.moe_layers * hardware.ep_layer_latency_s
         self._active_weight_bytes = model.weight_bytes * model.active_params / model.total_params
         free_bytes = gpus * hardware.hbm_bytes * hardware.usable_memory_fraction - model.weight_bytes
         if free_bytes <= 0:
@@ -146,17 +197,28 @@ class InstanceCost:
 
     def prefill_seconds(self, new_tokens: int, cached_tokens: int, concurrent: int = 1) -> float:
         """Compute-bound prefill of new_tokens after cached_tokens of reused prefix, while
-        `concurrent` requests (this one included) share the instance's linear layers."""
+        `concurrent` requests (this one included) share the instance's linear layers.
+
+        Attention (FLOPs per (query, context) pair) runs on the request's attention group at
+        attention_mfu; the linear/MoE layers (2 x active params per token) on the whole instance
+        at prefill_mfu; writing the new tokens' KV is a memory pass; each chunk of
+        chunked_prefill_tokens is one forward pass paying prefill_overhead_s.  Chunking leaves
+        the attention pairs unchanged: chunk i attends over the cache and the chunks before it.
+        """
         m = self.model
+        hardware = self.hardware
         share = min(max(concurrent, 1), self.prefill_lanes)
         attention = max(
             m.attention_flops_per_token_pair * new_tokens * (cached_tokens + new_tokens / 2)
-            / self._lane_prefill_flops,
+            / self._lane_attention_flops,
             (cached_tokens + new_tokens) * m.kv_bytes_per_token / self._lane_memory_rate)
+        kv_write = new_tokens * m.kv_bytes_per_token / self._lane_memory_rate
         linear = share * max(2.0 * m.active_params * new_tokens / self._prefill_flops,
                              min(m.weight_bytes, self._active_weight_bytes * new_tokens)
                              / self._memory_rate)
-        return attention + linear + self.hardware.prefill_overhead_s
+        chunk = hardware.chunked_prefill_tokens or max(new_tokens, 1)
+        forwards = max(1, math.ceil(new_tokens / chunk))
+        return attention + kv_write + linear + forwards * hardware.prefill_overhead_s
 
     def forward_seconds(self, decode_batch: int, decode_context_tokens: int,
                         extends=()) -> float:
@@ -173,4 +235,4 @@ class InstanceCost:
         pairs = decode_context_tokens + sum(t * (prefix + t / 2) for t, prefix in extends)
         compute = (2.0 * m.active_params * tokens
                    + m.decode_pair_flops * pairs) / self._decode_flops
-        return max(memory, compute) + self.hardware.step_overhead_s
+        return max(memory, compute, self._ep_step_s) + self.hardware.step_overhead_s

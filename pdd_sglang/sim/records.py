@@ -18,7 +18,8 @@ class Job:
                  "handoff_mode", "handed_tokens", "handoff_rounds", "handoff_gap_s",
                  "relay_last_token_s", "token_times", "cancelled_wan", "handoff_cancelled",
                  "main_uncached_tokens", "relay_abandoned",
-                 "main_reserved", "prefill_index", "prefill_lane", "relay_hold_since_s")
+                 "main_reserved", "prefill_index", "prefill_lane", "relay_hold_since_s",
+                 "wan_started_s", "main_reserved_s")
 
     def __init__(self, request):
         self.request = request
@@ -52,6 +53,8 @@ class Job:
         self.prefill_index = 0
         self.prefill_lane = 0
         self.relay_hold_since_s = math.nan
+        self.wan_started_s = math.nan
+        self.main_reserved_s = math.nan
 
     @property
     def ttft_s(self) -> float:
@@ -106,6 +109,11 @@ class RunSummary:
     relay_busy_request_s: float   # sum over requests of seconds holding a relay slot
     duration_s: float
     goodput_rps: float = 0.0
+    # Where TTFT goes, per request then percentiles {p50, p90, p99} in seconds: waiting for a
+    # prefill lane, computing the prefill, and everything after it until the first token
+    # (waiting for decode admission, the KV copy, delivery).
+    ttft_parts_s: dict = field(default_factory=dict)
+    decode_admission_wait_p99_s: float = 0.0
     timeline: list = field(default_factory=list)
 
     def as_dict(self) -> dict:
@@ -130,6 +138,15 @@ def summarise(setup: str, jobs: list, itl_histogram: dict, bin_width: float,
             by_mode[j.handoff_mode.value] = by_mode.get(j.handoff_mode.value, 0) + 1
         if j.finished_at:
             finished_at[j.finished_at] = finished_at.get(j.finished_at, 0) + 1
+    parts = {
+        "prefill_queue": [j.prefill_start_s - j.request.arrival_s for j in done],
+        "prefill_compute": [j.prefill_done_s - j.prefill_start_s for j in done],
+        "after_prefill": [j.first_token_s - j.prefill_done_s for j in done],
+    }
+    ttft_parts = {name: {f"p{q}": percentile(values, q) for q in (50, 90, 99)}
+                  for name, values in parts.items()}
+    admission = [j.main_reserved_s - j.prefill_done_s for j in done
+                 if not math.isnan(j.main_reserved_s)]
     start = min((j.request.arrival_s for j in jobs), default=0.0)
     end = max((j.finish_s for j in done), default=start)
     return RunSummary(
@@ -148,4 +165,6 @@ def summarise(setup: str, jobs: list, itl_histogram: dict, bin_width: float,
         main_hit=sum(j.main_cached_tokens for j in to_main) / main_inputs,
         by_pipeline=by_pipeline, by_handoff_mode=by_mode, finished_at=finished_at,
         relay_busy_request_s=relay_busy_request_s, duration_s=end - start,
+        ttft_parts_s=ttft_parts,
+        decode_admission_wait_p99_s=percentile(admission, 99) if admission else 0.0,
         timeline=timeline)

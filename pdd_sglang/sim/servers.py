@@ -10,6 +10,7 @@ from .cache import BlockPrefixCache
 from .engine import Event, Simulator
 from .profiles import InstanceCost
 
+RECENT_COPIES = 8           # copies a main's measured WAN throughput is taken over
 ITL_BIN_S = 0.0005          # inter-token latency histogram resolution
 
 
@@ -129,6 +130,8 @@ class DecodeServer:
         self.traced: set = set()           # jobs whose every token time is recorded
         self.delivery_delay_s = 0.0        # this server's tokens reach the router this much later
         self.finished_callbacks: dict = {}
+        self.copies_in_flight: set = set()            # WAN flows of prompts coming here
+        self.recent_copies: deque = deque(maxlen=RECENT_COPIES)   # (bytes, seconds) landed
 
     # --- admission -----------------------------------------------------------------------
     def load(self) -> RelayLoad:

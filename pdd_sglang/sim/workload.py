@@ -62,6 +62,10 @@ class AgenticConfig:
     singular_input_min: int = 56000
     singular_input_max: int = 72000
     singular_output_max: int = 32
+    # Context window: a turn whose context would exceed it compacts the conversation (as coding
+    # agents do): the session goes on from a fresh first context, a prefix miss past the
+    # system prompt.  0: no limit.
+    max_context_tokens: int = 0
     seed: int = 1
 
 
@@ -117,22 +121,28 @@ def generate_agentic(cfg: AgenticConfig) -> tuple[list, list]:
         stream = list(range(system_blocks))
         context = rng.randint(cfg.first_context_min, cfg.first_context_max)
         arrival = t
+        # Every turn is drawn even past the end of the run (and then dropped), so a session
+        # consumes the same random numbers at any rate: a higher rate packs the same sessions
+        # closer together instead of drawing different ones, and load sweeps are smooth.
         for _ in range(rng.randint(cfg.turns_min, cfg.turns_max)):
-            if arrival >= cfg.duration_s:
-                break
             _extend_stream(stream, context, ids)
             output = _output_tokens(cfg, rng)
             prompt = _prompt_blocks(stream, context, ids)
             _extend_stream(stream, context + output, ids)
             after = tuple(stream[:(context + output) // BLOCK_TOKENS])
-            drafts.append((arrival, context, output, prompt, after, session))
+            if arrival < cfg.duration_s:
+                drafts.append((arrival, context, output, prompt, after, session))
             if rng.random() < cfg.big_delta_probability:
                 delta = rng.randint(cfg.big_delta_min, cfg.big_delta_max)
             else:
                 delta = rng.randint(cfg.small_delta_min, cfg.small_delta_max)
             context += output + delta
+            if cfg.max_context_tokens and context > cfg.max_context_tokens:
+                stream = list(range(system_blocks))
+                context = rng.randint(cfg.first_context_min, cfg.first_context_max)
             arrival += rng.uniform(cfg.think_min_s, cfg.think_max_s)
     singular_rate = cfg.rate_per_s * cfg.singular_fraction
+    rng = random.Random(cfg.seed * 7919 + 1)      # their own stream: independent of sessions
     t = 0.0
     while singular_rate > 0:
         t += rng.expovariate(singular_rate)
@@ -153,26 +163,43 @@ def generate_agentic(cfg: AgenticConfig) -> tuple[list, list]:
     return requests, warmup
 
 
+TRACE_KEYS = ("timestamp", "input_length", "output_length", "hash_ids")
+
+
 def read_trace(path: Path | str = TRACE_PATH, limit: int | None = None,
                max_duration_s: float | None = None) -> list:
-    """Read the Mooncake jsonl trace: timestamp (ms), input_length, output_length, hash_ids.
+    """Read a Mooncake-format jsonl trace: timestamp (ms), input_length, output_length, hash_ids
+    (chained ids of 512-token blocks).  Rows are replayed in timestamp order from time 0.
 
     The trace has no ids for output blocks, so a decoder caches the prompt blocks only.
     """
-    requests = []
+    rows = []
     with open(path, encoding="utf-8") as handle:
-        for line in handle:
+        for number, line in enumerate(handle, 1):
             if not line.strip():
                 continue
-            row = json.loads(line)
-            arrival = row["timestamp"] / 1000.0
-            if max_duration_s is not None and arrival >= max_duration_s:
-                break
-            blocks = tuple(row["hash_ids"])
-            requests.append(Request(len(requests), arrival, int(row["input_length"]),
-                                    max(1, int(row["output_length"])), blocks, blocks))
-            if limit is not None and len(requests) >= limit:
-                break
+            try:
+                row = json.loads(line)
+                missing = [key for key in TRACE_KEYS if key not in row]
+                if missing:
+                    raise ValueError(f"missing {missing}")
+                rows.append((float(row["timestamp"]) / 1000.0, number,
+                             max(1, int(row["input_length"])), max(1, int(row["output_length"])),
+                             tuple(row["hash_ids"])))
+            except (ValueError, TypeError) as error:
+                raise ValueError(f"{path}:{number}: not a Mooncake trace row "
+                                 f"({', '.join(TRACE_KEYS)}): {error}") from None
+    rows.sort()
+    start = rows[0][0] if rows else 0.0
+    requests = []
+    for arrival, _, input_tokens, output_tokens, blocks in rows:
+        arrival -= start
+        if max_duration_s is not None and arrival >= max_duration_s:
+            break
+        requests.append(Request(len(requests), arrival, input_tokens, output_tokens,
+                                blocks, blocks))
+        if limit is not None and len(requests) >= limit:
+            break
     return requests
 
 

@@ -1,7 +1,20 @@
-"""Shared clusters of real SGLang servers on the tiny model (CPU profile).
+"""The two shared clusters of real SGLang servers on the tiny model (CPU profile), started once.
 
-Servers start once per module that asks for them and stop on every exit path; their logs stay in
-pytest's temporary directory (the last runs are kept), and a failing start prints the log tail.
+Every integration test that can share servers uses one of two session-wide PDD clusters (prefill,
+relay, main, a second main and a plain single server as the greedy reference); they differ only
+in the KV page size, so each check runs where its layout matters:
+
+- ``page1``: page size 1. Behind it runs the PDD router (``router_cluster``); the plain PD pair
+  (``pd_pair``) and the two-main affinity test use its prefill and mains.
+- ``page16``: page size 16 with chunked prefill of 64 tokens, so a prompt's KV reaches each
+  destination in several chunks that do not fall on its prefix.
+
+Per-request test controls travel in the route (forced handoff points, a damaged WAN copy); what
+is a server flag here is test-only and inert unless a route asks for it, except the WAN delay on
+prefill's path to main (every chunk waits ``WAN_DELAY_MS``, so a relay runs ahead as behind a real
+WAN). Servers stop on every exit path; their logs stay in pytest's temporary directory, and a
+failing start prints the log tail. The demo and the fault suite start their own servers, in
+network namespaces behind the emulated line.
 """
 
 from __future__ import annotations
@@ -9,78 +22,12 @@ from __future__ import annotations
 import pytest
 
 from pdd_sglang.dev.testing.cluster import RELAY_CPU_ARGS, Cluster, SGLangServer, free_port
-from pdd_sglang.dev.testing.wan_cluster import RouterProcess
 from pdd_sglang.dev.testing.tiny_model import TinyModelSpec, ensure_tiny_model
-
-
-@pytest.fixture(scope="session")
-def tiny_model():
-    spec = TinyModelSpec()
-    return spec, ensure_tiny_model(spec)
-
-
-@pytest.fixture(scope="module")
-def pd_pair(tiny_model, tmp_path_factory):
-    """A PDD prefill and a PDD main, over Mooncake TCP, with main's decode radix cache."""
-    _, model_path = tiny_model
-    log_dir = tmp_path_factory.mktemp("pd-pair-logs")
-    bootstrap_port = free_port()
-    transport = ("--disaggregation-transfer-backend", "mooncake_tcp")
-    prefill = SGLangServer(
-        "prefill", model_path, log_dir,
-        extra_args=("--pdd-role", "prefill", "--disaggregation-bootstrap-port",
-                    str(bootstrap_port), *transport),
-    )
-    main = SGLangServer("main", model_path, log_dir, extra_args=("--pdd-role", "main", *transport))
-    with Cluster([prefill, main]) as cluster:
-        cluster.bootstrap_port = bootstrap_port
-        cluster.log_dir = log_dir
-        yield cluster
-
+from pdd_sglang.dev.testing.wan_cluster import RouterProcess
 
 # Every KV chunk to main waits this long (a test-only WAN delay), so the relay runs ahead.
 WAN_DELAY_MS = 300
 CATCH_UP_CHUNK = 64
-
-
-@pytest.fixture(scope="session", params=[1, 16], ids=lambda p: f"page{p}")
-def three_roles(request, tiny_model, tmp_path_factory):
-    """PDD prefill, relay and main on one machine, over Mooncake TCP, plus a plain server.
-
-    Two variants: page size 1, and page size 16 with chunked prefill of 64 tokens, so that a
-    prompt's KV reaches each destination in several chunks that do not fall on its prefix. The
-    WAN path to main gets a test-only delay, and the relay honours forced handoff points. Relay
-    and main check main's WAN copy against the relay's (``--pdd-enable-kv-digest``), and main
-    damages a request's copy when its route asks (``--pdd-debug-corrupt-wan-kv``).
-    """
-    page_size = request.param
-    _, model_path = tiny_model
-    log_dir = tmp_path_factory.mktemp(f"three-roles-page{page_size}-logs")
-    bootstrap_port = free_port()
-    common = ("--disaggregation-transfer-backend", "mooncake_tcp", "--page-size", str(page_size),
-              "--pdd-debug-kv-digest")
-    chunking = ("--chunked-prefill-size", "64") if page_size > 1 else ()
-    servers = [
-        SGLangServer("prefill", model_path, log_dir, extra_args=(
-            "--pdd-role", "prefill", "--disaggregation-bootstrap-port", str(bootstrap_port),
-            "--pdd-relay-bootstrap-timeout", "2", "--enable-metrics",
-            "--pdd-debug-wan-delay-ms", str(WAN_DELAY_MS), *common, *chunking)),
-        SGLangServer("relay", model_path, log_dir, extra_args=(
-            "--pdd-role", "relay", "--pdd-debug-handoff-hold", "--pdd-catch-up-chunk",
-            str(CATCH_UP_CHUNK), "--enable-metrics", "--pdd-enable-kv-digest", *common,
-            *RELAY_CPU_ARGS)),
-        SGLangServer("main", model_path, log_dir, extra_args=(
-            "--pdd-role", "main", "--enable-metrics", "--pdd-enable-kv-digest",
-            "--pdd-debug-corrupt-wan-kv", *common)),
-        # The greedy reference: one ordinary SGLang server, no disaggregation.
-        SGLangServer("plain", model_path, log_dir, extra_args=("--page-size", str(page_size))),
-    ]
-    with Cluster(servers) as cluster:
-        cluster.bootstrap_port = bootstrap_port
-        cluster.log_dir = log_dir
-        cluster.page_size = page_size
-        yield cluster
-
 
 # ---- PDD router ------------------------------------------------------------------------------
 # Link parameters that put the P->MD / P->RLD->MD boundary at 100 uncached tokens of the tiny
@@ -90,34 +37,82 @@ ROUTER_RELAY_ABOVE_TOKENS = 100
 ROUTER_WAN_GBPS = ROUTER_RELAY_ABOVE_TOKENS * 512 / 0.5 * 8 / 1e9
 
 
-@pytest.fixture(scope="module")
-def router_cluster(tiny_model, tmp_path_factory):
-    """P, RLD and MD behind the PDD router, plus a plain single server as the greedy reference."""
-    _, model_path = tiny_model
-    log_dir = tmp_path_factory.mktemp("router-logs")
+@pytest.fixture(scope="session")
+def tiny_model():
+    spec = TinyModelSpec()
+    return spec, ensure_tiny_model(spec)
+
+
+def _pdd_cluster(page_size: int, model_path, log_dir) -> Cluster:
+    """Prefill, relay, main, a second main and a plain server; main checks its WAN copy against
+    the relay's (``--pdd-enable-kv-digest``) and damages one when its route asks."""
     bootstrap_port = free_port()
-    transport = ("--disaggregation-transfer-backend", "mooncake_tcp")
+    common = ("--disaggregation-transfer-backend", "mooncake_tcp", "--page-size", str(page_size),
+              "--pdd-debug-kv-digest")
+    chunking = ("--chunked-prefill-size", "64") if page_size > 1 else ()
+    main_args = ("--pdd-role", "main", "--enable-metrics", "--pdd-enable-kv-digest",
+                 "--pdd-debug-corrupt-wan-kv", *common)
     servers = [
         SGLangServer("prefill", model_path, log_dir, extra_args=(
             "--pdd-role", "prefill", "--disaggregation-bootstrap-port", str(bootstrap_port),
-            *transport)),
+            "--pdd-relay-bootstrap-timeout", "2", "--enable-metrics",
+            "--pdd-debug-wan-delay-ms", str(WAN_DELAY_MS), *common, *chunking)),
         SGLangServer("relay", model_path, log_dir, extra_args=(
-            "--pdd-role", "relay", *transport, *RELAY_CPU_ARGS)),
-        SGLangServer("main", model_path, log_dir, extra_args=("--pdd-role", "main", *transport)),
-        SGLangServer("plain", model_path, log_dir),
+            "--pdd-role", "relay", "--pdd-debug-handoff-hold", "--pdd-catch-up-chunk",
+            str(CATCH_UP_CHUNK), "--enable-metrics", "--pdd-enable-kv-digest", *common,
+            *RELAY_CPU_ARGS)),
+        SGLangServer("main", model_path, log_dir, extra_args=main_args),
+        SGLangServer("main2", model_path, log_dir, extra_args=main_args),
+        # The greedy reference: one ordinary SGLang server, no disaggregation.
+        SGLangServer("plain", model_path, log_dir, extra_args=("--page-size", str(page_size))),
     ]
-    with Cluster(servers) as cluster:
-        router = RouterProcess(log_dir / "router.log", [
-            "--prefill", cluster["prefill"].url, str(bootstrap_port),
-            "--relay", cluster["relay"].url, "--main", cluster["main"].url,
-            "--wan-gbps", repr(ROUTER_WAN_GBPS), "--wan-rtt-ms", "0",
-            "--health-interval-s", "1"])
-        try:
-            router.start()
-            cluster.router = router
-            cluster.bootstrap_port = bootstrap_port
-            cluster.log_dir = log_dir
-            cluster.model_path = model_path
-            yield cluster
-        finally:
-            router.stop()
+    cluster = Cluster(servers)
+    cluster.bootstrap_port = bootstrap_port
+    cluster.log_dir = log_dir
+    cluster.page_size = page_size
+    cluster.model_path = model_path
+    return cluster
+
+
+@pytest.fixture(scope="session")
+def page1_cluster(tiny_model, tmp_path_factory):
+    _, model_path = tiny_model
+    with _pdd_cluster(1, model_path, tmp_path_factory.mktemp("page1-logs")) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session")
+def page16_cluster(tiny_model, tmp_path_factory):
+    _, model_path = tiny_model
+    with _pdd_cluster(16, model_path, tmp_path_factory.mktemp("page16-logs")) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session", params=[1, 16], ids=lambda p: f"page{p}")
+def three_roles(request):
+    """PDD prefill, relay and main (and a plain server) at page size 1 or 16."""
+    return request.getfixturevalue(f"page{request.param}_cluster")
+
+
+@pytest.fixture(scope="session")
+def pd_pair(page1_cluster):
+    """A PDD prefill and a PDD main, over Mooncake TCP, with main's decode radix cache."""
+    return page1_cluster
+
+
+@pytest.fixture(scope="session")
+def router_cluster(page1_cluster):
+    """P, RLD and MD of the page-1 cluster behind the PDD router (the plain server beside)."""
+    cluster = page1_cluster
+    router = RouterProcess(cluster.log_dir / "router.log", [
+        "--prefill", cluster["prefill"].url, str(cluster.bootstrap_port),
+        "--relay", cluster["relay"].url, "--main", cluster["main"].url,
+        "--wan-gbps", repr(ROUTER_WAN_GBPS), "--wan-rtt-ms", "0",
+        "--health-interval-s", "1"])
+    try:
+        router.start()
+        cluster.router = router
+        yield cluster
+    finally:
+        router.stop()
+        cluster.router = None

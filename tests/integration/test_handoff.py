@@ -116,19 +116,29 @@ def test_payload_is_a_few_bytes_per_handed_token(three_roles, baselines):
     assert payload <= 16 * tokens + 128
 
 
+def first_stop_word(tokens: list[int], start: int, end: int) -> tuple[int, str]:
+    """The first position in [start, end) whose word occurs nowhere earlier (not even as the
+    start of a longer word), so a stop string of that word ends the output exactly there."""
+    # The tiny model's tokenizer is word-level: token FIRST_WORD_ID + i is the word "w{i}".
+    for position in range(start, min(end, len(tokens))):
+        stop = f"w{tokens[position] - FIRST_WORD_ID}"
+        if not any(f"w{t - FIRST_WORD_ID}".startswith(stop) for t in tokens[:position]):
+            return position, stop
+    pytest.fail(f"no usable stop word in positions {start}..{end} of {tokens}")
+
+
 def test_stop_conditions_span_the_handoff(three_roles, baselines):
     """A stop string after the handoff ends the request at main; before it, at the relay."""
     prompt = words(5, 120)
     plain = three_roles["plain"]
     free_run = plain.post_json("/generate", {"input_ids": prompt, "sampling_params": greedy(60)})
     tokens = free_run["output_ids"]
-    for stop_at, point in [(40, 10), (8, 30)]:
-        # The tiny model's tokenizer is word-level: token FIRST_WORD_ID + i is the word "w{i}".
-        stop = f"w{tokens[stop_at] - FIRST_WORD_ID}"
-        if any(f"w{t - FIRST_WORD_ID}".startswith(stop) for t in tokens[:stop_at]):
-            continue  # the stop string occurs earlier: not a test of this position
+    after_handoff = (first_stop_word(tokens, 20, 60), 10)
+    before_handoff = (first_stop_word(tokens, 2, 30), 30)
+    for (stop_at, stop), point in (after_handoff, before_handoff):
         body = {"input_ids": prompt, "sampling_params": greedy(60, stop=[stop])}
         reference = plain.post_json("/generate", body)
+        assert len(reference["output_ids"]) <= stop_at + 1, (stop_at, reference)
         answer = run(three_roles, body, debug_handoff_after_tokens=point,
                      debug_handoff_mode="one-shot")
         assert answer["output_ids"] == reference["output_ids"], (stop_at, point)

@@ -9,7 +9,6 @@ import urllib.request
 
 import pytest
 
-from pdd_sglang.dev.testing.cluster import Cluster, SGLangServer, free_port
 from pdd_sglang.dev.testing.conversation import FIRST_WORD_ID, WORDS
 from pdd_sglang.dev.testing.pd_client import generate_fanout
 from pdd_sglang.dev.testing.wan_cluster import RouterProcess
@@ -24,29 +23,28 @@ def words(seed: int, count: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def two_mains(tiny_model, tmp_path_factory):
-    _, model_path = tiny_model
-    log_dir = tmp_path_factory.mktemp("two-mains-logs")
-    bootstrap_port = free_port()
-    transport = ("--disaggregation-transfer-backend", "mooncake_tcp")
-    servers = [
-        SGLangServer("prefill", model_path, log_dir, extra_args=(
-            "--pdd-role", "prefill", "--disaggregation-bootstrap-port", str(bootstrap_port),
-            *transport)),
-        SGLangServer("main1", model_path, log_dir, extra_args=("--pdd-role", "main", *transport)),
-        SGLangServer("main2", model_path, log_dir, extra_args=("--pdd-role", "main", *transport)),
-    ]
-    with Cluster(servers) as cluster:
-        router = RouterProcess(log_dir / "router.log", [
-            "--prefill", cluster["prefill"].url, str(bootstrap_port),
-            "--main", cluster["main1"].url, cluster["main2"].url])
-        try:
-            router.start()
-            cluster.router = router
-            cluster.bootstrap_port = bootstrap_port
-            yield cluster
-        finally:
-            router.stop()
+def two_mains(page1_cluster):
+    """The page-1 cluster's prefill and both its mains, behind a router of their own."""
+    cluster = page1_cluster
+    router = RouterProcess(cluster.log_dir / "router-two-mains.log", [
+        "--prefill", cluster["prefill"].url, str(cluster.bootstrap_port),
+        "--main", cluster["main"].url, cluster["main2"].url])
+    try:
+        router.start()
+        yield _TwoMains(cluster, router)
+    finally:
+        router.stop()
+
+
+class _TwoMains:
+    def __init__(self, cluster, router):
+        self.servers = {"prefill": cluster["prefill"], "main1": cluster["main"],
+                        "main2": cluster["main2"]}
+        self.bootstrap_port = cluster.bootstrap_port
+        self.router = router
+
+    def __getitem__(self, name):
+        return self.servers[name]
 
 
 def bytes_to_mains(cluster) -> int:

@@ -132,6 +132,14 @@ async def with_router(scripts, test, delay_s=0.0, policy=None, prefill_failures=
             await server.stop()
 
 
+async def eventually(condition, timeout_s: float = 10.0) -> None:
+    """Poll ``condition`` (the router acts on a request after answering it) until it holds."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition never held"
+        await asyncio.sleep(0.02)
+
+
 async def sse(response) -> list:
     events = []
     async for line in response.content:
@@ -198,7 +206,7 @@ def test_relay_finishing_alone_aborts_main_for_singular_traffic():
             whole = await resp.json()
         assert whole["output_ids"] == [10, 11]
         assert whole["meta_info"]["pdd"]["outcome"] == "relay_finished"
-        await asyncio.sleep(0.3)
+        await eventually(lambda: main.aborted and prefill.aborted)
         assert main.aborted == [main.bodies[-1]["rid"]]
         assert prefill.aborted == [main.bodies[-1]["rid"]]
         assert relay.aborted == []
@@ -214,10 +222,9 @@ def test_relay_finishing_alone_lets_main_cache_the_prompt_otherwise():
             whole = await resp.json()
         assert whole["output_ids"] == [10, 11]
         assert whole["meta_info"]["pdd"]["outcome"] == "relay_finished"
-        await asyncio.sleep(0.5)
         # Main's copy runs on (its stream is drained, not closed): main caches the prompt.
+        await eventually(lambda: main.finished_streams == 1)
         assert main.aborted == [] and prefill.aborted == []
-        assert main.finished_streams == 1
 
     asyncio.run(with_router([RELAY_DONE, MAIN_SCRIPT], test, delay_s=0.05))
 
@@ -292,9 +299,8 @@ def test_a_failure_before_the_first_token_is_retried_on_a_fresh_placement():
         assert whole["output_ids"] == [10, 11, 12, 13, 14]  # whole, as if nothing happened
         first, second = (b["rid"] for b in prefill.bodies)
         assert first != second and len(prefill.bodies) == 2
-        await asyncio.sleep(0.3)
         # The failed attempt is dropped everywhere.
-        assert first in relay.aborted and first in main.aborted and first in prefill.aborted
+        await eventually(lambda: all(first in s.aborted for s in (relay, main, prefill)))
         async with session.get(url + "/metrics") as resp:
             assert 'pdd_router_retries_total{cause="upstream_status"} 1.0' in await resp.text()
 

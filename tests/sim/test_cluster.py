@@ -51,11 +51,11 @@ def test_handoff_delivers_every_token_exactly_once(small_workload):
 def test_single_request_same_dc_matches_hand_computation():
     model = load_model("moe_1t_50kb")
     prefill = InstanceCost(load_hardware("gpu_a"), model)
-    decode = InstanceCost(load_hardware("gpu_b"), model)
+    decode = InstanceCost(load_hardware("gpu_a"), model)      # same_dc_pd is homogeneous
     rdma = load_link("rdma_intra_dc")
     request = Request(0, 1.0, 4096, 3, tuple(range(8)), tuple(range(8)))
     summary, cluster = simulate(ClusterConfig(setup=Setup.SAME_DC_PD), [request])
-    kv_landed = 1.0 + prefill.prefill_seconds(4096, 0) + 4096 * 50_000 / rdma.bytes_per_s + rdma.rtt_s / 2
+    kv_landed = 1.0 + prefill.hardware.dispatch_latency_s + prefill.prefill_seconds(4096, 0) + 4096 * 50_000 / rdma.bytes_per_s + rdma.rtt_s / 2
     assert summary.ttft_p50_s == pytest.approx(kv_landed - 1.0, rel=1e-9)
     steps = decode.forward_seconds(1, 4096) + decode.forward_seconds(1, 4097)
     assert cluster.jobs[0].finish_s == pytest.approx(kv_landed + steps, rel=1e-9)
@@ -81,12 +81,27 @@ def test_more_bandwidth_never_raises_ttft(small_workload):
         previous = current
 
 
+@pytest.mark.parametrize("setup", [Setup.CROSS_DC_PD, Setup.CROSS_DC_PD_DRC])
+def test_a_larger_per_flow_window_never_raises_ttft(setup, small_workload):
+    # Setups without placement decisions: PDD's placement changes with the predicted copy time
+    # (a larger window sends more requests straight to main), so its TTFT need not be monotone.
+    requests, warmup = small_workload
+    previous = None
+    for window in (2e6, 8e6, 32e6, 128e6):
+        summary, _ = simulate(ClusterConfig(setup=setup, wan_link="wan_10g",
+                                            wan_window_bytes=window), requests, warmup)
+        current = (summary.ttft_p50_s, summary.ttft_p90_s, summary.ttft_p99_s, summary.ttft_mean_s)
+        if previous:
+            assert all(c <= p + 1e-9 for c, p in zip(current, previous)), (window, current, previous)
+        previous = current
+
+
 def test_higher_hit_never_raises_wan_bytes(small_workload):
     # Same requests; main's DRC hit is raised by giving it more room (0 = no DRC at all).
     requests, warmup = small_workload
     hits, wan_bytes = [], []
     for capacity in (0, 200_000, 2_000_000, 16_000_000):
-        summary, _ = simulate(ClusterConfig(setup=Setup.CROSS_DC_PD, main_cache_tokens=capacity,
+        summary, _ = simulate(ClusterConfig(setup=Setup.CROSS_DC_PD_DRC, main_cache_tokens=capacity,
                                             use_drc=capacity > 0), requests, warmup)
         hits.append(summary.main_hit)
         wan_bytes.append(summary.wan_bytes)
@@ -110,7 +125,9 @@ def test_relay_only_collapses_where_pdd_stays_stable():
         return sum(j.pipeline is not Pipeline.PREFILL_MAIN for j in hits) / len(hits)
     assert relay_share_of_prefill_hits(relay_only, 3) > 0.5
     assert relay_share_of_prefill_hits(pdd, 3) < 0.35
-    assert quarter_stats(relay_only)[3]["relay_share"] > 2 * quarter_stats(relay_only)[0]["relay_share"]
+    # the relay's share climbs: the share still reaching main at least halves
+    first, last = quarter_stats(relay_only)[0]["relay_share"], quarter_stats(relay_only)[3]["relay_share"]
+    assert 1 - last < 0.5 * (1 - first)
 
 
 def test_reactive_filter_saves_wan_bytes_and_relay_time(small_workload):

@@ -1,6 +1,7 @@
 """The prefill cost model by hand, and validate_sim's handling of a real demo.json."""
 
 import importlib.util
+from dataclasses import replace
 import json
 from pathlib import Path
 
@@ -17,16 +18,40 @@ def test_prefill_of_a_90pct_hit_64k_request_by_hand():
     hw, model = load_hardware("gpu_a"), load_model("moe_1t_50kb")
     cost = InstanceCost(hw, model)
     new, cached = 6554, 58982                       # 64K at 90% hit
-    attention = 2.5e6 * new * (cached + new / 2) / (1 * 989e12 * hw.prefill_mfu)
-    linear = 2 * 32e9 * new / (16 * 989e12 * hw.prefill_mfu)
+    # attention on ONE GPU (DP attention) at the cited attention MFU, MoE on all 16 at the
+    # cited prefill MFU, the new KV written once, one fixed cost per 8192-token chunk
+    attention = 2.5e6 * new * (cached + new / 2) / (1 * 989e12 * 0.60)
+    linear = 2 * 32e9 * new / (16 * 989e12 * 0.49)
+    kv_write = new * 50_000 / (3.35e12 * 0.80)
+    forwards = 1                                    # 6554 new tokens: one chunk
     assert cost.prefill_lanes == 16
-    assert cost.prefill_seconds(new, cached) == pytest.approx(attention + linear + 0.010, rel=1e-12)
+    assert cost.prefill_seconds(new, cached) == pytest.approx(
+        attention + kv_write + linear + forwards * 0.030, rel=1e-12)
     # the attention over the cached context, on one GPU, dominates the new tokens' MoE work
     assert attention > 10 * linear
     # with every lane busy, each lane gets 1/16 of the instance's linear layers
     assert cost.prefill_seconds(new, cached, concurrent=16) == pytest.approx(
-        attention + 16 * linear + 0.010, rel=1e-12)
+        attention + kv_write + 16 * linear + 0.030, rel=1e-12)
     assert cost.prefill_seconds(new, cached, concurrent=99) == cost.prefill_seconds(new, cached, 16)
+
+
+def test_chunked_prefill_pays_one_fixed_cost_per_chunk_and_keeps_the_attention_pairs():
+    hw, model = load_hardware("gpu_a"), load_model("moe_1t_50kb")
+    cost = InstanceCost(hw, model)
+    whole = InstanceCost(replace(hw, chunked_prefill_tokens=0), model)
+    # a cold 64K prompt is 8 chunks of 8192: 7 more fixed costs than one pass, nothing else
+    assert cost.prefill_seconds(65536, 0) - whole.prefill_seconds(65536, 0) == pytest.approx(
+        7 * hw.prefill_overhead_s, rel=1e-9)
+    assert cost.prefill_seconds(8193, 0) - cost.prefill_seconds(8192, 0) > hw.prefill_overhead_s
+
+
+def test_a_lightly_loaded_decoder_is_bound_by_expert_parallel_communication():
+    model = load_model("moe_1t_50kb")
+    for name in ("gpu_a", "gpu_b"):
+        hw = load_hardware(name)
+        step = InstanceCost(hw, model).forward_seconds(1, 65536)
+        # DeepEP EP16: (118 + 195) us per MoE layer x 60 layers, plus the step overhead
+        assert step == pytest.approx(60 * 313e-6 + hw.step_overhead_s, rel=1e-9)
 
 
 def test_prefill_time_grows_with_cached_context_and_new_tokens():
@@ -43,7 +68,8 @@ def test_prefill_lanes_run_concurrently_and_share_the_moe():
                         ()) for i in range(16)]
     _, cluster = simulate(ClusterConfig(setup=Setup.SAME_DC_PD, prefill_instances=1), requests)
     done = [j.prefill_done_s for j in cluster.jobs]
-    expected = [cost.prefill_seconds(2048, 0, concurrent=k + 1) for k in range(16)]
+    dispatch = load_hardware("gpu_a").dispatch_latency_s
+    expected = [dispatch + cost.prefill_seconds(2048, 0, concurrent=k + 1) for k in range(16)]
     assert done == pytest.approx(expected, rel=1e-9)
     assert len({j.prefill_lane for j in cluster.jobs}) == 16
 

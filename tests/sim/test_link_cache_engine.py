@@ -72,3 +72,30 @@ def test_events_at_the_same_time_fire_in_scheduling_order():
     assert order == ["first", "a", "b", "c"]
     with pytest.raises(ValueError):
         sim.schedule(-1, Callback(order.append, "x"))
+
+
+def test_one_flow_is_capped_at_window_over_rtt_and_pays_the_fixed_cost_once():
+    sim = Simulator()
+    # 1 GB/s line, 20 ms RTT, 4 MB window: one flow moves at most 200 MB/s
+    link = FairShareLink(sim, LinkProfile("capped", "test", 1 * GB, 0.02, 0.0, 0.0,
+                                          window_bytes=4e6, per_transfer_fixed_s=0.15))
+    done = {}
+    link.start_flow(0.4 * GB, lambda: done.setdefault("a", sim.now))
+    sim.run()
+    assert done["a"] == pytest.approx(0.4 / 0.2 + 0.01 + 0.15)
+    # eight flows together: 8 x 200 MB/s > 1 GB/s, so the line's fair share (125 MB/s) binds
+    sim = Simulator()
+    link = FairShareLink(sim, LinkProfile("capped", "test", 1 * GB, 0.02, 0.0, 0.0,
+                                          window_bytes=4e6, per_transfer_fixed_s=0.15))
+    ends = []
+    for _ in range(8):
+        link.start_flow(0.125 * GB, lambda: ends.append(sim.now))
+    sim.run()
+    assert ends == [pytest.approx(1.0 + 0.01 + 0.15)] * 8
+
+
+def test_a_link_profile_rejects_nonsense():
+    with pytest.raises(ValueError, match="window"):
+        LinkProfile("x", "test", 1 * GB, 0.0, 0.0, 0.0, window_bytes=1e6)
+    with pytest.raises(ValueError, match="per_transfer_fixed_s"):
+        LinkProfile("x", "test", 1 * GB, 0.02, 0.0, 0.0, per_transfer_fixed_s=-1)

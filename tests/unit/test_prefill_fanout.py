@@ -61,7 +61,7 @@ from pdd_sglang.prefill.fanout import HELLO_FRAME_INDEX, PrefillFanout  # noqa: 
 
 class FakeKvManager:
     def __init__(self, page_size=1):
-        self.kv_args = SimpleNamespace(page_size=page_size)
+        self.kv_args = SimpleNamespace(page_size=page_size, kv_item_lens=[100, 100])
         self.transfer_infos = {}
         self.req_to_decode_prefix_len = {}
         self.status = {}
@@ -155,7 +155,7 @@ def test_the_wan_path_gets_its_own_counted_copy_of_a_chunk():
     chunk = CountedChunk(4, np.arange(8, dtype=np.int32), slice(0, 8))
     relay_req = SimpleNamespace(mooncake_session_id="relay")
     main_req = SimpleNamespace(mooncake_session_id="main")
-    assert fanout.destinations_on_this_path(chunk, [relay_req, main_req]) == [relay_req]
+    assert fanout.destinations_on_this_path(chunk, [relay_req, main_req], LOCAL_QUEUE) == [relay_req]
     (wan_chunk,) = queue
     assert wan_chunk is not chunk and wan_chunk.staging_counted is False
 
@@ -165,9 +165,18 @@ class CountedChunk(Chunk):
     staging_counted: bool = True
 
 
-def wan_queue(fanout):
+LOCAL_QUEUE = object()  # a local transfer worker's queue: not one of the WAN path's
+
+
+def wan_queue(fanout, charges=None):
     queue = []
-    fanout.wan_queues.append(SimpleNamespace(put=queue.append))
+
+    def put(item, item_charges=()):
+        queue.append(item)
+        if charges is not None:
+            charges.extend(item_charges)
+
+    fanout.wan_queues.append(SimpleNamespace(put=put))
     return queue
 
 
@@ -182,20 +191,20 @@ def test_prefill_starts_on_the_relay_and_replays_earlier_chunks_to_a_late_main()
     assert kv.status[7] == KVPoll.WaitingForInput and kv.req_to_decode_prefix_len[7] == 0
     relay_req = SimpleNamespace(mooncake_session_id="relay")
     first = CountedChunk(7, np.arange(8, dtype=np.int32), slice(0, 8))
-    assert fanout.destinations_on_this_path(first, [relay_req]) == [relay_req]
+    assert fanout.destinations_on_this_path(first, [relay_req], LOCAL_QUEUE) == [relay_req]
     assert queue == []  # no main yet: kept, not sent
     # The main registers while a second chunk is on its way: SGLang's table already lists it,
     # but this chunk's decision saw no main hello, so only the relay gets it here...
     second = CountedChunk(7, np.arange(8, 16, dtype=np.int32), slice(8, 16))
     main_req = SimpleNamespace(mooncake_session_id="main")
-    assert fanout.destinations_on_this_path(second, [relay_req]) == [relay_req]
+    assert fanout.destinations_on_this_path(second, [relay_req], LOCAL_QUEUE) == [relay_req]
     register(fanout, kv, room=7, session="main", role="main", prefix=8, port=2)
     # ...and both chunks reach main once, by replay, each counted afresh on the WAN path.
     assert [c.index_slice for c in queue] == [slice(0, 8), slice(8, 16)]
     assert not any(c.staging_counted for c in queue)
     # From now on chunks go to both paths as usual.
     third = CountedChunk(7, np.arange(16, 24, dtype=np.int32), slice(16, 24))
-    assert fanout.destinations_on_this_path(third, [relay_req, main_req]) == [relay_req]
+    assert fanout.destinations_on_this_path(third, [relay_req, main_req], LOCAL_QUEUE) == [relay_req]
     assert [c.index_slice for c in queue][-1] == slice(16, 24) and len(queue) == 3
     assert fanout._rooms[7].unsent_to_main == []
 
@@ -220,7 +229,7 @@ def test_silent_main_is_dropped_after_the_relay_has_its_kv_and_a_late_one_refuse
     relay.room = 12
     relay_req = SimpleNamespace(mooncake_session_id="relay")
     fanout.destinations_on_this_path(CountedChunk(12, np.arange(4, dtype=np.int32), slice(0, 4)),
-                                     [relay_req])
+                                     [relay_req], LOCAL_QUEUE)
     start = fanout._rooms[12].first_hello_at
     # Past the deadline but the relay's copy is not done: prefill must keep the KV.
     assert fanout.drop_silent_mains(now=start + 10) == []
@@ -247,7 +256,7 @@ def test_a_relay_whose_transfer_fails_drops_out_and_the_room_goes_on_to_main():
     relay.room = 21
     relay_req = SimpleNamespace(mooncake_session_id="relay")
     first = CountedChunk(21, np.arange(8, dtype=np.int32), slice(0, 8))
-    fanout.destinations_on_this_path(first, [relay_req])
+    fanout.destinations_on_this_path(first, [relay_req], LOCAL_QUEUE)
     # The relay dies while its copy is in flight: PDD takes it out instead of failing the room.
     assert fanout.destination_failed(relay) is True
     assert "relay" not in kv.transfer_infos[21] and fanout.relays_dropped == 1
@@ -272,3 +281,41 @@ def test_a_failed_main_is_left_to_sglang():
     assert fanout.destination_failed(main) is False  # SGLang fails the room as usual
     plain = SimpleNamespace(room=23, mooncake_session_id="x")
     assert fanout.destination_failed(plain) is False
+
+
+def test_a_wan_workers_chunk_goes_to_mains_only_and_is_charged_to_the_line():
+    kv = FakeKvManager()  # page_size 1, 200 bytes a page over both layers
+    fanout = PrefillFanout(kv)
+    charges = []
+    queue = wan_queue(fanout, charges)
+    register(fanout, kv, room=30, session="relay", role="relay")
+    register(fanout, kv, room=30, session="main", role="main", prefix=8, port=2)
+    relay_req = SimpleNamespace(mooncake_session_id="relay")
+    main_req = SimpleNamespace(mooncake_session_id="main")
+    cached = CountedChunk(30, np.arange(8, dtype=np.int32), slice(0, 8))  # main holds these
+    fresh = CountedChunk(30, np.arange(8, 20, dtype=np.int32), slice(8, 20))
+    for chunk in (cached, fresh):
+        assert fanout.destinations_on_this_path(chunk, [relay_req, main_req], LOCAL_QUEUE) == [relay_req]
+    # Main's part only: nothing of the chunk under its prefix, 12 pages of the next.
+    assert charges == [("main", 0), ("main", 12 * 200)]
+    # The path is told by the queue the chunk came from, not by the thread that runs it.
+    wan = fanout.wan_queues[0]
+    assert fanout.destinations_on_this_path(queue[1], [relay_req, main_req], wan) == [main_req]
+
+
+def test_a_failed_relay_is_told_off_sglangs_session_lock():
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    kv = FakeKvManager()
+    fanout = PrefillFanout(kv)
+    jobs = []
+    fanout.defer = jobs.append  # WanPath's housekeeping thread, in production
+    wan_queue(fanout)
+    relay = register(fanout, kv, room=40, session="relay", role="relay")
+    relay.room = 40
+    assert fanout.destination_failed(relay) is True
+    assert "relay" not in kv.transfer_infos[40]  # out of SGLang's table at once...
+    assert kv.sent == []  # ...but nothing sent while SGLang holds its session_lock
+    (job,) = jobs
+    job()
+    assert kv.sent == [((("127.0.0.1", 1),), 40, KVPoll.Failed)]

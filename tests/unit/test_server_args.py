@@ -117,3 +117,41 @@ def test_default_handoff_flags_pass():
     from pdd_sglang.server_args import _check_handoff_flags
 
     _check_handoff_flags(handoff_flags())
+
+
+@pytest.mark.parametrize("setting, message", [
+    ({"tp_size": 2}, "--tp-size 2: PDD supports tensor parallelism 1 only"),
+    ({"pp_size": 2}, "--pp-size 2: PDD does not support pipeline parallelism"),
+    ({"enable_dp_attention": True}, "--enable-dp-attention: PDD does not support DP attention"),
+    ({"staging_buffer": True}, "SGLANG_DISAGG_STAGING_BUFFER=1"),
+])
+@pytest.mark.parametrize("role", ["prefill", "relay", "main"])
+def test_unsupported_parallelism_is_refused_one_message_each(role, setting, message):
+    from pdd_sglang.server_args import check_parallelism
+
+    with pytest.raises(PddConfigError) as err:
+        check_parallelism(role, **setting)
+    assert str(err.value).startswith(f"--pdd-role {role} with {message}")
+
+
+def test_the_default_parallelism_is_accepted():
+    from pdd_sglang.server_args import check_parallelism
+
+    check_parallelism("relay", tp_size=1, pp_size=1, enable_dp_attention=False, staging_buffer=False)
+
+
+def test_sglangs_own_argument_resolution_refuses_a_role_with_tp_2():
+    """SGLang's resolution step (patch 0001) runs the check, before any server starts."""
+    import subprocess
+    import sys
+
+    from pdd_sglang.dev.testing.tiny_model import ensure_tiny_model
+
+    argv = ["--model-path", str(ensure_tiny_model()), "--pdd-role", "relay", "--tp-size", "2",
+            "--disaggregation-transfer-backend", "mooncake_tcp", "--device", "cpu"]
+    proc = subprocess.run(
+        [sys.executable, "-c", "import sys; from sglang.srt.server_args import prepare_server_args; "
+         "prepare_server_args(sys.argv[1:]).resolve_once()", *argv],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "--pdd-role relay with --tp-size 2: PDD supports tensor parallelism 1 only" in proc.stderr

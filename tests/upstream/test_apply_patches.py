@@ -22,7 +22,7 @@ import apply_patches  # noqa: E402
 
 
 def touched_paths() -> list[str]:
-    names = apply_patches.read_series()
+    names = apply_patches.read_series(with_debug=True)
     return sorted({h.path for n in names for h in apply_patches.split_patch(n, (REPO / "patches" / n).read_text())})
 
 
@@ -39,9 +39,11 @@ def site_copy(tmp_path) -> Path:
     return tmp_path
 
 
-def run(site: Path, *args: str) -> subprocess.CompletedProcess:
+def run(site: Path, *args: str, debug: bool = True) -> subprocess.CompletedProcess:
+    """apply_patches.py on ``site``; with the debug patches, as the test environment has them."""
     return subprocess.run(
-        [sys.executable, str(SCRIPT), "--site-packages", str(site), *args],
+        [sys.executable, str(SCRIPT), "--site-packages", str(site), *args,
+         *(["--with-debug"] if debug else [])],
         capture_output=True, text=True,
     )
 
@@ -57,7 +59,8 @@ def recorded(site: Path) -> dict[str, str]:
 
 
 def test_check_passes_on_the_environment_under_test():
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--check"], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--check", "--with-debug"],
+                          capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -97,8 +100,23 @@ def test_foreign_edit_is_refused_and_nothing_changes(site_copy):
     assert digest(site_copy) == before
 
 
+def test_production_series_leaves_the_debug_patches_out_and_switching_is_an_upgrade(site_copy):
+    debug_files = {h.path for n in apply_patches.read_series(with_debug=True) if n.startswith("debug/")
+                   for h in apply_patches.split_patch(n, (REPO / "patches" / n).read_text())}
+    with_debug = digest(site_copy)
+    assert run(site_copy, "--revert").returncode == 0 and run(site_copy).returncode == 0
+    assert run(site_copy, debug=False).returncode == 0  # the production series alone
+    assert run(site_copy, "--check", debug=False).returncode == 0
+    assert run(site_copy, "--check").returncode == 1
+    production = digest(site_copy)
+    assert {p for p in production if production[p] != with_debug[p]} == debug_files
+    assert run(site_copy).returncode == 0 and digest(site_copy) == with_debug
+    assert run(site_copy, "--revert").returncode == 0
+    assert digest(site_copy) == recorded(site_copy)
+
+
 def test_every_patch_has_a_dep3_header_and_stays_small():
-    for name in apply_patches.read_series():
+    for name in apply_patches.read_series(with_debug=True):
         text = (REPO / "patches" / name).read_text()
         header = apply_patches.dep3_header(text)
         for key in ("Description", "Why", "Upstream-Status"):
@@ -108,9 +126,9 @@ def test_every_patch_has_a_dep3_header_and_stays_small():
 
 
 def test_series_lists_exactly_the_patch_files():
-    listed = set(apply_patches.read_series())
-    on_disk = {p.name for p in (REPO / "patches").glob("*.patch")}
-    assert listed == on_disk
+    assert set(apply_patches.read_series()) == {p.name for p in (REPO / "patches").glob("*.patch")}
+    debug = set(apply_patches.read_series(with_debug=True)) - set(apply_patches.read_series())
+    assert debug == {f"debug/{p.name}" for p in (REPO / "patches" / "debug").glob("*.patch")}
 
 
 def test_a_changed_series_replaces_an_earlier_one_without_a_reinstall(site_copy, tmp_path):
@@ -118,7 +136,7 @@ def test_a_changed_series_replaces_an_earlier_one_without_a_reinstall(site_copy,
     # An earlier version of the series: one added line of one patch worded differently.
     earlier = tmp_path / "earlier-patches"
     shutil.copytree(REPO / "patches", earlier)
-    name = next(n for n in apply_patches.read_series() if "fanout" in n)
+    name = next(n for n in apply_patches.read_series() if "relay-failure" in n)
     text = (earlier / name).read_text()
     assert "# PDD: a dead relay drops out; main's part goes on." in text
     (earlier / name).write_text(text.replace("PDD: a dead relay drops out; main's part goes on.",

@@ -39,7 +39,7 @@ HOOKED_SYMBOLS = [
     ("disaggregation/mooncake/conn.py", "TransferInfo.room"),
     ("disaggregation/mooncake/conn.py", "TransferInfo.mooncake_session_id"),
     ("disaggregation/mooncake/conn.py", "TransferInfo.is_dummy"),
-    # 0006's failed-destination hook: SGLang's dead-session bookkeeping it sits beside
+    # 0008's failed-destination hook: SGLang's dead-session bookkeeping it sits beside
     ("disaggregation/mooncake/conn.py", "MooncakeKVManager._poison_unsettled_send"),
     ("disaggregation/common/conn.py", "CommonKVManager.conclude_failure"),
     # 0004 and pdd_sglang.diagnostics.server_info: pool and tree state
@@ -76,6 +76,10 @@ HOOKED_SYMBOLS = [
      "SchedulerBatchResultProcessor.process_batch_result_prefill"),
     ("mem_cache/common.py", "release_kv_cache"),
     ("mem_cache/allocation.py", "alloc_for_extend"),
+    # 0010: the scheduler process's exit path; 0011: the not-fully-idle branch of on_idle
+    ("managers/scheduler.py", "run_scheduler_process"),
+    ("managers/scheduler.py", "Scheduler.on_idle"),
+    ("managers/scheduler_components/ipc_channels.py", "SchedulerIpcChannels.recv_from_tokenizer"),
     # Environment switches that the CPU profile and the tests set
     ("environ.py", "Envs.SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE"),
 ]
@@ -172,3 +176,102 @@ def test_req_attribute_the_handoff_uses_exists(attribute):
 def test_decode_queues_the_relay_searches_exist(attribute):
     for cls in ("DecodePreallocQueue", "DecodeTransferQueue"):
         assert attribute in init_attributes("disaggregation/decode.py", cls), (cls, attribute)
+
+
+# ---- the Mooncake KV manager internals the prefill fan-out and WAN path rely on ---------------
+@lru_cache(maxsize=None)
+def assigned_attributes(rel: str, cls: str) -> set[str]:
+    """Every ``self.X`` a class assigns in any of its methods."""
+    tree = ast.parse((SRT / rel).read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            return {t.attr for n in ast.walk(node)
+                    for t in getattr(n, "targets", [getattr(n, "target", None)])
+                    if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
+                    and t.value.id == "self"}
+    return set()
+
+
+MOONCAKE = "disaggregation/mooncake/conn.py"
+COMMON = "disaggregation/common/conn.py"
+KV_MANAGER_ATTRIBUTES = [  # read or written by pdd_sglang.prefill (fanout, wan_path, wan_engine)
+    "transfer_infos", "req_to_decode_prefix_len", "_staging_outstanding", "kv_args", "engine",
+    "local_ip", "failed_sessions", "session_lock", "request_status", "_worker_threads",
+]
+KV_MANAGER_METHODS = [
+    "update_status", "send_kv_status_message", "conclude_transfer", "conclude_failure",
+    "check_status", "_registerable_regions", "transfer_worker", "_transfer_data",
+    "build_receiver_metadata_message", "get_session_id",
+]
+
+
+@pytest.mark.parametrize("attribute", KV_MANAGER_ATTRIBUTES)
+def test_mooncake_kv_manager_keeps_the_state_the_fanout_uses(attribute):
+    assert attribute in (assigned_attributes(MOONCAKE, "MooncakeKVManager")
+                         | assigned_attributes(COMMON, "CommonKVManager")), (
+        f"neither MooncakeKVManager nor CommonKVManager sets self.{attribute}")
+
+
+@pytest.mark.parametrize("method", KV_MANAGER_METHODS)
+def test_mooncake_kv_manager_keeps_the_methods_the_fanout_calls(method):
+    assert (f"MooncakeKVManager.{method}" in definitions(MOONCAKE)
+            or f"CommonKVManager.{method}" in definitions(COMMON)), method
+
+
+def test_the_transfer_loop_still_takes_a_queue_and_stops_on_none():
+    """WanPath runs SGLang's own transfer loop on its queues and stops it with a None sentinel;
+    patch 0007 hands the loop's ``queue`` to the fan-out."""
+    import inspect
+
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+
+    parameters = list(inspect.signature(MooncakeKVManager.transfer_worker).parameters)
+    assert parameters[:5] == ["self", "queue", "executor", "staging_buffer", "worker_index"]
+    source = inspect.getsource(MooncakeKVManager.transfer_worker)
+    assert "kv_chunk = queue.get()" in source and "if kv_chunk is None:" in source
+
+
+def test_a_transfer_chunk_has_the_fields_the_per_destination_view_replaces():
+    import dataclasses
+
+    from sglang.srt.disaggregation.common.utils import TransferKVChunk
+
+    fields = {f.name for f in dataclasses.fields(TransferKVChunk)}
+    assert {"room", "prefill_kv_indices", "index_slice", "is_last_chunk", "num_kv_tokens",
+            "staging_counted"} <= fields
+
+
+def test_the_registration_frames_keep_the_layout_the_hello_is_appended_to():
+    """A decode server's registration: SGLang's frames, then PDD's hello at HELLO_FRAME_INDEX.
+    SGLang's parser must still read its own fields from the first frames and ignore the extra
+    one, and the hello must be where the fan-out looks for it."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager, TransferInfo
+
+    from pdd_sglang.prefill.fanout import HELLO_FRAME_INDEX
+    from pdd_sglang.protocol.messages import DestinationHello, decode, encode
+
+    decode_side = SimpleNamespace(local_ip="10.0.0.2", rank_port=7001,
+                                  get_session_id=lambda: "10.0.0.2:15000")
+    frames = MooncakeKVManager.build_receiver_metadata_message(
+        decode_side, bootstrap_room=42, required_dst_info_num=2,
+        kv_indices=np.arange(4, dtype=np.int32), aux_index=3, state_indices=None,
+        decode_prefix_len=16, is_dummy=False)
+    assert len(frames) == HELLO_FRAME_INDEX, "SGLang's registration grew or shrank"
+    hello = DestinationHello(room=42, role="main", destinations=2, prefix_tokens=16)
+    info = TransferInfo.from_zmq(frames + [encode(hello)])
+    assert (info.room, info.endpoint, info.dst_port, info.mooncake_session_id) == (
+        42, "10.0.0.2", 7001, "10.0.0.2:15000")
+    assert (info.required_dst_info_num, info.decode_prefix_len, info.is_dummy) == (2, 16, False)
+    assert info.dst_kv_indices.tolist() == [0, 1, 2, 3]
+    assert decode((frames + [encode(hello)])[HELLO_FRAME_INDEX], expect=DestinationHello) == hello
+
+
+def test_mooncake_exposes_the_asynchronous_transfer_api_the_wan_engine_uses():
+    from mooncake.engine import TransferEngine
+
+    for name in ("transfer_submit_write", "transfer_check_status", "batch_transfer_sync_write",
+                 "batch_register_memory", "batch_unregister_memory", "get_rpc_port"):
+        assert hasattr(TransferEngine, name), name

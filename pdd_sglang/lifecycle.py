@@ -1,0 +1,60 @@
+"""Who owns PDD's threads and engines in a scheduler process, and how they are closed.
+
+Prefill: the KV manager's :class:`~pdd_sglang.prefill.wan_path.WanPath` (WAN workers, watchdog,
+WAN engine). Relay and main: the scheduler's handoff (its control loop). SGLang's scheduler
+process calls :func:`close_scheduler` when it leaves its event loop (patch 0010, through
+``hooks.on_scheduler_exit``); every thread PDD starts is named ``pdd-...``, so what is left is
+easy to find (:func:`pdd_threads`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Optional
+
+logger = logging.getLogger(__name__)
+
+THREAD_PREFIX = "pdd-"
+
+
+def kv_manager_of(scheduler: Any) -> Optional[Any]:
+    """The scheduler's PD KV manager (prefill or decode side), or None."""
+    for queue in (getattr(scheduler, "disagg_prefill_bootstrap_queue", None),
+                  getattr(scheduler, "disagg_decode_prealloc_queue", None)):
+        if queue is not None and getattr(queue, "kv_manager", None) is not None:
+            return queue.kv_manager
+    return None
+
+
+def name_os_thread(name: str) -> None:
+    """Give the calling thread ``name`` in the kernel too (``/proc/PID/task/TID/comm``, 15
+    characters), so a test or an operator sees PDD's threads from outside the process."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(15, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):  # not Linux: the Python name has to do
+        pass
+
+
+def pdd_threads() -> list[str]:
+    """Names of the live threads PDD started in this process."""
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX))
+
+
+def close_scheduler(scheduler: Any) -> list[str]:
+    """Close the owners PDD attached to ``scheduler``; the PDD threads still alive after it."""
+    owners = [getattr(kv_manager_of(scheduler), "pdd_wan_path", None),
+              getattr(scheduler, "_pdd_handoff", None)]  # built by decode.handoff_for, if ever
+    for owner in owners:
+        if owner is None:
+            continue
+        try:
+            owner.close()
+        except Exception:  # one owner failing to close must not keep the others open
+            logger.exception("PDD: closing %s failed", type(owner).__name__)
+    left = pdd_threads()
+    logger.info("PDD: closed on scheduler exit; PDD threads left: %s", ", ".join(left) or "none")
+    return left

@@ -1,0 +1,114 @@
+"""A simulated deployment: its setup (which baseline or PDD) and every knob of its cluster.
+
+Setups (the report's baselines, and PDD's ablations):
+  same_dc_pd         P and decode in one datacenter, all GPU-A, KV over RDMA.
+  same_dc_hetero_pd  P on GPU-A, decode on GPU-B, one datacenter: what PDD's heterogeneity
+                     competes with.
+  cross_dc_pd        plain PD across the WAN: decode (GPU-B) behind the line, the whole prompt's
+                     KV crosses it (no cache at decode).
+  cross_dc_pd_drc    the same plus main's radix cache (DRC): only main's uncached suffix
+                     crosses.  The DRC-only ablation.
+  pdd                DRC + relay + handoff + singular filter: P and relay in A, main in B;
+                     placement and handoff from pdd_sglang.policy.
+  prld_only          the excluded variant: requests that would need hiding finish at the relay.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, replace
+
+from ..policy import PolicyConfig
+
+
+class Setup(enum.Enum):
+    SAME_DC_PD = "same_dc_pd"
+    SAME_DC_HETERO_PD = "same_dc_hetero_pd"
+    CROSS_DC_PD = "cross_dc_pd"
+    CROSS_DC_PD_DRC = "cross_dc_pd_drc"
+    PDD = "pdd"
+    RELAY_ONLY = "prld_only"
+
+    @property
+    def behind_wan(self) -> bool:
+        """Main decodes in the other datacenter."""
+        return self not in (Setup.SAME_DC_PD, Setup.SAME_DC_HETERO_PD)
+
+    @property
+    def has_drc(self) -> bool:
+        """Main keeps a radix cache, so only its uncached suffix is shipped."""
+        return self.behind_wan and self is not Setup.CROSS_DC_PD
+
+    @property
+    def has_relay(self) -> bool:
+        return self in (Setup.PDD, Setup.RELAY_ONLY)
+
+    @property
+    def label(self) -> str:
+        return SETUP_LABELS[self]
+
+
+SETUP_LABELS = {
+    Setup.SAME_DC_PD: "same-DC PD (GPU-A)",
+    Setup.SAME_DC_HETERO_PD: "same-DC PD, GPU-B decode",
+    Setup.CROSS_DC_PD: "cross-DC PD (naive)",
+    Setup.CROSS_DC_PD_DRC: "cross-DC PD + DRC",
+    Setup.PDD: "PDD",
+    Setup.RELAY_ONLY: "P->RLD only",
+}
+
+
+PLACEMENTS = ("idle-line", "congestion-aware")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """One simulated deployment.  Decode runs on main_hardware, except in same_dc_pd, which is
+    homogeneous (decode on prefill_hardware)."""
+
+    setup: Setup = Setup.PDD
+    model: str = "moe_1t_50kb"
+    prefill_hardware: str = "gpu_a"
+    relay_hardware: str = "gpu_a"
+    main_hardware: str = "gpu_b"
+    wan_link: str = "wan_10g"
+    rdma_link: str = "rdma_intra_dc"
+    wan_bandwidth_scale: float = 1.0
+    wan_window_bytes: float | None = None     # overrides the line's per-flow window (sweeps)
+    wan_transfer_fixed_s: float | None = None # overrides the line's per-transfer fixed cost
+    prefill_instances: int = 2
+    relay_instances: int = 1
+    main_instances: int = 1
+    relay_max_running: int = 32
+    main_max_running: int = 256
+    prefill_cache_tokens: int = 16_000_000    # HBM plus host-memory tier (HiCache), assumed
+    main_cache_tokens: int = 16_000_000
+    use_drc: bool | None = None               # None: the setup's own (Setup.has_drc)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    sample_interval_s: float = 5.0
+    drain_limit_s: float = 1800.0             # stop this long after the last arrival
+    seed: int = 0
+    prefill_mfu: float | None = None          # overrides the prefill hardware's (sensitivity)
+    # Latency every request pays before prefill that occupies no server; None: the prefill
+    # hardware's dispatch_latency_s.  The operating point fits it (configs/operating_point.toml).
+    dispatch_latency_s: float | None = None
+    block_tokens: int = 512                   # prefix-cache granularity (the trace's 512)
+    # "idle-line": place from the suffix's size on an idle line (policy.IDLE_LINE);
+    # "congestion-aware": from the live line to that main (policy.LineState: bytes queued or in
+    # flight to it, throughput measured over its recent copies).
+    placement: str = "idle-line"
+
+    def __post_init__(self):
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
+
+    @property
+    def decode_hardware(self) -> str:
+        return self.prefill_hardware if self.setup is Setup.SAME_DC_PD else self.main_hardware
+
+    @property
+    def drc(self) -> bool:
+        return self.setup.has_drc if self.use_drc is None else (self.use_drc and self.setup.behind_wan)
+
+    def with_(self, **changes) -> "ClusterConfig":
+        return replace(self, **changes)

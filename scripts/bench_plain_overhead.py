@@ -1,0 +1,223 @@
+#!/usr/bin/env python3
+"""What the patch series costs a plain PD deployment that merely has pdd_sglang installed (issue 14).
+
+The same plain PD workload (SGLang's own ``bench_serving``, random token ids, through a plain
+prefill + decode pair without ``--pdd-role``, over Mooncake TCP) runs twice: on the patched sglang
+of this venv, and on the pristine wheel. The pristine wheel is a scratch copy: ``sglang/`` hard-
+linked into a temporary directory (no disk cost) and reverted there by ``apply_patches.py
+--revert --site-packages`` (a revert replaces files by rename, so the shared venv's files are never
+touched), then put first on the servers' ``PYTHONPATH``. On this CPU-only machine the pristine copy keeps patch 0002 (the standalone upstream fix without
+which plain PD cannot run on SGLang's CPU engine; it calls no pdd_sglang code). Writes
+DIR/plain_overhead.json with
+``{patched_tok_s, pristine_tok_s, ratio}`` (goal: ratio >= 0.99) and prints it.
+
+    python scripts/bench_plain_overhead.py --out out/plain_overhead
+    python scripts/bench_plain_overhead.py --out DIR --num-prompts 64 --rounds 3
+
+A tiny ``/generate`` proxy in this script does what SGLang's PD router does (the same body, with
+the prefill's bootstrap address and a fresh room, to both servers; the decode server's answer
+back), identically for both runs. Hold /tmp/pdd-servers.lock on a shared machine; the figures
+are fair only on a quiet one (the script records the load average). Rounds alternate
+patched/pristine so drift in the machine's load hits both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from pdd_sglang.dev.testing.cluster import Cluster, SGLangServer, free_port  # noqa: E402
+from pdd_sglang.dev.testing.tiny_model import ensure_tiny_model  # noqa: E402
+
+TRANSPORT = ("--disaggregation-transfer-backend", "mooncake_tcp")
+
+
+CPU_FIX = "0002-mooncake-host-paths-on-cpu.patch"  # PD on SGLang's CPU engine needs it
+
+
+@contextmanager
+def pristine_sglang(with_cpu_fix: bool = False):
+    """A directory holding the pristine sglang wheel's package, to put first on PYTHONPATH.
+
+    ``with_cpu_fix``: plus patch 0002 alone, the standalone upstream bug fix without which plain
+    PD does not run on SGLang's CPU engine at all (it has no pdd_sglang call)."""
+    import importlib.metadata
+
+    dist = importlib.metadata.distribution("sglang")
+    site = Path(dist.locate_file(""))
+    scratch = Path(tempfile.mkdtemp(prefix="pdd-pristine-sglang-"))
+    try:
+        subprocess.run(["cp", "-al", str(site / "sglang"), str(scratch / "sglang")], check=True)
+        for info in site.glob("sglang-*.dist-info"):
+            shutil.copytree(info, scratch / info.name)
+        proc = subprocess.run([sys.executable, str(REPO / "scripts" / "apply_patches.py"),
+                               "--revert", "--with-debug", "--site-packages", str(scratch)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"reverting the scratch copy failed: {proc.stderr}{proc.stdout}")
+        if with_cpu_fix:
+            only_fix = scratch / "cpu-fix-series"
+            only_fix.mkdir()
+            shutil.copyfile(REPO / "patches" / "UPSTREAM", only_fix / "UPSTREAM")
+            shutil.copyfile(REPO / "patches" / CPU_FIX, only_fix / CPU_FIX)
+            (only_fix / "series").write_text(CPU_FIX + "\n")
+            proc = subprocess.run([sys.executable, str(REPO / "scripts" / "apply_patches.py"),
+                                   "--patch-dir", str(only_fix), "--site-packages", str(scratch)],
+                                  capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"applying {CPU_FIX} to the scratch copy failed: {proc.stderr}")
+        yield scratch
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def pristine_env(scratch: Path) -> dict:
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(scratch), os.environ.get("PYTHONPATH")]))}
+
+
+class PdProxy:
+    """A minimal PD front door: /generate to prefill and decode at once, decode's answer back."""
+
+    def __init__(self, prefill: SGLangServer, decode: SGLangServer, bootstrap_port: int):
+        self.prefill, self.decode, self.bootstrap_port = prefill, decode, bootstrap_port
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True, name="pd-proxy")
+
+    def __enter__(self) -> "PdProxy":
+        self._thread.start()
+        self._ready.wait(30)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    def _serve(self) -> None:
+        from aiohttp import ClientSession, ClientTimeout, web
+
+        rooms = random.Random()
+
+        async def generate(request: web.Request) -> web.StreamResponse:
+            body = await request.json()
+            body.update(bootstrap_host=self.prefill.host, bootstrap_port=self.bootstrap_port,
+                        bootstrap_room=rooms.randrange(1, 2**62))
+            async with ClientSession(timeout=ClientTimeout(total=600)) as session:
+                prefill = asyncio.ensure_future(session.post(self.prefill.url + "/generate", json=body))
+                async with session.post(self.decode.url + "/generate", json=body) as answer:
+                    out = web.StreamResponse(status=answer.status,
+                                             headers={"Content-Type": answer.content_type})
+                    await out.prepare(request)
+                    async for chunk in answer.content.iter_any():
+                        await out.write(chunk)
+                    await out.write_eof()
+                (await prefill).release()
+                return out
+
+        async def passthrough(request: web.Request) -> web.Response:
+            async with ClientSession() as session:
+                async with session.get(self.decode.url + request.path) as answer:
+                    return web.Response(body=await answer.read(), status=answer.status,
+                                        content_type=answer.content_type)
+
+        async def flush_cache(request: web.Request) -> web.Response:
+            async with ClientSession() as session:
+                for server in (self.prefill, self.decode):
+                    async with session.post(server.url + "/flush_cache",
+                                            params=request.query) as answer:
+                        if answer.status != 200:
+                            return web.Response(status=answer.status, body=await answer.read())
+            return web.Response(text="ok")
+
+        app = web.Application()
+        app.router.add_post("/generate", generate)
+        app.router.add_post("/flush_cache", flush_cache)
+        for path in ("/get_model_info", "/model_info", "/server_info", "/v1/models", "/health"):
+            app.router.add_get(path, passthrough)
+        runner = web.AppRunner(app)
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_until_complete(runner.setup())
+        self._loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", self.port).start())
+        self._ready.set()
+        self._loop.run_forever()
+        self._loop.run_until_complete(runner.cleanup())
+
+
+def run_workload(label: str, out: Path, model: Path, env: dict, args) -> dict:
+    log_dir = out / label
+    bootstrap_port = free_port()
+    prefill = SGLangServer("prefill", model, log_dir, env=dict(env), extra_args=(
+        "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bootstrap_port),
+        *TRANSPORT))
+    decode = SGLangServer("decode", model, log_dir, env=dict(env), extra_args=(
+        "--disaggregation-mode", "decode", *TRANSPORT))
+    with Cluster([prefill, decode]), PdProxy(prefill, decode, bootstrap_port) as proxy:
+        result_file = log_dir / "bench.jsonl"
+        cmd = [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang",
+               "--base-url", proxy.url, "--dataset-name", "random-ids",
+               "--num-prompts", str(args.num_prompts), "--random-input-len", str(args.input_len),
+               "--random-output-len", str(args.output_len), "--random-range-ratio", "1",
+               "--max-concurrency", str(args.concurrency), "--seed", "1",
+               "--tokenizer", str(model), "--model", str(model), "--output-file", str(result_file),
+               "--disable-tqdm", "--warmup-requests", "2"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+        if proc.returncode != 0:
+            raise RuntimeError(f"bench_serving failed ({label}):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+        record = json.loads(result_file.read_text().splitlines()[-1])
+    if record.get("completed") != args.num_prompts:
+        raise RuntimeError(f"{label}: {record.get('completed')} of {args.num_prompts} completed")
+    return {"output_tok_s": record["output_throughput"],
+            "total_tok_s": record.get("total_throughput"), "completed": record["completed"]}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--num-prompts", type=int, default=48)
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=1, help="patched/pristine pairs, alternated")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    model = ensure_tiny_model()
+    runs: dict = {"patched": [], "pristine": []}
+    load_before = os.getloadavg()[0]
+    with pristine_sglang(with_cpu_fix=True) as scratch:
+        for index in range(args.rounds):
+            order = ("patched", "pristine") if index % 2 == 0 else ("pristine", "patched")
+            for label in order:
+                env = {} if label == "patched" else pristine_env(scratch)
+                print(f"round {index + 1}: {label} ...", file=sys.stderr, flush=True)
+                runs[label].append(run_workload(f"{label}-{index}", args.out, model, env, args))
+    patched = sum(r["output_tok_s"] for r in runs["patched"]) / args.rounds
+    pristine = sum(r["output_tok_s"] for r in runs["pristine"]) / args.rounds
+    result = {"patched_tok_s": patched, "pristine_tok_s": pristine, "ratio": patched / pristine,
+              "goal_ratio": 0.99, "workload": {k: getattr(args, k) for k in (
+                  "num_prompts", "input_len", "output_len", "concurrency", "rounds")},
+              "loadavg_1m_before": load_before, "runs": runs}
+    path = args.out / "plain_overhead.json"
+    path.write_text(json.dumps(result, indent=1))
+    print(f"wrote {path}", file=sys.stderr)
+    print(f"patched {patched:.1f} tok/s, pristine {pristine:.1f} tok/s, ratio {patched / pristine:.3f}"
+          f" (goal >= 0.99)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""Prefill's WAN line counters (bytes queued and in flight per main, recent throughput), and the
+WAN engine's asynchronous copies on a real pair of Mooncake TCP engines."""
+
+import threading
+
+import numpy as np
+import pytest
+
+from pdd_sglang.prefill.wan_line import ChargedQueue, WanLine
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_bytes_are_queued_then_in_flight_then_gone():
+    line = WanLine(Clock())
+    inner = []
+    queue = ChargedQueue(type("Q", (), {"put": inner.append, "get": lambda self=None: inner.pop(0)})(),
+                         line)
+    queue.put("chunk", [("main-a", 500), ("main-b", 300)])
+    assert line.snapshot()["main-a"]["bytes_ahead"] == 500
+    assert queue.get() == "chunk"
+    assert line.snapshot()["main-a"]["queued_bytes"] == 0
+    started = line.started("main-a", 500)
+    assert line.snapshot()["main-a"]["in_flight_bytes"] == 500
+    line.finished("main-a", 500, started, ok=True)
+    snap = line.snapshot()["main-a"]
+    assert (snap["in_flight_bytes"], snap["bytes_ahead"], snap["sent_bytes"]) == (0, 0, 500)
+
+
+def test_throughput_counts_overlapping_copies_once_and_ignores_idle_gaps():
+    clock = Clock()
+    line = WanLine(clock)
+    assert line.snapshot() == {}
+    a = line.started("m", 1000)
+    b = line.started("m", 1000)  # both on the line from t=100
+    clock.now = 101.0
+    line.finished("m", 1000, a, ok=True)
+    clock.now = 102.0
+    line.finished("m", 1000, b, ok=True)
+    clock.now = 200.0  # an idle gap, then one more copy of 1 s
+    c = line.started("m", 500)
+    clock.now = 201.0
+    line.finished("m", 500, c, ok=True)
+    assert line.snapshot()["m"]["recent_bytes_per_s"] == pytest.approx(2500 / 3.0)
+
+
+def test_a_failed_copy_is_not_throughput():
+    clock = Clock()
+    line = WanLine(clock)
+    s = line.started("m", 1000)
+    clock.now += 5
+    line.finished("m", 1000, s, ok=False)
+    snap = line.snapshot()["m"]
+    assert snap["recent_bytes_per_s"] is None and snap["failed_batches"] == 1
+    assert snap["in_flight_bytes"] == 0
+
+
+def test_the_stop_sentinel_passes_through():
+    import queue as stdlib_queue
+
+    line = WanLine()
+    queue = ChargedQueue(stdlib_queue.Queue(), line)
+    queue.stop()
+    assert queue.get() is None
+
+
+# ---- the real engine: two Mooncake TCP engines in this process ----------------------------------
+def _engine_pair(timeout_s=30.0):
+    from mooncake.engine import TransferEngine
+
+    from pdd_sglang.prefill.wan_engine import WanTransferEngine
+
+    sender = WanTransferEngine("127.0.0.1", "tcp", None, timeout_s)
+    receiver = TransferEngine()
+    assert receiver.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    return sender, receiver
+
+
+def test_an_asynchronous_wan_copy_lands_every_block_and_counts_on_the_line():
+    sender, receiver = _engine_pair()
+    size = 4 << 20
+    src = np.arange(size, dtype=np.uint8)
+    dst = np.zeros(size, dtype=np.uint8)
+    sender.register_regions([(src.ctypes.data, size)])
+    assert receiver.register_memory(dst.ctypes.data, size) == 0
+    session = f"127.0.0.1:{receiver.get_rpc_port()}"
+    blocks = 16
+    step = size // blocks
+    offsets = [i * step for i in range(blocks)]
+    results = []
+    worker = threading.Thread(target=lambda: results.append(sender.batch_transfer_sync(
+        session, [src.ctypes.data + o for o in offsets], [dst.ctypes.data + o for o in offsets],
+        [step] * blocks)))
+    worker.start()
+    worker.join(60)
+    assert results == [0]
+    assert np.array_equal(src, dst)
+    snap = sender.line.snapshot()[session]
+    assert (snap["sent_bytes"], snap["in_flight_bytes"]) == (size, 0)
+    assert snap["recent_bytes_per_s"] > 0
+    sender.close()
+
+
+def test_a_copy_to_a_session_nobody_serves_fails_without_hanging():
+    sender, _ = _engine_pair(timeout_s=5.0)
+    buf = np.zeros(4096, dtype=np.uint8)
+    sender.register_regions([(buf.ctypes.data, buf.nbytes)])
+    assert sender.batch_transfer_sync("127.0.0.1:1", [buf.ctypes.data], [0], [4096]) == -1
+    assert sender.line.snapshot()["127.0.0.1:1"]["failed_batches"] == 1
+    sender.close()
+
+
+def test_the_timeout_is_the_engines_own_and_must_be_positive():
+    from pdd_sglang.prefill.wan_engine import WanTransferEngine
+
+    with pytest.raises(ValueError, match="timeout"):
+        WanTransferEngine("127.0.0.1", "tcp", None, 0)
+
+
+def test_a_copy_on_the_line_gives_up_when_the_engine_stops_waiting():
+    """Shutdown must not wait out a multi-second WAN copy: the waiting worker returns -1."""
+    from pdd_sglang.prefill.wan_engine import WanTransferEngine
+
+    sender = WanTransferEngine.__new__(WanTransferEngine)  # no Mooncake: a scripted engine
+    sender.engine = type("Stalled", (), {"transfer_submit_write": lambda self, *a: 7,
+                                         "transfer_check_status": lambda self, b: 0})()
+    sender.timeout_s, sender.blocking_wait, sender.line = 60.0, False, WanLine()
+    sender._lock, sender._abandoned, sender._stopping, sender._closed = threading.Lock(), [], False, False
+    results = []
+    worker = threading.Thread(target=lambda: results.append(
+        sender.batch_transfer_sync("main", [1], [2], [3])))
+    worker.start()
+    sender.stop_waiting()
+    worker.join(10)
+    assert results == [-1] and not worker.is_alive()
+    assert sender._abandoned == [7]  # Mooncake still owns the batch: never freed under it
