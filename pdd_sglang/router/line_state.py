@@ -15,13 +15,16 @@ Life cycle of a copy the router placed:
    not landed, and the throughput over the recent copies (their bytes over the time at least
    one of them was on the line, so copies sharing the line are not counted as slow).
 
-What this does not see: copies another router placed, and prefill's own queueing. Prefill's
-/server_info will carry the line's live state per main (bytes queued and in flight, recent
-throughput); when it does, that replaces this estimate.
+What this does not see: copies another router placed, and prefill's own queueing. Prefill sees
+both: its /server_info carries ``pdd.wan_line``, bytes queued and in flight per main Mooncake
+session and the throughput over its recent batches (pdd_sglang/prefill/wan_line.py). The router
+polls it (``report``, summed over prefills); a fresh report's bytes ahead count when larger than
+the router's own (a poll lags the copies placed since), and its rate replaces the router's.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -30,6 +33,7 @@ from typing import Callable
 from pdd_sglang import policy
 
 RECENT_COPIES = 16
+REPORT_FRESH_S = 3.0  # a prefill report older than this (a missed poll) no longer counts
 MIN_SAMPLE_BYTES = 1 << 20  # in smaller copies prefill's forward and round trips dominate
 
 
@@ -46,6 +50,12 @@ class LineAccounting:
         self._clock = clock
         self._open: dict[str, list[Copy]] = {}
         self._recent: dict[str, deque] = {}
+        self._reported: dict[str, tuple[float, int, float | None]] = {}  # url -> (at, bytes, rate)
+
+    def report(self, main_url: str, bytes_ahead: int, bytes_per_s: float | None) -> None:
+        """What the prefills' WAN paths say about the line to ``main_url`` right now."""
+        rate = bytes_per_s if bytes_per_s and bytes_per_s > 0 else None
+        self._reported[main_url] = (self._clock(), max(0, int(bytes_ahead)), rate)
 
     def begin(self, main_url: str, kv_bytes: int) -> Copy:
         copy = Copy(main_url, max(0, int(kv_bytes)), self._clock())
@@ -87,12 +97,43 @@ class LineAccounting:
         return total / busy if busy > 0 else None
 
     def state(self, main_url: str) -> policy.LineState:
-        return policy.LineState(bytes_ahead=self.bytes_ahead(main_url),
-                                measured_bytes_per_s=self.measured_bytes_per_s(main_url))
+        ahead, rate = self.bytes_ahead(main_url), self.measured_bytes_per_s(main_url)
+        at, reported_ahead, reported_rate = self._reported.get(main_url, (None, 0, None))
+        if at is not None and self._clock() - at <= REPORT_FRESH_S:
+            ahead, rate = max(ahead, reported_ahead), reported_rate or rate
+        return policy.LineState(bytes_ahead=ahead, measured_bytes_per_s=rate)
 
     def snapshot(self) -> dict:
         """For /pdd/line: what placement sees per main right now."""
         urls = set(self._open) | set(self._recent)
         return {url: {"bytes_ahead": self.bytes_ahead(url),
                       "copies_open": len(self._open.get(url, ())),
-                      "measured_bytes_per_s": self.measured_bytes_per_s(url)} for url in urls}
+                      "measured_bytes_per_s": self.measured_bytes_per_s(url),
+                      "prefill_report": self._reported.get(url)} for url in urls}
+
+
+async def poll_prefill_lines(lines: LineAccounting, prefills, mains, get_json,
+                             interval_s: float = 1.0) -> None:
+    """Forever: each healthy prefill's ``pdd.wan_line``, summed per main, into ``lines.report``.
+    ``get_json(upstream, path)`` is the router's HTTP client; a prefill without the field (an
+    older build) or a failed poll just leaves the router's own accounting in charge. Several
+    prefills' bytes add up; the line's rate is the lowest any of them measured."""
+    while True:
+        totals: dict[str, list] = {}
+        for prefill in [p for p in prefills if p.healthy]:
+            try:
+                info = await get_json(prefill, "/server_info")
+            except Exception:  # noqa: BLE001 - a missed poll ages out (REPORT_FRESH_S)
+                continue
+            states = info.get("internal_states") or [{}]
+            wan_line = (states[0].get("pdd") or {}).get("wan_line") or {}
+            for main in mains:
+                entry = wan_line.get(main.mooncake_session) if main.mooncake_session else None
+                if entry is not None:
+                    total = totals.setdefault(main.url, [0, []])
+                    total[0] += int(entry.get("bytes_ahead") or 0)
+                    if entry.get("recent_bytes_per_s"):
+                        total[1].append(entry["recent_bytes_per_s"])
+        for url, (ahead, rates) in totals.items():
+            lines.report(url, ahead, min(rates) if rates else None)
+        await asyncio.sleep(interval_s)

@@ -30,6 +30,7 @@ class Upstream:
     kv_pool_tokens: Optional[int] = None
     incremental_streaming_output: bool = False
     control_address: Optional[str] = None  # relay only: its handoff control channel
+    mooncake_session: Optional[str] = None  # a main's: the key of prefill's wan_line entry for it
 
     @property
     def host(self) -> str:
@@ -42,8 +43,10 @@ class Upstream:
         states = server_info.get("internal_states") or [{}]
         pool = states[0].get("max_total_num_tokens") or server_info.get("max_total_tokens")
         self.kv_pool_tokens = int(pool) if pool else None
-        handoff = (states[0].get("pdd") or {}).get("handoff") or {}
+        pdd = states[0].get("pdd") or {}
+        handoff = pdd.get("handoff") or {}
         self.control_address = handoff.get("control_address") or self.control_address
+        self.mooncake_session = pdd.get("mooncake_session") or self.mooncake_session
 
 
 class NoHealthyServer(RuntimeError):

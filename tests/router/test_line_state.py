@@ -67,3 +67,42 @@ def test_the_line_clock_starts_when_the_kv_exists():
     lines.land(copy)
     lines.on_wire(copy)  # after landing: nothing changes
     assert lines.measured_bytes_per_s("m") == pytest.approx(MIN_SAMPLE_BYTES)
+
+
+def test_a_fresh_prefill_report_counts_beside_the_routers_own_copies():
+    clock = FakeClock()
+    lines = LineAccounting(clock)
+    lines.begin("m", 1_000_000)
+    lines.report("m", 5_000_000, 2e6)  # prefill sees more: another router's copies
+    assert lines.state("m") == policy.LineState(5_000_000, 2e6)
+    lines.report("m", 0, None)  # the poll lags the router's own copy
+    assert lines.state("m").bytes_ahead == 1_000_000
+    lines.report("m", 9_000_000, 2e6)
+    clock.now = 10.0  # the report is stale: the router's own accounting only
+    assert lines.state("m") == policy.LineState(1_000_000, None)
+
+
+def test_the_poller_sums_prefills_per_main_by_mooncake_session():
+    import asyncio
+
+    from pdd_sglang.router.line_state import poll_prefill_lines
+    from pdd_sglang.router.servers import Upstream
+
+    prefills = [Upstream("prefill", "http://p1"), Upstream("prefill", "http://p2")]
+    mains = [Upstream("main", "http://m", mooncake_session="10.0.0.2:7000")]
+    infos = {"http://p1": {"10.0.0.2:7000": {"bytes_ahead": 3, "recent_bytes_per_s": 5.0}},
+             "http://p2": {"10.0.0.2:7000": {"bytes_ahead": 4, "recent_bytes_per_s": 2.0},
+                           "other:1": {"bytes_ahead": 100}}}
+
+    async def get_json(upstream, path):
+        assert path == "/server_info"
+        return {"internal_states": [{"pdd": {"wan_line": infos[upstream.url]}}]}
+
+    async def one_round():
+        lines = LineAccounting(FakeClock())
+        task = asyncio.create_task(poll_prefill_lines(lines, prefills, mains, get_json, 60))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        return lines.state("http://m")
+
+    assert asyncio.run(one_round()) == policy.LineState(7, 2.0)
