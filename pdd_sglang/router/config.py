@@ -13,6 +13,7 @@ DEFAULT_BOOTSTRAP_PORT = 8998  # SGLang's default --disaggregation-bootstrap-por
 # 10-100 Gbps and milliseconds to tens of milliseconds; the conservative end).
 DEFAULT_WAN_GBPS = 10.0
 DEFAULT_WAN_RTT_MS = 20.0
+PLACEMENTS = ("congestion-aware", "idle-line")
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,10 @@ class RouterConfig:
     retry_max_retries: int = 1
     # ... and one that fails after the client got part of it goes on from its last token.
     retry_after_first_token: bool = False
+    # How placement predicts main's WAN time: "congestion-aware" behind the bytes the line to
+    # that main already carries, at its measured rate (router/line_state.py); "idle-line" as if
+    # the line were idle.
+    placement: str = "congestion-aware"
 
 
 def _split_prefill_args(values: Sequence[str]) -> tuple[PrefillEndpoint, ...]:
@@ -110,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
                         default=PolicyConfig.singular_max_new_tokens,
                         help="... and at most this many output tokens; when the relay answers "
                              "such a request alone, main's WAN copy is cancelled too")
+    parser.add_argument("--placement", choices=PLACEMENTS, default="congestion-aware",
+                        help="predict main's WAN time behind the copies already on the line to "
+                             "it, at the rate measured over recent copies (congestion-aware), "
+                             "or as if the line were idle (idle-line)")
     parser.add_argument("--tokenizer-path", default=None)
     parser.add_argument("--mirror-max-tokens", type=int, default=None,
                         help="tokens per main's prefix mirror (default: main's KV pool size)")
@@ -165,4 +174,5 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> RouterConfig:
         main_wait_for_landing_s=args.main_wait_for_landing_s,
         retry_max_retries=args.retry_max_retries,
         retry_after_first_token=args.retry_after_first_token,
+        placement=args.placement,
     )

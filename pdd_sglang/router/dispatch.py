@@ -8,6 +8,7 @@ gave it, on top of closing the HTTP stream (which SGLang also treats as an abort
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import secrets
 import time
@@ -142,13 +143,18 @@ class Dispatcher:
         pipeline = placement.pipeline.label
         self.metrics.requests.labels(pipeline, api).inc()
         clock = TokenClock(self.metrics, pipeline, started)
+        # Wall-clock marks (comparable with SGLang's own *_ts time stats on this host) for the
+        # stage split of TTFT; the prefill's own stats are logged when its answer comes.
+        marks = {"router_received_ts": time.time() - (time.perf_counter() - started)}
+        copies: dict = {}  # main's WAN copy (router/line_state.py), shared by the two pumps
         splicer = StreamSplicer(
             with_relay=placement.relay is not None,
             decode=lambda ids: self.model.decode(ids, job.skip_special_tokens))
         queues = {u.role: asyncio.Queue() for u in placement.decoders}
         main_after = self._main_waits_for(job, placement)
         tasks = {u.role: self._spawn(self._pump(u, body, queues[u.role], splicer,
-                                                main_after if u is placement.main else None))
+                                                main_after if u is placement.main else None,
+                                                placement, job, marks, copies))
                  for u in placement.decoders}
         prefill_task = self._spawn(self._prefill(placement.prefill, body, list(queues.values())))
         clean = False
@@ -191,10 +197,12 @@ class Dispatcher:
                     if update is None:
                         continue
                     clock.tokens_sent(len(update.new_ids), update.first_after_handoff)
+                    if update.new_ids and "first_token_ts" not in marks:
+                        marks["first_token_ts"] = time.time()
                     update.meta["id"] = rid
                     if update.finished:
                         update.meta["e2e_latency"] = time.perf_counter() - started
-                        update.meta["pdd"] = self._summary(placement, splicer, clock)
+                        update.meta["pdd"] = self._summary(placement, splicer, clock, marks)
                         self._record_finish(job, placement, splicer, update)
                         clean = True
                     yield update
@@ -258,7 +266,10 @@ class Dispatcher:
         return None if landing is None else landing.done
 
     async def _pump(self, upstream: Upstream, body: dict, queue: asyncio.Queue,
-                    splicer: StreamSplicer, after: asyncio.Event | None = None) -> None:
+                    splicer: StreamSplicer, after: asyncio.Event | None = None,
+                    placement: Placement | None = None, job: GenerateJob | None = None,
+                    marks: dict | None = None, copies: dict | None = None) -> None:
+        copy = None
         try:
             if after is not None and not after.is_set():
                 # The relay streams meanwhile; prefill holds main's KV until main registers.
@@ -267,27 +278,50 @@ class Dispatcher:
                     self.metrics.main_waits.labels("landed").inc()
                 except asyncio.TimeoutError:
                     self.metrics.main_waits.labels("timed_out").inc()
+            if upstream.role == "main" and placement is not None and job is not None:
+                uncached = max(len(job.prompt_ids) - placement.main_cached_tokens, 0)
+                copy = self.placer.lines.begin(upstream.url,
+                                               uncached * self.model.kv_bytes_per_token)
+                if copies is not None:
+                    copies["main"] = copy
             async for chunk in self.client.generate_stream(upstream, body):
                 if upstream.role == "main" and splicer.main_cached_tokens is None:
                     splicer.main_cached_tokens = chunk.meta.get("cached_tokens")
+                if copy is not None and copy.open:
+                    self.placer.lines.land(copy)  # main ran a forward on the landed KV
+                if marks is not None and f"{upstream.role}_first_chunk_ts" not in marks:
+                    marks[f"{upstream.role}_first_chunk_ts"] = time.time()
+                    if upstream.role == "relay" and copies is not None:
+                        # Prefill's forward is done: main's copy is on the line from here.
+                        self.placer.lines.on_wire(copies.get("main"))
                 queue.put_nowait(chunk)
             queue.put_nowait(_END)
         except asyncio.CancelledError:
             raise
         except BaseException as err:  # handed to the splice loop, which owns error handling
             queue.put_nowait(err)
+        finally:
+            if copy is not None:
+                self.placer.lines.drop(copy)  # no-op once landed
 
     async def _prefill(self, upstream: Upstream, body: dict, queues: list[asyncio.Queue]) -> None:
-        """The prefill's answer carries nothing for the client; only its failure matters."""
+        """The prefill's answer carries nothing for the client; only its failure matters (and
+        its time stats, logged for the stage split)."""
         try:
-            await self.client.generate_final(upstream, body)
+            answer = await self.client.generate_final(upstream, body)
         except asyncio.CancelledError:
             raise
         except BaseException as err:
             for queue in queues:
                 queue.put_nowait(err)
+            return
+        meta = (answer or {}).get("meta_info") or {}
+        stats = {k: v for k, v in meta.items() if isinstance(v, (int, float)) and (
+            k.endswith(("_ts", "_time", "_latency")) or k == "queue_time")}
+        logger.info("pdd-prefill-stats %s", json.dumps({"rid": body["rid"], **stats}))
 
-    def _summary(self, placement: Placement, splicer: StreamSplicer, clock: TokenClock) -> dict:
+    def _summary(self, placement: Placement, splicer: StreamSplicer, clock: TokenClock,
+                 marks: dict) -> dict:
         """What the router adds to meta_info["pdd"]: its decisions and its measurements."""
         return {
             "pipeline": placement.route_name,
@@ -304,6 +338,9 @@ class Dispatcher:
             "diverged": splicer.diverged,
             "ttft_s": clock.ttft_s,
             "handoff_gap_s": clock.handoff_gap_s,
+            "handoff_mode": (splicer.handoff_info or {}).get("mode"),
+            "line_bytes_ahead": placement.line_bytes_ahead,
+            "marks": dict(marks),
         }
 
     def _record_finish(self, job: GenerateJob, placement: Placement, splicer: StreamSplicer,

@@ -1,7 +1,8 @@
 """Where a request goes: the main by cache affinity and load, the pipeline by predicted WAN time.
 
 Every decision is pdd_sglang.policy's (the simulator makes the same ones); this module only feeds
-it the router's view: each main's prefix match from its mirror, outstanding requests per server.
+it the router's view: each main's prefix match from its mirror, outstanding requests per server,
+and (congestion-aware placement) the line to each main as router/line_state.py accounts it.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Optional, Sequence
 from pdd_sglang import policy
 from pdd_sglang.router.config import LinkParams
 from pdd_sglang.router.landing import LandingCopies
+from pdd_sglang.router.line_state import LineAccounting
 from pdd_sglang.router.prefix_mirror import PrefixMirror
 from pdd_sglang.router.servers import MAIN, PREFILL, RELAY, NoHealthyServer, ServerPool, Upstream
 
@@ -23,6 +25,7 @@ class Placement:
     main: Optional[Upstream]  # None only for RELAY_SINGULAR
     main_cached_tokens: int  # the mirror's estimate for the chosen main
     predicted_wan_s: float
+    line_bytes_ahead: int = 0  # what the line to main carried when placed (congestion-aware)
     relay_fallback: bool = False  # P->RLD->MD wanted, no healthy relay: P->MD instead
     main_fallback: bool = False  # no healthy main (dead, or the WAN cut): the relay alone
 
@@ -49,8 +52,11 @@ class Placement:
 class Placer:
     def __init__(self, pool: ServerPool, mirrors: dict[str, PrefixMirror], link: LinkParams,
                  kv_bytes_per_token: float, cfg: policy.PolicyConfig,
-                 landing: Optional[LandingCopies] = None):
+                 landing: Optional[LandingCopies] = None, lines: Optional[LineAccounting] = None,
+                 congestion_aware: bool = False):
         self.pool = pool
+        self.lines = lines if lines is not None else LineAccounting()
+        self.congestion_aware = congestion_aware
         self.mirrors = mirrors  # by main URL
         self.landing = landing if landing is not None else LandingCopies()
         self.link = link
@@ -84,14 +90,16 @@ class Placer:
                              relay, None, 0, 0.0, main_fallback=True)
         # SGLang never reuses the KV of the prompt's last token (it recomputes it to sample).
         uncached = len(prompt_ids) - min(cached, max(len(prompt_ids) - 1, 0))
-        wan_s = policy.predict_wan_seconds(uncached, self.kv_bytes_per_token,
-                                           self.link.wan_bytes_per_s, self.link.rtt_s)
+        line = self.lines.state(main.url) if self.congestion_aware else policy.IDLE_LINE
+        wan_s = policy.predict_wan_seconds_on_line(uncached, self.kv_bytes_per_token,
+                                                   self.link.wan_bytes_per_s, self.link.rtt_s,
+                                                   line)
         pipeline = policy.choose_pipeline(uncached, max(1, max_new_tokens),
                                           self.kv_bytes_per_token, self.link.wan_bytes_per_s,
-                                          self.link.rtt_s, self.cfg)
+                                          self.link.rtt_s, self.cfg, line=line)
         prefill = self.pool.least_loaded(PREFILL)
         if pipeline is policy.Pipeline.PREFILL_MAIN:
-            return Placement(pipeline, prefill, None, main, cached, wan_s)
+            return Placement(pipeline, prefill, None, main, cached, wan_s, line.bytes_ahead)
         try:
             relay = self._relay()
         except NoHealthyServer:
@@ -99,10 +107,10 @@ class Placer:
                 raise
             # Nothing to hide the WAN behind: still correct, only slower to the first token.
             return Placement(policy.Pipeline.PREFILL_MAIN, prefill, None, main, cached, wan_s,
-                             relay_fallback=True)
+                             line.bytes_ahead, relay_fallback=True)
         if pipeline is policy.Pipeline.RELAY_SINGULAR:
-            return Placement(pipeline, prefill, relay, None, cached, wan_s)
-        return Placement(pipeline, prefill, relay, main, cached, wan_s)
+            return Placement(pipeline, prefill, relay, None, cached, wan_s, line.bytes_ahead)
+        return Placement(pipeline, prefill, relay, main, cached, wan_s, line.bytes_ahead)
 
     def _relay(self) -> Upstream:
         return self.pool.least_loaded(RELAY, usable=lambda u: u.control_address is not None)

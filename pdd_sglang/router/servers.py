@@ -12,6 +12,8 @@ from urllib.parse import urlparse
 logger = logging.getLogger("pdd_sglang.router")
 
 PREFILL, RELAY, MAIN = "prefill", "relay", "main"
+# What a health poll found (UpstreamClient.health).
+HEALTH_OK, HEALTH_STALLED, HEALTH_UNREACHABLE = "ok", "stalled", "unreachable"
 
 
 @dataclass(eq=False)
@@ -28,6 +30,7 @@ class Upstream:
     kv_pool_tokens: Optional[int] = None
     incremental_streaming_output: bool = False
     control_address: Optional[str] = None  # relay only: its handoff control channel
+    mooncake_session: Optional[str] = None  # a main's: the key of prefill's wan_line entry for it
 
     @property
     def host(self) -> str:
@@ -40,8 +43,10 @@ class Upstream:
         states = server_info.get("internal_states") or [{}]
         pool = states[0].get("max_total_num_tokens") or server_info.get("max_total_tokens")
         self.kv_pool_tokens = int(pool) if pool else None
-        handoff = (states[0].get("pdd") or {}).get("handoff") or {}
+        pdd = states[0].get("pdd") or {}
+        handoff = pdd.get("handoff") or {}
         self.control_address = handoff.get("control_address") or self.control_address
+        self.mooncake_session = pdd.get("mooncake_session") or self.mooncake_session
 
 
 class NoHealthyServer(RuntimeError):
@@ -87,6 +92,9 @@ class ServerPool:
 class HealthMonitor:
     """Polls /health; a server leaves after N failures in a row and returns on one success.
 
+    A stall (the server answers unhealthy or late) never takes out the last healthy prefill, which
+    nothing can replace; only an unreachable one (connection refused: the process is gone) does.
+
     Request-path connection failures count too (``report_failure``), so a dead server stops
     receiving traffic before the next poll.
     """
@@ -118,13 +126,27 @@ class HealthMonitor:
             await self.check_all()
 
     async def _check(self, upstream: Upstream) -> None:
-        if await self.http.healthy(upstream):
+        status = await self.http.health(upstream)
+        if status == HEALTH_OK:
             if not upstream.healthy and self.on_recovered is not None:
                 if not await self.on_recovered(upstream):
                     return
             self.report_success(upstream)
+        elif status == HEALTH_STALLED and self._last_prefill(upstream):
+            # The process is there but busy past SGLang's own health deadline (e.g. a long
+            # prefill behind its WAN copies). Without a prefill nothing can be served: taking the
+            # only one out of rotation turns every queued and new request into a 503 and cures
+            # nothing. Requests in flight keep their own timeouts; a dead process refuses
+            # connections, which does count. (A stalled main or relay still leaves: the other
+            # decode server answers instead, e.g. the relay alone while the line is cut.)
+            upstream.consecutive_failures += 1
+            logger.warning("prefill %s stalled (health check %d in a row) but is the only one: "
+                           "kept in rotation", upstream.url, upstream.consecutive_failures)
         else:
             self.report_failure(upstream)
+
+    def _last_prefill(self, upstream: Upstream) -> bool:
+        return upstream.role == PREFILL and self.pool.healthy(PREFILL) == [upstream]
 
     def report_success(self, upstream: Upstream) -> None:
         if not upstream.healthy:

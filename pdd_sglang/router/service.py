@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import Optional
@@ -12,6 +13,7 @@ from pdd_sglang.router.dispatch import Dispatcher
 from pdd_sglang.router.metrics import RouterMetrics
 from pdd_sglang.router.model import ModelInfo, load_model_info
 from pdd_sglang.router.landing import LandingCopies
+from pdd_sglang.router.line_state import LineAccounting, poll_prefill_lines
 from pdd_sglang.router.placement import Placer
 from pdd_sglang.router.prefix_mirror import PrefixMirror
 from pdd_sglang.router.servers import MAIN, PREFILL, HealthMonitor, ServerPool, Upstream
@@ -33,6 +35,7 @@ class RouterService:
         self.model: Optional[ModelInfo] = None
         self.mirrors: dict[str, PrefixMirror] = {}
         self.dispatcher: Optional[Dispatcher] = None
+        self._line_poll: Optional[asyncio.Task] = None
 
     async def start(self) -> None:
         await self.client.start()
@@ -49,8 +52,10 @@ class RouterService:
                       or DEFAULT_MIRROR_TOKENS)
             self.mirrors[upstream.url] = PrefixMirror(budget)
         landing = LandingCopies()
+        lines = LineAccounting()
         placer = Placer(self.pool, self.mirrors, self.config.link, self.model.kv_bytes_per_token,
-                        self.config.policy, landing)
+                        self.config.policy, landing, lines,
+                        congestion_aware=self.config.placement == "congestion-aware")
         self.dispatcher = Dispatcher(self.pool, placer, self.mirrors, self.client, self.health,
                                      self.metrics, self.model, landing,
                                      self.config.main_wait_for_landing_s,
@@ -58,6 +63,9 @@ class RouterService:
                                      self.config.retry_after_first_token)
         self.health.on_recovered = self._learn
         self.health.start()
+        if self.config.placement == "congestion-aware":
+            self._line_poll = asyncio.create_task(poll_prefill_lines(
+                lines, self.pool.by_role[PREFILL], self.pool.by_role[MAIN], self.client.get_json))
         logger.info("PDD router ready: model %s, context %d, %.0f KV bytes/token, %s",
                     self.model.served_model_name, self.model.context_length,
                     self.model.kv_bytes_per_token,
@@ -94,6 +102,10 @@ class RouterService:
 
     async def stop(self) -> None:
         await self.health.stop()
+        if self._line_poll is not None:
+            self._line_poll.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._line_poll
         if self.dispatcher is not None:
             await asyncio.wait_for(self.dispatcher.drain(), timeout=15)
         await self.client.close()

@@ -9,7 +9,7 @@ from typing import AsyncIterator, Optional
 import aiohttp
 import orjson
 
-from pdd_sglang.router.servers import Upstream
+from pdd_sglang.router.servers import HEALTH_OK, HEALTH_STALLED, HEALTH_UNREACHABLE, Upstream
 from pdd_sglang.router.splice import UpstreamChunk
 
 logger = logging.getLogger("pdd_sglang.router")
@@ -58,12 +58,20 @@ class UpstreamClient:
             return await resp.json(content_type=None)
 
     async def healthy(self, upstream: Upstream, timeout_s: float = 10.0) -> bool:
+        return await self.health(upstream, timeout_s) == HEALTH_OK
+
+    async def health(self, upstream: Upstream, timeout_s: float = 10.0) -> str:
+        """HEALTH_OK; HEALTH_STALLED when the server is there but did not say healthy (SGLang's
+        /health answers 503 while its scheduler is busy past its own deadline), or did not answer
+        in time; HEALTH_UNREACHABLE when nothing accepts the connection (the process is gone)."""
         try:
             async with self._session.get(upstream.url + "/health",
                                          timeout=self._timeout(timeout_s)) as resp:
-                return resp.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-            return False
+                return HEALTH_OK if resp.status == 200 else HEALTH_STALLED
+        except asyncio.TimeoutError:
+            return HEALTH_STALLED
+        except (aiohttp.ClientError, OSError):
+            return HEALTH_UNREACHABLE
 
     async def post_ok(self, upstream: Upstream, path: str, timeout_s: float = 60.0) -> bool:
         try:

@@ -161,6 +161,13 @@ def test_handoff_is_spliced_through_every_api():
         assert meta["completion_tokens"] == 5 and meta["cached_tokens"] == 40
         assert meta["finish_reason"] == LENGTH
         assert meta["pdd"]["pipeline"] == "prefill_relay_main" and meta["pdd"]["handed_tokens"] == 3
+        # The stage split's marks: received, then the relay's first chunk, then the first token
+        # sent; main's first chunk (here main streams at once, beside the relay).
+        marks = meta["pdd"]["marks"]
+        assert (marks["router_received_ts"] <= marks["relay_first_chunk_ts"]
+                <= marks["first_token_ts"]), marks
+        assert marks["main_first_chunk_ts"] >= marks["router_received_ts"]
+        assert meta["pdd"]["line_bytes_ahead"] == 0  # nothing else on the line
         # Every server got the same rid, room, bootstrap address and route.
         sent = [s.bodies[-1] for s in (prefill, relay, main)]
         assert len({(b["rid"], b["bootstrap_room"], b["bootstrap_port"]) for b in sent}) == 1

@@ -96,7 +96,11 @@ class RequestResult:
     cached_tokens: Optional[int] = None
     pipeline: Optional[str] = None
     outcome: Optional[str] = None  # the router's: main, handoff, relay_finished, relay_lost
+    handoff_mode: Optional[str] = None  # on a handoff: "one-shot" or "catch-up"
     router_ttft_s: Optional[float] = None
+    rid: Optional[str] = None  # the router's request id (its log's per-request lines)
+    marks: dict = field(default_factory=dict)  # the router's wall-clock marks (time.time())
+    sent_ts: Optional[float] = None  # wall clock when the client sent the request
     error: Optional[str] = None
 
     def summary(self) -> dict:
@@ -114,7 +118,7 @@ def stream_generate(host: str, port: int, body: dict, timeout_s: float,
     conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
     try:
         payload = json.dumps({**body, "stream": True}).encode()
-        result.sent_at = time.perf_counter()
+        result.sent_at, result.sent_ts = time.perf_counter(), time.time()
         conn.request("POST", "/generate", body=payload,
                      headers={"Content-Type": "application/json"})
         resp = conn.getresponse()
@@ -157,7 +161,10 @@ def stream_generate(host: str, port: int, body: dict, timeout_s: float,
         pdd = meta.get("pdd") or {}
         result.pipeline = pdd.get("pipeline")
         result.outcome = pdd.get("outcome")
+        result.handoff_mode = pdd.get("handoff_mode")
         result.router_ttft_s = pdd.get("ttft_s")
+        result.marks = pdd.get("marks") or {}
+        result.rid = meta.get("id")
         if len(result.output_ids) != result.max_new_tokens:
             result.error = (f"got {len(result.output_ids)} tokens, asked for "
                             f"{result.max_new_tokens}")

@@ -1,0 +1,160 @@
+"""Equal compute per role: each SGLang server in its own cgroup v1 CPU group with the same quota.
+
+In the systems being emulated every role has its own accelerator. On a small CPU machine the
+servers of one setup would otherwise compete for the same cores, and PDD (three servers) would be
+measured against same-DC PD (two servers) on unequal compute. So every server of every setup gets
+one group under the ``cpu`` controller with the same CFS quota (``cpu.cfs_quota_us`` per
+``cpu.cfs_period_us``), and the rest of the machine is left as headroom for the router, the line's
+forwarder and the clients.
+
+Life cycle of a group:
+
+1. :func:`check_cpu_controller` refuses early, with one clear reason, when the controller is not
+   mounted or not writable (not root, a read-only /sys/fs/cgroup).
+2. :class:`CpuGroup` ``.create()`` makes ``/sys/fs/cgroup/cpu/<name>`` (and the same name under
+   ``cpuacct`` when that controller is mounted apart) and writes period and quota.
+3. ``.exec_prefix()`` is a command prefix that moves the shell into the group(s) and then execs the
+   server, so the server and every process and thread it starts are in it from their first
+   instruction.
+4. ``.snapshot()`` reads what the group used: CPU time (``cpuacct.usage``), time its tasks waited
+   runnable on a run queue (field 2 of ``/proc/<tid>/schedstat``, per thread; a share counts the
+   threads alive at both snapshots), and time the quota throttled it (``cpu.stat``). Two snapshots give a setup's share.
+5. ``.remove()`` SIGKILLs anything still in the group (only processes this module put there) and
+   removes the directories; the caller stops its servers first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+CPU_ROOT = Path("/sys/fs/cgroup/cpu")
+CPUACCT_ROOT = Path("/sys/fs/cgroup/cpuacct")
+PERIOD_US = 20_000  # short periods: a throttled server waits at most this long for its next slice
+ENTER_AND_EXEC = 'for g in "$@"; do [ "$g" = -- ] && break; echo $$ > "$g/cgroup.procs"; shift; ' \
+                 'done; shift; exec "$@"'
+
+
+def check_cpu_controller(root: Path = CPU_ROOT) -> None:
+    """Raise with a plain reason when no writable cgroup v1 CPU controller is mounted at root."""
+    if not (root / "cpu.cfs_quota_us").exists():
+        raise FileNotFoundError(
+            f"no cgroup v1 CPU controller at {root} (needs `mount -t cgroup -o cpu cgroup {root}`)")
+    probe = root / f"pdd-probe-{os.getpid()}"
+    try:
+        probe.mkdir(exist_ok=True)
+        (probe / "cpu.cfs_quota_us").write_text("-1")
+    except OSError as err:
+        raise PermissionError(f"the cgroup CPU controller at {root} is not writable ({err}); "
+                              "run as root with /sys/fs/cgroup mounted read-write") from None
+    finally:
+        with contextlib.suppress(OSError):
+            probe.rmdir()
+
+
+def server_cpu_quota(servers_at_once: int, headroom_cores: float = 0.5,
+                     cap_cores: float = 1.0) -> float:
+    """Cores per server: the machine less the headroom, shared by the servers one setup runs."""
+    cores = len(os.sched_getaffinity(0))
+    return round(min(cap_cores, max(0.1, (cores - headroom_cores) / servers_at_once)), 3)
+
+
+@dataclass
+class CpuSnapshot:
+    at: float
+    cpu_s: float
+    wait_ns_by_tid: dict
+    throttled_s: float
+    throttled_periods: int
+    periods: int
+
+
+class CpuGroup:
+    def __init__(self, name: str, cores: float, period_us: int = PERIOD_US):
+        if not cores > 0:
+            raise ValueError(f"cores must be > 0, got {cores}")
+        self.name, self.cores, self.period_us = name, cores, period_us
+        self.cpu_dir = CPU_ROOT / name
+        self.acct_dir = CPUACCT_ROOT / name if _separate_cpuacct() else self.cpu_dir
+        self.created = False
+
+    @property
+    def dirs(self) -> list[Path]:
+        return list(dict.fromkeys([self.cpu_dir, self.acct_dir]))
+
+    def create(self) -> "CpuGroup":
+        for path in self.dirs:
+            path.mkdir(exist_ok=True)
+        self.created = True
+        (self.cpu_dir / "cpu.cfs_period_us").write_text(str(self.period_us))
+        (self.cpu_dir / "cpu.cfs_quota_us").write_text(str(int(self.cores * self.period_us)))
+        return self
+
+    def exec_prefix(self) -> tuple:
+        return ("sh", "-c", ENTER_AND_EXEC, f"cpu-{self.name}", *map(str, self.dirs), "--")
+
+    def tids(self) -> list[int]:
+        with contextlib.suppress(OSError):
+            return [int(t) for t in (self.cpu_dir / "tasks").read_text().split()]
+        return []
+
+    def snapshot(self) -> CpuSnapshot:
+        stat = dict(line.split() for line in (self.cpu_dir / "cpu.stat").read_text().splitlines()
+                    if len(line.split()) == 2)
+        wait_ns = {}
+        for tid in self.tids():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                wait_ns[tid] = int(Path(f"/proc/{tid}/schedstat").read_text().split()[1])
+        usage_ns = int((self.acct_dir / "cpuacct.usage").read_text()) \
+            if (self.acct_dir / "cpuacct.usage").exists() else int(stat.get("usage_usec", 0)) * 1000
+        return CpuSnapshot(time.monotonic(), usage_ns / 1e9, wait_ns,
+                           int(stat.get("throttled_time", 0)) / 1e9,
+                           int(stat.get("nr_throttled", 0)), int(stat.get("nr_periods", 0)))
+
+    def usage_between(self, before: CpuSnapshot, after: CpuSnapshot) -> dict:
+        """What the group used between two snapshots (run-queue wait: threads alive at both)."""
+        wall = max(after.at - before.at, 1e-9)
+        cpu = after.cpu_s - before.cpu_s
+        wait_ns = sum(ns - before.wait_ns_by_tid[tid] for tid, ns in after.wait_ns_by_tid.items()
+                      if tid in before.wait_ns_by_tid)
+        return {"quota_cores": self.cores, "wall_s": round(wall, 2), "cpu_s": round(cpu, 2),
+                "cores_used": round(cpu / wall, 3),
+                "run_queue_wait_s": round(wait_ns / 1e9, 2),
+                "throttled_s": round(after.throttled_s - before.throttled_s, 2),
+                "throttled_periods": after.throttled_periods - before.throttled_periods,
+                "periods": after.periods - before.periods}
+
+    def remove(self, timeout_s: float = 10.0) -> None:
+        if not self.created:
+            return
+        deadline = time.monotonic() + timeout_s
+        for path in self.dirs:
+            while path.exists():
+                for pid in _pids(path):
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(pid, signal.SIGKILL)
+                try:
+                    path.rmdir()
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.1)
+        self.created = False
+
+    def exists(self) -> bool:
+        return any(path.exists() for path in self.dirs)
+
+
+def _pids(path: Path) -> list[int]:
+    with contextlib.suppress(OSError):
+        return [int(p) for p in (path / "cgroup.procs").read_text().split()]
+    return []
+
+
+def _separate_cpuacct() -> bool:
+    return CPUACCT_ROOT.exists() and CPUACCT_ROOT.resolve() != CPU_ROOT.resolve() \
+        and (CPUACCT_ROOT / "cpuacct.usage").exists()

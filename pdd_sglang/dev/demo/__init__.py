@@ -1,0 +1,1 @@
+"""`make demo`'s parts that are not orchestration: figures per setup (report), plots (figures)."""

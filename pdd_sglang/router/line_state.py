@@ -1,0 +1,139 @@
+"""The router's own view of the WAN line to each main, for congestion-aware placement.
+
+Life cycle of a copy the router placed:
+
+1. ``begin(main_url, kv_bytes)`` when the router sends a request to main (P->MD, or main's leg of
+   P->RLD->MD): main's uncached suffix joins the bytes ahead of the next copy on that line.
+2. ``on_wire(copy)`` when the KV is known to exist (on P->RLD->MD: the relay's first chunk, which
+   needs prefill's forward done): the copy's clock restarts there, so prefill's queue and forward
+   do not count as line time. (P->MD copies have no such mark; they are mostly small, under
+   MIN_SAMPLE_BYTES, which keeps prefill's time out of the rate too.)
+3. ``land(copy)`` when main shows it has the KV (its first chunk: it has run a forward on it), or
+   ``drop(copy)`` when main's leg ends without (aborted, failed, cancelled). Landing records
+   (start, end, bytes) among the recent copies.
+4. ``state(main_url)`` is a :class:`pdd_sglang.policy.LineState`: the bytes of copies begun and
+   not landed, and the throughput over the recent copies (their bytes over the time at least
+   one of them was on the line, so copies sharing the line are not counted as slow).
+
+What this does not see: copies another router placed, and prefill's own queueing. Prefill sees
+both: its /server_info carries ``pdd.wan_line``, bytes queued and in flight per main Mooncake
+session and the throughput over its recent batches (pdd_sglang/prefill/wan_line.py). The router
+polls it (``report``, summed over prefills); a fresh report's bytes ahead count when larger than
+the router's own (a poll lags the copies placed since), and its rate replaces the router's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from pdd_sglang import policy
+
+RECENT_COPIES = 16
+REPORT_FRESH_S = 3.0  # a prefill report older than this (a missed poll) no longer counts
+MIN_SAMPLE_BYTES = 1 << 20  # in smaller copies prefill's forward and round trips dominate
+
+
+@dataclass(eq=False)
+class Copy:
+    main_url: str
+    kv_bytes: int
+    started: float
+    open: bool = field(default=True)
+
+
+class LineAccounting:
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self._clock = clock
+        self._open: dict[str, list[Copy]] = {}
+        self._recent: dict[str, deque] = {}
+        self._reported: dict[str, tuple[float, int, float | None]] = {}  # url -> (at, bytes, rate)
+
+    def report(self, main_url: str, bytes_ahead: int, bytes_per_s: float | None) -> None:
+        """What the prefills' WAN paths say about the line to ``main_url`` right now."""
+        rate = bytes_per_s if bytes_per_s and bytes_per_s > 0 else None
+        self._reported[main_url] = (self._clock(), max(0, int(bytes_ahead)), rate)
+
+    def begin(self, main_url: str, kv_bytes: int) -> Copy:
+        copy = Copy(main_url, max(0, int(kv_bytes)), self._clock())
+        self._open.setdefault(main_url, []).append(copy)
+        return copy
+
+    def on_wire(self, copy: Copy | None) -> None:
+        if copy is not None and copy.open:
+            copy.started = max(copy.started, self._clock())
+
+    def land(self, copy: Copy) -> None:
+        if self._close(copy) and copy.kv_bytes >= MIN_SAMPLE_BYTES:
+            self._recent.setdefault(copy.main_url, deque(maxlen=RECENT_COPIES)).append(
+                (copy.started, self._clock(), copy.kv_bytes))
+
+    def drop(self, copy: Copy) -> None:
+        self._close(copy)
+
+    def _close(self, copy: Copy) -> bool:
+        if not copy.open:
+            return False
+        copy.open = False
+        self._open[copy.main_url].remove(copy)
+        return True
+
+    def bytes_ahead(self, main_url: str) -> int:
+        return sum(c.kv_bytes for c in self._open.get(main_url, ()))
+
+    def measured_bytes_per_s(self, main_url: str) -> float | None:
+        samples = sorted(self._recent.get(main_url, ()))
+        if not samples:
+            return None
+        busy, end = 0.0, float("-inf")
+        for start, stop, _ in samples:  # the union of the copies' time on the line
+            if stop > end:
+                busy += stop - max(start, end)
+                end = stop
+        total = sum(b for _, _, b in samples)
+        return total / busy if busy > 0 else None
+
+    def state(self, main_url: str) -> policy.LineState:
+        ahead, rate = self.bytes_ahead(main_url), self.measured_bytes_per_s(main_url)
+        at, reported_ahead, reported_rate = self._reported.get(main_url, (None, 0, None))
+        if at is not None and self._clock() - at <= REPORT_FRESH_S:
+            ahead, rate = max(ahead, reported_ahead), reported_rate or rate
+        return policy.LineState(bytes_ahead=ahead, measured_bytes_per_s=rate)
+
+    def snapshot(self) -> dict:
+        """For /pdd/line: what placement sees per main right now."""
+        urls = set(self._open) | set(self._recent)
+        return {url: {"bytes_ahead": self.bytes_ahead(url),
+                      "copies_open": len(self._open.get(url, ())),
+                      "measured_bytes_per_s": self.measured_bytes_per_s(url),
+                      "prefill_report": self._reported.get(url)} for url in urls}
+
+
+async def poll_prefill_lines(lines: LineAccounting, prefills, mains, get_json,
+                             interval_s: float = 1.0) -> None:
+    """Forever: each healthy prefill's ``pdd.wan_line``, summed per main, into ``lines.report``.
+    ``get_json(upstream, path)`` is the router's HTTP client; a prefill without the field (an
+    older build) or a failed poll just leaves the router's own accounting in charge. Several
+    prefills' bytes add up; the line's rate is the lowest any of them measured."""
+    while True:
+        totals: dict[str, list] = {}
+        for prefill in [p for p in prefills if p.healthy]:
+            try:
+                info = await get_json(prefill, "/server_info")
+            except Exception:  # noqa: BLE001 - a missed poll ages out (REPORT_FRESH_S)
+                continue
+            states = info.get("internal_states") or [{}]
+            wan_line = (states[0].get("pdd") or {}).get("wan_line") or {}
+            for main in mains:
+                entry = wan_line.get(main.mooncake_session) if main.mooncake_session else None
+                if entry is not None:
+                    total = totals.setdefault(main.url, [0, []])
+                    total[0] += int(entry.get("bytes_ahead") or 0)
+                    if entry.get("recent_bytes_per_s"):
+                        total[1].append(entry["recent_bytes_per_s"])
+        for url, (ahead, rates) in totals.items():
+            lines.report(url, ahead, min(rates) if rates else None)
+        await asyncio.sleep(interval_s)

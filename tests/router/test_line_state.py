@@ -1,0 +1,108 @@
+"""The router's accounting of the WAN line per main, and congestion-aware placement from it."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdd_sglang import policy
+from pdd_sglang.router.line_state import MIN_SAMPLE_BYTES, LineAccounting
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_bytes_ahead_count_copies_begun_and_not_landed():
+    lines = LineAccounting(FakeClock())
+    a = lines.begin("m1", 3_000_000)
+    b = lines.begin("m1", 1_000_000)
+    lines.begin("m2", 5)
+    assert lines.bytes_ahead("m1") == 4_000_000
+    lines.land(a)
+    lines.drop(b)
+    lines.land(b)  # closing twice changes nothing
+    assert lines.bytes_ahead("m1") == 0 and lines.bytes_ahead("m2") == 5
+
+
+def test_throughput_counts_the_time_any_copy_was_on_the_line_once():
+    clock = FakeClock()
+    lines = LineAccounting(clock)
+    first = lines.begin("m", 2 * MIN_SAMPLE_BYTES)
+    clock.now = 1.0
+    second = lines.begin("m", 2 * MIN_SAMPLE_BYTES)
+    clock.now = 2.0
+    lines.land(first)
+    clock.now = 4.0
+    lines.land(second)
+    # Both copies shared the line from 0 to 4 s: 4 x MIN_SAMPLE_BYTES over 4 s.
+    assert lines.measured_bytes_per_s("m") == pytest.approx(MIN_SAMPLE_BYTES)
+    small = lines.begin("m", 10)
+    clock.now = 100.0
+    lines.land(small)  # too small to say anything about the rate
+    assert lines.measured_bytes_per_s("m") == pytest.approx(MIN_SAMPLE_BYTES)
+
+
+def test_a_busy_line_sends_a_small_suffix_through_the_relay():
+    lines = LineAccounting(FakeClock())
+    rate, rtt, kv = 1.25e6, 0.04, 8192  # 10 Mbit/s, 8 KiB per token
+    uncached = 40  # 0.33 MB: about 0.3 s on an idle line, under the 0.5 s threshold
+    assert policy.choose_pipeline(uncached, 128, kv, rate, rtt,
+                                  line=lines.state("m")) is policy.Pipeline.PREFILL_MAIN
+    lines.begin("m", 8_000_000)  # a document's copy on its way: 6.4 s ahead
+    assert policy.choose_pipeline(uncached, 128, kv, rate, rtt,
+                                  line=lines.state("m")) is policy.Pipeline.PREFILL_RELAY_MAIN
+
+
+def test_the_line_clock_starts_when_the_kv_exists():
+    clock = FakeClock()
+    lines = LineAccounting(clock)
+    copy = lines.begin("m", 2 * MIN_SAMPLE_BYTES)
+    clock.now = 3.0  # prefill's queue and forward: not line time
+    lines.on_wire(copy)
+    clock.now = 5.0
+    lines.land(copy)
+    lines.on_wire(copy)  # after landing: nothing changes
+    assert lines.measured_bytes_per_s("m") == pytest.approx(MIN_SAMPLE_BYTES)
+
+
+def test_a_fresh_prefill_report_counts_beside_the_routers_own_copies():
+    clock = FakeClock()
+    lines = LineAccounting(clock)
+    lines.begin("m", 1_000_000)
+    lines.report("m", 5_000_000, 2e6)  # prefill sees more: another router's copies
+    assert lines.state("m") == policy.LineState(5_000_000, 2e6)
+    lines.report("m", 0, None)  # the poll lags the router's own copy
+    assert lines.state("m").bytes_ahead == 1_000_000
+    lines.report("m", 9_000_000, 2e6)
+    clock.now = 10.0  # the report is stale: the router's own accounting only
+    assert lines.state("m") == policy.LineState(1_000_000, None)
+
+
+def test_the_poller_sums_prefills_per_main_by_mooncake_session():
+    import asyncio
+
+    from pdd_sglang.router.line_state import poll_prefill_lines
+    from pdd_sglang.router.servers import Upstream
+
+    prefills = [Upstream("prefill", "http://p1"), Upstream("prefill", "http://p2")]
+    mains = [Upstream("main", "http://m", mooncake_session="10.0.0.2:7000")]
+    infos = {"http://p1": {"10.0.0.2:7000": {"bytes_ahead": 3, "recent_bytes_per_s": 5.0}},
+             "http://p2": {"10.0.0.2:7000": {"bytes_ahead": 4, "recent_bytes_per_s": 2.0},
+                           "other:1": {"bytes_ahead": 100}}}
+
+    async def get_json(upstream, path):
+        assert path == "/server_info"
+        return {"internal_states": [{"pdd": {"wan_line": infos[upstream.url]}}]}
+
+    async def one_round():
+        lines = LineAccounting(FakeClock())
+        task = asyncio.create_task(poll_prefill_lines(lines, prefills, mains, get_json, 60))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        return lines.state("http://m")
+
+    assert asyncio.run(one_round()) == policy.LineState(7, 2.0)
