@@ -29,12 +29,22 @@ Life cycle of a P->RLD->MD request on a main:
    registered with prefill), aborted it (its KV transfer failed), its connection drops (ZMQ's
    disconnect or heartbeat timeout), or it does not answer within ``--pdd-handoff-timeout``,
    main decodes the request itself from the first token, as plain PD: a delay, not an error.
+   The timeout measures silence, not the whole handoff: every absorbed Catch-Up chunk restarts
+   it, so a long Catch-Up from a slow but healthy relay completes. A relay silent past it in the
+   middle of a Catch-Up is told ``HandoffRefused("timeout")`` and answers the request itself;
+   main drops its copy (its KV runs past the last sampled token).
+
+A held request is in one :class:`Held` state at a time: ``AWAITING_TOKENS`` (ready sent, or a
+middle chunk acknowledged; the deadline runs), ``TOKENS_QUEUED`` (a chunk appended, its extend not
+yet scheduled), ``EXTENDING`` (its extend batch is running).
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any, Optional
@@ -56,16 +66,22 @@ logger = logging.getLogger(__name__)
 RELAY_ANSWERED_ALONE = ("finished_at_relay",)
 
 
+class Held(enum.Enum):
+    AWAITING_TOKENS = "awaiting_tokens"  # HandoffReady sent, or a middle chunk acknowledged
+    TOKENS_QUEUED = "tokens_queued"  # a chunk's tokens appended; its extend not yet scheduled
+    EXTENDING = "extending"  # its extend batch is running (SGLang owns the request meanwhile)
+
+
 @dataclass
 class _Parked:
     req: Any
     relay: str  # the relay's control address
     ready_at: float
-    deadline: float
+    deadline: float  # restarted by every absorbed chunk: it measures the relay's silence
+    state: Held = Held.AWAITING_TOKENS
     seq: int = 0  # next chunk expected
     handed: int = 0  # positions [0, handed) of the relay's output received
-    first_extend: bool = True
-    extend_ready: bool = False  # tokens appended, extend not yet run
+    chunks_absorbed: int = 0  # extends run; after the first, main cannot decode alone
     is_last: bool = False
     chunk_seq: int = -1
 
@@ -134,13 +150,14 @@ class MainHandoff:
 
     def abort(self, abort_req: Any) -> None:
         for parked in list(self.parked.values()):
-            if parked.extend_ready and self._running is not None and parked in self._running.parked:
+            if parked.state is Held.EXTENDING:
                 continue  # its extend is in flight; SGLang aborts it once it is in the batch
             if abort_req.abort_all or parked.req.rid.startswith(abort_req.rid):
                 self._abort(parked, "aborted by the client", notify_relay="aborted_at_main")
 
     def state(self) -> dict:
-        return {**self.stats.snapshot(self.loop), "parked": len(self.parked)}
+        held = Counter(p.state.value for p in self.parked.values())
+        return {**self.stats.snapshot(self.loop), "parked": len(self.parked), "held": dict(held)}
 
     def close(self) -> None:
         self.loop.close()
@@ -180,7 +197,7 @@ class MainHandoff:
         self.relays_down.add(state.address)
         self.stats.event("relay_lost")
         for parked in [p for p in self.parked.values() if p.relay == state.address]:
-            if not parked.extend_ready:
+            if parked.state is Held.AWAITING_TOKENS:
                 self._continue_alone(parked)
 
     def _on_tokens(self, peer: str, message: HandoffTokens) -> None:
@@ -206,14 +223,14 @@ class MainHandoff:
         parked.seq = message.seq + 1
         parked.chunk_seq = message.seq
         parked.is_last = message.is_last
-        parked.extend_ready = True
+        parked.state = Held.TOKENS_QUEUED
         self.stats.handed_tokens += len(new_tokens)
         if message.seq == 0:
-            self.stats.handoff_latency_s.append(time.monotonic() - parked.ready_at)
+            self.stats.latency(time.monotonic() - parked.ready_at)
 
     def _check_tokens(self, parked: _Parked, message: HandoffTokens) -> list[int]:
         """The tokens main does not have yet, or MessageError naming what is wrong."""
-        if parked.extend_ready:
+        if parked.state is not Held.AWAITING_TOKENS:
             raise MessageError("out_of_order", "a chunk arrived before the last was absorbed")
         if message.seq < parked.seq:
             raise MessageError("duplicate", f"chunk {message.seq} again (expected {parked.seq})")
@@ -243,24 +260,31 @@ class MainHandoff:
     def _expire(self) -> None:
         now = time.monotonic()
         for parked in list(self.parked.values()):
-            if now > parked.deadline and not parked.extend_ready:
-                self.stats.event("timeout")
+            if now > parked.deadline and parked.state is Held.AWAITING_TOKENS:
+                self.stats.event("timeout" if parked.chunks_absorbed == 0
+                                 else "timeout_mid_catch_up")
+                logger.warning("PDD main: relay %s silent for %.1f s on room %s (%d chunks "
+                               "absorbed); %s", parked.relay, self.args.pdd_handoff_timeout,
+                               parked.req.bootstrap_room, parked.chunks_absorbed,
+                               "decoding it here" if parked.chunks_absorbed == 0
+                               else "the relay answers it")
                 self.loop.send(parked.relay, HandoffRefused(room=parked.req.bootstrap_room,
                                                             reason="timeout"))
-                self._continue_alone(parked)
+                self._continue_alone(parked, "PDD relay silent past --pdd-handoff-timeout in "
+                                             "the middle of a Catch-Up handoff")
 
-    def _continue_alone(self, parked: _Parked) -> None:
+    def _continue_alone(self, parked: _Parked,
+                        mid_catch_up: str = "PDD relay lost in the middle of a Catch-Up "
+                                            "handoff") -> None:
         """No relay will hand anything over: main decodes from the first token, as plain PD.
 
         Only before any chunk is absorbed: after one, the request's KV runs past its last
         sampled token, so it is aborted instead (the client gets a clear error).
         """
-        del self.parked[parked.req.bootstrap_room]
-        if not parked.first_extend:
-            self.parked[parked.req.bootstrap_room] = parked
-            self._abort(parked, "PDD relay lost in the middle of a Catch-Up handoff",
-                        notify_relay=None)
+        if parked.chunks_absorbed > 0:
+            self._abort(parked, mid_catch_up, notify_relay=None)
             return
+        del self.parked[parked.req.bootstrap_room]
         self.scheduler.waiting_queue.append(parked.req)
         self.stats.event("continued_alone")
 
@@ -284,7 +308,7 @@ class MainHandoff:
 
     # ---- the extend ------------------------------------------------------------------------
     def _next_extend(self, running_batch: Any) -> Optional[Any]:
-        ready = [p for p in self.parked.values() if p.extend_ready]
+        ready = [p for p in self.parked.values() if p.state is Held.TOKENS_QUEUED]
         if not ready or self._running is not None:
             return None
         scheduler = self.scheduler
@@ -299,6 +323,7 @@ class MainHandoff:
 
         for parked in ready:
             self._prepare_req(parked)
+            parked.state = Held.EXTENDING
         batch = ScheduleBatch.init_new(
             [p.req for p in ready], scheduler.req_to_token_pool,
             scheduler.token_to_kv_pool_allocator, scheduler.tree_cache, scheduler.model_config,
@@ -325,7 +350,7 @@ class MainHandoff:
 
     def _prepare_req(self, parked: _Parked) -> None:
         req = parked.req
-        if parked.first_extend:
+        if parked.chunks_absorbed == 0:
             # What SGLang's prebuilt step would have counted: main's own radix hit beyond what
             # prefill reported; the transferred prompt is not a cache hit.
             delta = max(0, req.prefix_len - req.already_computed)
@@ -333,7 +358,6 @@ class MainHandoff:
             req.cached_tokens_device += delta
             req._cache_breakdown_computed = True
             req.time_stats.set_wait_queue_entry_time()
-            parked.first_extend = False
         # Everything in the row is the prefix; the extend is every output token without KV.
         req.prefix_len = req.kv.kv_committed_len
         req.already_computed = req.prefix_len
@@ -352,17 +376,22 @@ class MainHandoff:
             return running_batch
         batch = running.batch
         keep = []
+        now = time.monotonic()
         for index, parked in enumerate(running.parked):
             room = parked.req.bootstrap_room
-            parked.extend_ready = False
+            parked.chunks_absorbed += 1
             if parked.is_last:
                 self.parked.pop(room, None)
                 self.stats.event("handoffs_absorbed")
+                self.stats.duration(now - parked.ready_at)
                 if not parked.req.finished():
                     keep.append(index)
             elif parked.req.finished():  # aborted meanwhile
                 self.parked.pop(room, None)
             else:
+                # Progress: the relay has until a full timeout from now for the next chunk.
+                parked.state = Held.AWAITING_TOKENS
+                parked.deadline = now + self.args.pdd_handoff_timeout
                 self.loop.send(parked.relay, HandoffAck(room=room, seq=parked.chunk_seq))
         batch.filter_batch(keep_indices=keep)
         if batch.is_empty():
