@@ -58,10 +58,12 @@ for name in sorted(items):
     item = items[name]
     info = item["download_info"]
     sha256 = info["archive_info"]["hashes"]["sha256"]
-    named = name + (f"[{','.join(sorted(extras[name]))}]" if extras[name] else "")
-    lines.append(f"{named}=={item['metadata']['version']} \\\n"
-                 f"    --hash=sha256:{sha256}\n"
-                 f"    # {info['url'].rsplit('/', 1)[1]}")
+    # With extras, the bare name too: pip's hash mode treats the two as separate requirements.
+    named = [name] + ([f"{name}[{','.join(sorted(extras[name]))}]"] if extras[name] else [])
+    for each in named:
+        lines.append(f"{each}=={item['metadata']['version']} \\\n"
+                     f"    --hash=sha256:{sha256}\n"
+                     f"    # {info['url'].rsplit('/', 1)[1]}")
 open(sys.argv[2], "w").write("\n".join(lines) + "\n")
 print(f"wrote requirements/gpu.lock ({len(items)} packages)")
 PY

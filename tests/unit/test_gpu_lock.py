@@ -20,10 +20,13 @@ ENTRY = re.compile(r"^(?P<name>[a-z0-9-]+)(?:\[(?P<extras>[a-z0-9,_-]+)\])?==(?P
 
 def entries() -> dict:
     text = LOCK.read_text()
-    found = {m["name"]: m for m in ENTRY.finditer(text)}
+    matched = list(ENTRY.finditer(text))
     requirement_lines = [line for line in text.splitlines()
                          if line and not line.startswith((" ", "#"))]
-    assert len(found) == len(requirement_lines), "a lock line is not name==version + hash + wheel"
+    assert len(matched) == len(requirement_lines), "a lock line is not name==version + hash + wheel"
+    found = {m["name"]: m for m in matched if not m["extras"]}
+    for m in matched:  # a name with extras is pinned bare too, to the same wheel
+        assert found[m["name"]]["sha256"] == m["sha256"], m["name"]
     return found
 
 
