@@ -9,18 +9,23 @@ Life cycle of a P->RLD->MD request on a relay:
 3. Between two decode steps, :meth:`RelayHandoff.step` picks the mode from the relay's live load
    (:func:`pdd_sglang.policy.choose_handoff_mode`) and sends ``HandoffTokens`` with the output
    IDs so far, 4 bytes per token.
-   - One-Shot: one message with every token; the relay finishes the request with the
-     ``pdd_handoff`` finish reason (its last stream chunk says how many tokens it handed) and
-     frees its KV at once.
+   - One-Shot: one message with every token (the last chunk).
    - Catch-Up: a chunk of ``--pdd-catch-up-chunk`` tokens, and the relay keeps decoding; each
      ``HandoffAck`` from main releases the next chunk, and once the rest fits in one chunk that
-     chunk is the last, and the relay finishes as in One-Shot.
+     chunk is the last.
+   With the last chunk sent, the relay stops decoding the request (it leaves the batch, keeping
+   its KV) until main acknowledges that chunk too: main has absorbed every handed token and
+   streams from there. Only then does the relay finish it with the ``pdd_handoff`` finish reason
+   (its last stream chunk says how many tokens it handed) and free its KV.
 4. Singular filter: if the relay finishes the request itself (EOS, stop, length) before main is
    ready, its answer is the whole answer; a later ``HandoffReady`` is answered with
    ``HandoffRefused("finished_at_relay")`` so main frees its slots, and the router aborts main's
    and prefill's copies (cancelling a WAN transfer still running).
-5. If main refuses a chunk (bad input, timeout) the relay simply decodes on to the end: the
-   request is still completed.
+5. If main refuses a chunk (bad input, disagreeing tokens, timeout, shutdown), or does not
+   acknowledge the last one within ``READY_WAIT_S``, the relay decodes on to the end; a request
+   that left the batch for the handoff goes back through SGLang's waiting queue (as a retracted
+   request does) and resumes from its last token. A handoff gone wrong never costs the client
+   its answer while the relay has the request.
 6. With ``--pdd-enable-kv-digest`` the relay hashes each request's prompt KV as it lands, and
    checks the digest in main's ``HandoffReady`` against its own copy before handing anything
    over; on a mismatch it answers ``HandoffRefused("kv_digest_mismatch")`` and decodes the
@@ -29,6 +34,7 @@ Life cycle of a P->RLD->MD request on a relay:
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections import OrderedDict
@@ -61,6 +67,12 @@ class _Pending:
     ready: HandoffReady
 
 
+class Handing(enum.Enum):
+    SENDING = "sending"  # the next chunk goes out at the next step
+    AWAITING_ACK = "awaiting_ack"  # a middle chunk sent; the relay keeps decoding
+    AWAITING_FINAL_ACK = "awaiting_final_ack"  # the last chunk sent; out of the batch, KV kept
+
+
 @dataclass
 class _Active:
     req: Any
@@ -68,7 +80,8 @@ class _Active:
     mode: policy.HandoffMode
     handed: int = 0
     seq: int = 0
-    awaiting_ack: bool = False
+    state: Handing = Handing.SENDING
+    last_sent_at: float = 0.0
 
 
 def route_for(req: Any) -> Optional[Route]:
@@ -95,7 +108,9 @@ class RelayHandoff:
         self.active: dict[int, _Active] = {}
         self.finished_rooms: OrderedDict[int, str] = OrderedDict()
         self.held_out: dict[int, tuple] = {}  # room -> (req, since): test-only handoff hold
-        self.kv_hashes: OrderedDict[int, bytes] = OrderedDict()  # --pdd-enable-kv-digest
+        # --pdd-enable-kv-digest: each room's prompt-KV hashes, computed off the scheduler thread.
+        self.kv_hashes: OrderedDict[int, kv_digest.PendingHashes] = OrderedDict()
+        self._closed = False
         logger.info("PDD relay control channel at %s", self.loop.address)
 
     # ---- hooks -----------------------------------------------------------------------------
@@ -103,13 +118,16 @@ class RelayHandoff:
         if self.args.pdd_enable_kv_digest:
             for req in transferred:
                 if _is_relay_main(req) and not req.finished():
-                    self.kv_hashes[req.bootstrap_room] = kv_digest.token_hashes(self.scheduler, req)
+                    self.kv_hashes[req.bootstrap_room] = kv_digest.PendingHashes.start(
+                        self.scheduler, req, background=True)
             while len(self.kv_hashes) > KV_HASHED_ROOMS_KEPT:
                 self.kv_hashes.popitem(last=False)
         return transferred  # the relay decodes every request at once
 
     def step(self, running_batch: Any) -> tuple[Any, None]:
         """Between two decode steps: act on main's messages, send tokens, finish handed requests."""
+        if self._closed:
+            return running_batch, None
         reqs = {req.bootstrap_room: req for req in running_batch.reqs
                 if _is_relay_main(req)}
         self._note_finished(reqs)
@@ -138,29 +156,48 @@ class RelayHandoff:
                 continue
             if not self._hold_satisfied(req):
                 continue
+            hashes = self.kv_hashes.get(room)
+            if pending.ready.kv_digest and hashes is not None and not hashes.ready():
+                continue  # the relay's own hashes are not done yet: answer next step
             del self.pending[room]
             refusal = self._kv_verdict(pending.ready)
             if refusal is not None:  # main's copy is damaged: the relay decodes on to the end
                 self._refuse(pending.peer, room, refusal)
                 held = self.held_out.pop(room, None)
-                if held is not None:  # test-only hold: out of the batch, it cannot finish here
-                    self._abort(held[0], "PDD main's KV copy was damaged")
+                if held is not None:  # test-only hold: out of the batch, back in to finish
+                    self._resume(held[0], "main's KV copy was damaged")
                 continue
             self._start(room, req, pending.peer)
         for room, active in list(self.active.items()):
-            if not active.awaiting_ack:
+            if active.state is Handing.SENDING:
                 self._send_next_chunk(room, active)
+            elif (active.state is Handing.AWAITING_FINAL_ACK
+                  and now - active.last_sent_at > READY_WAIT_S):
+                del self.active[room]
+                self._refuse(active.peer, room, "final_ack_timeout")
+                self._resume(active.req, "main did not acknowledge the last chunk")
+        # A request whose last chunk is out stops decoding here until main says it has it.
+        leaving = [a.req for a in self.active.values() if a.state is Handing.AWAITING_FINAL_ACK]
+        leaving = [req for req in leaving if any(req is r for r in running_batch.reqs)]
+        if leaving:
+            running_batch.filter_batch(reqs_to_exclude=leaving)
         return running_batch, None
 
     def idle(self) -> bool:
         return not self.pending and not self.active and not self.held_out
 
     def abort(self, abort_req: Any) -> None:
-        """Requests out of the batch (test-only hold) are not in SGLang's reach: abort them here."""
-        for room, (req, _) in list(self.held_out.items()):
+        """Requests out of the batch (waiting for main's last ack, or the test-only hold) are
+        not in SGLang's reach: abort them here."""
+        out = {room: req for room, (req, _) in self.held_out.items()}
+        out.update({room: a.req for room, a in self.active.items()
+                    if a.state is Handing.AWAITING_FINAL_ACK})
+        for room, req in out.items():
             if abort_req.abort_all or req.rid.startswith(abort_req.rid):
-                del self.held_out[room]
-                self.active.pop(room, None)
+                self.held_out.pop(room, None)
+                active = self.active.pop(room, None)
+                if active is not None:
+                    self._refuse(active.peer, room, "aborted_at_relay")
                 self._abort(req, "aborted by the client")
 
     def _hold_out(self, running_batch: Any, now: float) -> Any:
@@ -175,6 +212,7 @@ class RelayHandoff:
             room = req.bootstrap_room
             route = route_for(req)
             if (route is None or route.debug_handoff_after_tokens is None or req.finished()
+                    or getattr(req, "_pdd_resumed", False)
                     or room in self.pending or room in self.active or room in self.held_out):
                 continue
             if self._hold_satisfied(req):
@@ -213,20 +251,28 @@ class RelayHandoff:
                 self.pending[room] = _Pending(peer, time.monotonic(), message)
         elif isinstance(message, HandoffAck):
             active = self.active.get(message.room)
-            if active is None or not active.awaiting_ack or message.seq != active.seq - 1:
+            if (active is None or message.seq != active.seq - 1
+                    or active.state not in (Handing.AWAITING_ACK, Handing.AWAITING_FINAL_ACK)):
                 self.stats.refuse("unexpected_ack")
                 logger.warning("PDD relay: unexpected HandoffAck %s", message)
                 return
-            active.awaiting_ack = False
+            if active.state is Handing.AWAITING_ACK:
+                active.state = Handing.SENDING
+                return
+            del self.active[message.room]  # main has every handed token: the relay is done
+            self._finish_handed(active.req, active.handed, active.mode)
         elif isinstance(message, HandoffRefused):
             # Main gave up on this request; the relay keeps decoding it to the end.
             self.stats.event(f"main_refused_{message.reason}")
             self.pending.pop(message.room, None)
             held = self.held_out.pop(message.room, None)
-            if held is not None:  # out of the decode batch: it cannot finish here
-                self.active.pop(message.room, None)
-                self._abort(held[0], f"PDD main refused the handoff ({message.reason})")
-            elif self.active.pop(message.room, None) is not None:
+            active = self.active.pop(message.room, None)
+            if held is not None or (active is not None
+                                    and active.state is Handing.AWAITING_FINAL_ACK):
+                # Out of the decode batch: back in through SGLang's waiting queue.
+                self._resume(held[0] if held is not None else active.req,
+                             f"main refused the handoff ({message.reason})")
+            elif active is not None:
                 logger.warning("PDD relay: main refused room %s (%s); finishing it here",
                                message.room, message.reason)
         else:
@@ -246,11 +292,11 @@ class RelayHandoff:
         copy over the same positions; None if they match or main sent no digest."""
         if not ready.kv_digest:
             return None
-        hashes = self.kv_hashes.pop(ready.room, None)
-        if hashes is None:  # hashing off here, or the room's hashes aged out
+        pending = self.kv_hashes.pop(ready.room, None)
+        if pending is None:  # hashing off here, or the room's hashes aged out
             self.stats.event("kv_digest_unverified")
             return None
-        if kv_digest.range_digest(hashes, ready.kv_digest_start) == ready.kv_digest:
+        if kv_digest.range_digest(pending.result(), ready.kv_digest_start) == ready.kv_digest:
             self.stats.event("kv_digest_verified")
             return None
         logger.error("PDD relay: room %s: main's KV from position %d does not match the relay's "
@@ -316,11 +362,8 @@ class RelayHandoff:
         self.stats.payload_bytes += len(encode(message))
         self.stats.handed_tokens += len(tokens)
         active.handed, active.seq = chunk.end, active.seq + 1
-        if chunk.is_last:
-            del self.active[room]
-            self._finish_handed(req, chunk.end, active.mode)
-        else:
-            active.awaiting_ack = True
+        active.last_sent_at = time.monotonic()
+        active.state = Handing.AWAITING_FINAL_ACK if chunk.is_last else Handing.AWAITING_ACK
 
     def _finish_handed(self, req: Any, handed: int, mode: policy.HandoffMode) -> None:
         """Finish a request between two steps, exactly as a normal finish would."""
@@ -333,6 +376,19 @@ class RelayHandoff:
         release_kv_cache(req, self.scheduler.tree_cache, checkpoint=True)
         self.stats.event("handed_off")
 
+    def _resume(self, req: Any, why: str) -> None:
+        """A request out of the batch for a handoff that will not happen: the relay decodes it
+        on from its last token, through SGLang's waiting queue (the path a retracted request
+        takes back: its row and KV are kept)."""
+        if req.finished():
+            return
+        self.held_out.pop(req.bootstrap_room, None)
+        req._pdd_resumed = True  # the test-only hold must not take it out again
+        self.scheduler.waiting_queue.append(req)
+        self.stats.event("resumed")
+        logger.warning("PDD relay: room %s: %s; the relay decodes it to the end",
+                       req.bootstrap_room, why)
+
     def _note_finished(self, reqs: dict) -> None:
         for room, req in reqs.items():
             if req.finished() and not isinstance(req.finished_reason, HandedOff):
@@ -343,7 +399,29 @@ class RelayHandoff:
             self.finished_rooms.popitem(last=False)
 
     def close(self) -> None:
+        """Server shutdown, on the scheduler thread (or once it stopped stepping); idempotent.
+
+        Every main waiting on this relay is told (``relay_shutting_down``): one that has absorbed
+        nothing decodes the request itself, one mid Catch-Up drops its copy with that reason.
+        Requests out of the batch (waiting for main's last ack, test-only hold) are aborted here,
+        their KV freed; the rest are SGLang's. Then the control loop flushes and stops."""
+        if self._closed:
+            return
+        self._closed = True
+        for room, pending in self.pending.items():
+            self._refuse(pending.peer, room, "relay_shutting_down")
+        out = {room: req for room, (req, _) in self.held_out.items()}
+        for room, active in self.active.items():
+            self._refuse(active.peer, room, "relay_shutting_down")
+            if active.state is Handing.AWAITING_FINAL_ACK:
+                out[room] = active.req
+        for req in out.values():
+            self._abort(req, "PDD relay is shutting down")
+        self.pending.clear()
+        self.active.clear()
+        self.held_out.clear()
         self.loop.close()
+        kv_digest.PendingHashes.shutdown()
 
 
 def _is_relay_main(req: Any) -> bool:

@@ -16,7 +16,7 @@ import zmq
 from pdd_sglang.protocol.messages import (MAX_MESSAGE_BYTES, Envelope, HandoffAck, HandoffReady,
                                  HandoffRefused, HandoffTokens, decode, encode, pack_tokens)
 from pdd_sglang.dev.testing.cluster import Cluster, SGLangServer, free_port
-from pdd_sglang.dev.testing.pd_client import generate_fanout, relay_control_address
+from pdd_sglang.dev.testing.pd_client import generate_fanout, generate_pdd, relay_control_address
 from pdd_sglang.dev.testing.conversation import FIRST_WORD_ID, WORDS
 
 VOCAB = 1000 + FIRST_WORD_ID
@@ -235,6 +235,60 @@ def test_an_abort_reaches_a_request_main_holds_for_the_handoff(cluster):
         assert "error" in result, result
     finally:
         fake.close()
+
+
+@page1
+def test_main_refusing_the_last_chunk_leaves_the_relay_to_answer_whole(cluster):
+    """The relay keeps a handed request until main acknowledges the last chunk. A main that
+    refuses it (here: a fake main saying its tokens disagree, the divergence seen under load)
+    costs the client nothing: the relay resumes the request and answers all of it."""
+    body = {"input_ids": words(46, 90), "sampling_params": {"max_new_tokens": 40,
+                                                             "temperature": 0.0,
+                                                             "ignore_eos": True}}
+    reference = cluster["plain"].post_json("/generate", body)["output_ids"]
+    relay = cluster["relay"]
+    resumed_before = relay.pdd_state()["handoff"]["events"].get("resumed", 0)
+    # The real main talks to a fake relay (and is let go at the end); a fake main talks to the
+    # real relay.
+    fake_relay = FakeRelay()
+    context = zmq.Context()
+    fake_main = context.socket(zmq.DEALER)
+    fake_main.connect(relay_control_address(relay))
+    result: dict = {}
+
+    def call():
+        try:
+            result.update(generate_pdd(cluster["prefill"], relay, cluster["main"], body,
+                                       cluster.bootstrap_port, relay_control=fake_relay.address,
+                                       debug_handoff_after_tokens=5,
+                                       debug_handoff_mode="one-shot"))
+        except Exception as err:
+            result["error"] = err
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    room = None
+    try:
+        room = fake_relay.receive().room
+        fake_main.send(encode(HandoffReady(room=room)))
+        assert fake_main.poll(60000)
+        chunk = decode(fake_main.recv())
+        assert isinstance(chunk, HandoffTokens) and chunk.is_last, chunk
+        assert chunk.tokens == reference[:5]
+        fake_main.send(encode(HandoffRefused(room=room, reason="mismatch")))
+        thread.join(120)
+        assert "error" not in result, result
+        assert result["handed_tokens"] is None  # no handoff: the relay answered...
+        assert result["output_ids"] == reference  # ...all of it, token for token
+        assert result["relay"]["meta_info"]["finish_reason"]["type"] == "length"
+        assert relay.pdd_state()["handoff"]["events"]["resumed"] == resumed_before + 1
+    finally:
+        if room is not None:  # main lets its copy go
+            fake_relay.send(HandoffRefused(room=room, reason="finished_at_relay"))
+        thread.join(120)
+        fake_main.close(linger=0)
+        context.term()
+        fake_relay.close()
 
 
 # ---- a slow but healthy relay ------------------------------------------------------------------
