@@ -54,7 +54,7 @@ from pdd_sglang.diagnostics import kv_digest
 from pdd_sglang.protocol.control_channel import PeerState
 from pdd_sglang.decode.handoff_channel import HandoffStats, main_loop
 from pdd_sglang.decode.main_extend import ExtendSteps, Held, _Parked, _RunningExtend
-from pdd_sglang.decode.relay import route_for
+from pdd_sglang.decode.route_cache import route_for
 from pdd_sglang.protocol.messages import (HandoffReady, HandoffRefused, HandoffTokens,
                                  MessageError, check_token_ids)
 

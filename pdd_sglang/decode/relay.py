@@ -45,15 +45,13 @@ from pdd_sglang import policy
 from pdd_sglang.diagnostics import kv_digest
 from pdd_sglang.decode.handoff_channel import HandoffStats, policy_config, relay_loop
 from pdd_sglang.decode.finish import HandedOff
+from pdd_sglang.decode.relay_debug_hold import READY_WAIT_S, DebugHold
+from pdd_sglang.decode.route_cache import route_for
 from pdd_sglang.protocol.messages import (HandoffAck, HandoffReady, HandoffRefused, HandoffTokens,
                                  encode, pack_tokens)
-from pdd_sglang.protocol.route import Route, RouteError, route_of
 
 logger = logging.getLogger(__name__)
 
-# A HandoffReady may beat the relay's own copy of the request into its running batch (the
-# relay's prebuilt step lags a little); past this, the room is unknown.
-READY_WAIT_S = 30.0
 FINISHED_ROOMS_KEPT = 8192
 # Rooms whose prompt-KV hashes the relay keeps for main's digest (8 bytes per prompt token each);
 # a room's go once main's HandoffReady is answered.
@@ -84,20 +82,7 @@ class _Active:
     last_sent_at: float = 0.0
 
 
-def route_for(req: Any) -> Optional[Route]:
-    """A request's PDD route, parsed once (the relay reads it every step)."""
-    cached = getattr(req, "_pdd_route_cache", False)
-    if cached is not False:
-        return cached
-    try:
-        route = route_of(getattr(req, "kv_hints", None))
-    except RouteError:
-        route = None  # refused (and the request aborted) where the receiver was created
-    req._pdd_route_cache = route
-    return route
-
-
-class RelayHandoff:
+class RelayHandoff(DebugHold):
     def __init__(self, scheduler: Any, args: Any):
         self.scheduler = scheduler
         self.args = args
@@ -200,28 +185,6 @@ class RelayHandoff:
                     self._refuse(active.peer, room, "aborted_at_relay")
                 self._abort(req, "aborted by the client")
 
-    def _hold_out(self, running_batch: Any, now: float) -> Any:
-        """Test-only: a request at its forced handoff point waits for main out of the batch, so
-        the handoff happens after exactly that many tokens however late main is ready."""
-        for room, (req, since) in list(self.held_out.items()):
-            if now - since > READY_WAIT_S and room not in self.active:
-                del self.held_out[room]
-                self._abort(req, "PDD debug handoff hold: main never became ready")
-        moved = []
-        for req in running_batch.reqs:
-            room = req.bootstrap_room
-            route = route_for(req)
-            if (route is None or route.debug_handoff_after_tokens is None or req.finished()
-                    or getattr(req, "_pdd_resumed", False)
-                    or room in self.pending or room in self.active or room in self.held_out):
-                continue
-            if self._hold_satisfied(req):
-                moved.append(req)
-                self.held_out[room] = (req, now)
-        if moved:
-            running_batch.filter_batch(reqs_to_exclude=moved)
-        return running_batch
-
     def _abort(self, req: Any, message: str) -> None:
         from http import HTTPStatus
 
@@ -308,15 +271,6 @@ class RelayHandoff:
         self.loop.send(peer, HandoffRefused(room=room, reason=reason))
 
     # ---- handing off -----------------------------------------------------------------------
-    def _hold_satisfied(self, req: Any) -> bool:
-        route = route_for(req)
-        hold = route.debug_handoff_after_tokens if route is not None else None
-        if hold is None or not self.args.pdd_debug_handoff_hold:
-            return True
-        # A request that can no longer reach the hold point hands off at its last token.
-        reachable = min(hold, req.sampling_params.max_new_tokens - 1)
-        return len(req.output_ids) >= reachable
-
     def _choose_mode(self, req: Any) -> policy.HandoffMode:
         route = route_for(req)
         forced = route.debug_handoff_mode if route is not None else None
