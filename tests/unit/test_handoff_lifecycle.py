@@ -1,4 +1,5 @@
-"""RelayHandoff.close() and MainHandoff.close() over real control loops (ZMQ on loopback).
+"""RelayHandoff.close() and MainHandoff.close() over real control loops (ZMQ on loopback), and
+the handoff statistics' bounds.
 
 The scheduler is a stand-in: what SGLang does to free a request (abort, stream, release its KV)
 is recorded instead; which requests are let go, what each peer is told, and that no PDD thread
@@ -91,3 +92,27 @@ def test_relay_close_tells_every_waiting_main_and_frees_what_it_holds_out_of_the
     finally:
         main.close()
     assert control_threads() == 0
+
+
+def test_handoff_statistics_keep_the_latest_samples_in_order():
+    from pdd_sglang.decode.handoff_channel import LATENCY_SAMPLES_KEPT, HandoffStats
+
+    stats = HandoffStats("main")
+    for index in range(LATENCY_SAMPLES_KEPT + 100):
+        stats.latency(index / 1000)
+        stats.duration(index / 100)
+    snapshot = stats.snapshot(SimpleNamespace(address=None, refusals={}))
+    latencies = snapshot["handoff_latency_ms"]
+    assert len(latencies) == LATENCY_SAMPLES_KEPT  # bounded
+    assert latencies == [float(i) for i in range(100, LATENCY_SAMPLES_KEPT + 100)]  # the latest
+    assert snapshot["handoff_duration_ms"][-1] == (LATENCY_SAMPLES_KEPT + 99) * 10.0
+
+
+def test_close_handoff_closes_only_what_was_built():
+    from pdd_sglang.decode import close_handoff
+
+    closed = []
+    close_handoff(SimpleNamespace())  # no handoff built: nothing to do, nothing built
+    close_handoff(SimpleNamespace(_pdd_handoff=None))  # a server without a relay/main role
+    close_handoff(SimpleNamespace(_pdd_handoff=SimpleNamespace(close=lambda: closed.append(1))))
+    assert closed == [1]
