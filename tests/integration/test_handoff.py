@@ -243,3 +243,10 @@ def test_concurrent_handoffs_under_load_splice_consistently(three_roles, baselin
             assert answer["output_ids"] == reference, (handed, answer.get("mode"))
     print(f"\nunforced handoffs (mode, handed): {outcomes}")
     assert any(handed for _, handed in outcomes), outcomes  # the case under test happened
+    # --enable-metrics: main's handoff latencies as Prometheus histograms.
+    import urllib.request
+
+    with urllib.request.urlopen(three_roles["main"].url + "/metrics", timeout=30) as resp:
+        metrics = resp.read().decode()
+    for name in ("pdd_handoff_latency_seconds_bucket", "pdd_handoff_duration_seconds_count"):
+        assert name in metrics, name
