@@ -115,8 +115,8 @@ def main() -> None:
             row[mode] = step_times(mode, scheduler, req, args.steps, work)
             r = row[mode]
             hashing = "-" if r["hashing_s"] is None else f"{r['hashing_s'] * 1e3:.1f}"
-            print(f"{tokens:>7} {mode:>7} {r['stall_s'] * 1e3:>9.2f} {r['max_step_s'] * 1e3:>12.1f} "
-                  f"{r['median_step_s'] * 1e3:>15.2f} {hashing:>11}")
+            print(f"{tokens:>7} {mode:>7} {r['stall_s'] * 1e3:>9.2f} "
+                  f"{r['max_step_s'] * 1e3:>12.1f} {r['median_step_s'] * 1e3:>15.2f} {hashing:>11}")
         results["by_tokens"][str(tokens)] = row
     kv_digest.PendingHashes.shutdown()
     args.out.mkdir(parents=True, exist_ok=True)

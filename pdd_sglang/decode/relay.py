@@ -22,7 +22,7 @@ Life cycle of a P->RLD->MD request on a relay:
    ``HandoffRefused("finished_at_relay")`` so main frees its slots, and the router aborts main's
    and prefill's copies (cancelling a WAN transfer still running).
 5. If main refuses a chunk (bad input, disagreeing tokens, timeout, shutdown), or does not
-   acknowledge the last one within ``READY_WAIT_S``, the relay decodes on to the end; a request
+   acknowledge the last one within ``FINAL_ACK_WAIT_S``, the relay decodes on to the end; a request
    that left the batch for the handoff goes back through SGLang's waiting queue (as a retracted
    request does) and resumes from its last token. A handoff gone wrong never costs the client
    its answer while the relay has the request.
@@ -53,6 +53,10 @@ from pdd_sglang.protocol.messages import (HandoffAck, HandoffReady, HandoffRefus
 logger = logging.getLogger(__name__)
 
 FINISHED_ROOMS_KEPT = 8192
+# Main acknowledges the last chunk once its extend ran (a step and a round trip); past this the
+# relay takes the request back (main died, or is far behind) and answers it itself. The client
+# waits at most this long for the rest of a handed request whose main died at that moment.
+FINAL_ACK_WAIT_S = 10.0
 # Rooms whose prompt-KV hashes the relay keeps for main's digest (8 bytes per prompt token each);
 # a room's go once main's HandoffReady is answered.
 KV_HASHED_ROOMS_KEPT = 1024
@@ -157,7 +161,7 @@ class RelayHandoff(DebugHold):
             if active.state is Handing.SENDING:
                 self._send_next_chunk(room, active)
             elif (active.state is Handing.AWAITING_FINAL_ACK
-                  and now - active.last_sent_at > READY_WAIT_S):
+                  and now - active.last_sent_at > FINAL_ACK_WAIT_S):
                 del self.active[room]
                 self._refuse(active.peer, room, "final_ack_timeout")
                 self._resume(active.req, "main did not acknowledge the last chunk")

@@ -106,7 +106,8 @@ def token_hash_tensor(pool: Any, slots: Any) -> Any:
         coefficients = _row_coefficients(words, device)
         per_pass = max(1, _TOKENS_PER_PASS_BYTES // (8 * words))
         for first in range(0, len(slots), per_pass):
-            rows = buffer[slots[first:first + per_pass]].reshape(len(slots[first:first + per_pass]), -1)
+            chunk = slots[first:first + per_pass]
+            rows = buffer[chunk].reshape(len(chunk), -1)
             # Sign extension of each 32-bit word is one-to-one, as are the odd multiply and the
             # xor-shift: any one changed word changes that word's term.
             x = rows.view(torch.int32).to(torch.int64)

@@ -31,7 +31,8 @@ def entries() -> dict:
 
 
 def upstream() -> dict:
-    pairs = (line.partition("=") for line in (REPO / "patches" / "UPSTREAM").read_text().splitlines()
+    text = (REPO / "patches" / "UPSTREAM").read_text()
+    pairs = (line.partition("=") for line in text.splitlines()
              if line and not line.startswith("#"))
     return {key.strip(): value.strip() for key, _, value in pairs}
 
