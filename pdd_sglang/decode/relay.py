@@ -168,9 +168,7 @@ class RelayHandoff(DebugHold):
         # A request whose last chunk is out stops decoding here until main says it has it.
         leaving = [a.req for a in self.active.values() if a.state is Handing.AWAITING_FINAL_ACK]
         leaving = [req for req in leaving if any(req is r for r in running_batch.reqs)]
-        if leaving:
-            running_batch.filter_batch(reqs_to_exclude=leaving)
-        return running_batch, None
+        return self._leave_batch(running_batch, leaving), None
 
     def idle(self) -> bool:
         return not self.pending and not self.active and not self.held_out
@@ -329,10 +327,24 @@ class RelayHandoff(DebugHold):
 
         self.held_out.pop(req.bootstrap_room, None)
         req.finished_reason = HandedOff(handed, mode.value)
+        req.is_retracted = False  # finished now: the overlap scheduler skips it on that ground
         req.time_stats.set_completion_time()
         self.scheduler.output_streamer.stream_output([req], req.return_logprob)
         release_kv_cache(req, self.scheduler.tree_cache, checkpoint=True)
         self.stats.event("handed_off")
+
+    def _leave_batch(self, running_batch: Any, reqs: list) -> Any:
+        """Take ``reqs`` out of the decode batch, their row and KV kept. Under the overlap
+        scheduler a decode step for them is already in flight: marked as SGLang marks a
+        retracted request, its token is dropped (and its over-allocated slot freed with the
+        request), so the client never gets a token past what was handed."""
+        if not reqs:
+            return running_batch
+        if getattr(self.scheduler, "enable_overlap", False):
+            for req in reqs:
+                req.is_retracted = True  # cleared by SGLang when the request is resumed
+        running_batch.filter_batch(reqs_to_exclude=reqs)
+        return running_batch
 
     def _resume(self, req: Any, why: str) -> None:
         """A request out of the batch for a handoff that will not happen: the relay decodes it

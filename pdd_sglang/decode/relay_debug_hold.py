@@ -34,9 +34,7 @@ class DebugHold:
             if self._hold_satisfied(req):
                 moved.append(req)
                 self.held_out[room] = (req, now)
-        if moved:
-            running_batch.filter_batch(reqs_to_exclude=moved)
-        return running_batch
+        return self._leave_batch(running_batch, moved)
 
     def _hold_satisfied(self, req: Any) -> bool:
         route = route_for(req)
