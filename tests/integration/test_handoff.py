@@ -226,6 +226,7 @@ def test_concurrent_handoffs_under_load_splice_consistently(three_roles, baselin
                       "sampling_params": params})
     references = [None if c["sampling_params"]["temperature"] else
                   three_roles["plain"].post_json("/generate", c)["output_ids"] for c in cases]
+    relay_before = three_roles["relay"].pdd_state()["handoff"]
     with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
         answers = list(pool.map(lambda c: run(three_roles, c), cases))
     outcomes = []
@@ -241,7 +242,14 @@ def test_concurrent_handoffs_under_load_splice_consistently(three_roles, baselin
                 handed, main["meta_info"]["completion_tokens"], len(main["output_ids"]))
         if reference is not None:
             assert answer["output_ids"] == reference, (handed, answer.get("mode"))
-    print(f"\nunforced handoffs (mode, handed): {outcomes}")
+    # --pdd-enable-kv-digest is on: every main copy that crossed matched the relay's, so a
+    # divergence here could not come from damaged KV.
+    relay_after = three_roles["relay"].pdd_state()["handoff"]
+    verified = (relay_after["events"].get("kv_digest_verified", 0)
+                - relay_before["events"].get("kv_digest_verified", 0))
+    assert relay_after["refused"].get("kv_digest_mismatch", 0) == relay_before["refused"].get(
+        "kv_digest_mismatch", 0)
+    print(f"\nunforced handoffs (mode, handed): {outcomes}; KV digests verified: {verified}")
     assert any(handed for _, handed in outcomes), outcomes  # the case under test happened
     # --enable-metrics: main's handoff latencies as Prometheus histograms.
     import urllib.request
