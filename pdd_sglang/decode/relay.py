@@ -127,6 +127,9 @@ class RelayHandoff(DebugHold):
             running_batch = self._hold_out(running_batch, now)
             reqs.update({room: req for room, (req, _) in self.held_out.items()})
         for room, pending in list(self.pending.items()):
+            hashes = self.kv_hashes.get(room)
+            if pending.ready.kv_digest and hashes is not None and not hashes.ready():
+                continue  # the relay's own hashes are not done yet: answer at a later step
             if room in self.finished_rooms:
                 del self.pending[room]
                 self.stats.event("singular_finished_at_relay")
@@ -145,9 +148,6 @@ class RelayHandoff(DebugHold):
                 continue
             if not self._hold_satisfied(req):
                 continue
-            hashes = self.kv_hashes.get(room)
-            if pending.ready.kv_digest and hashes is not None and not hashes.ready():
-                continue  # the relay's own hashes are not done yet: answer next step
             del self.pending[room]
             refusal = self._kv_verdict(pending.ready)
             if refusal is not None:  # main's copy is damaged: the relay decodes on to the end
@@ -206,10 +206,7 @@ class RelayHandoff(DebugHold):
     def _on_message(self, peer: bytes, message: Any) -> None:
         if isinstance(message, HandoffReady):
             room = message.room
-            if room in self.finished_rooms:
-                self.stats.event("singular_finished_at_relay")
-                self._refuse(peer, room, self._kv_verdict(message) or self.finished_rooms[room])
-            elif room in self.pending or room in self.active:
+            if room in self.pending or room in self.active:
                 self.stats.refuse("duplicate_ready")
                 logger.warning("PDD relay: duplicate HandoffReady for room %s", room)
             else:
