@@ -27,9 +27,9 @@ test-fast: setup
 patches-check: setup
 	$(PY) scripts/apply_patches.py --check --with-debug
 
-# Re-resolve requirements/cpu.lock from requirements/cpu.in (needs network access to the index).
+# Re-resolve requirements/$(PROFILE).lock from requirements/$(PROFILE).in (needs the index).
 lock:
-	scripts/lock_cpu.sh
+	scripts/lock_$(PROFILE).sh
 
 clean:
 	rm -rf out .pytest_cache

@@ -18,7 +18,7 @@ if [ "${1:-}" = "--venv-path" ]; then print_only=1; shift; fi
 profile=${1:-cpu}
 case "$profile" in
   cpu) lock_files=("$repo/requirements/cpu.lock" "$repo/requirements/sglang.txt") ;;
-  gpu) lock_files=("$repo/requirements/gpu.in") ;;
+  gpu) lock_files=("$repo/requirements/gpu.lock") ;;
   *) echo "setup_env: unknown profile '$profile' (choose cpu or gpu)" >&2; exit 2 ;;
 esac
 key=$(cat "${lock_files[@]}" | sha256sum | cut -c1-12)
@@ -62,7 +62,8 @@ if [ ! -f "$venv/.pdd-ready" ]; then
     "${pip[@]}" --no-deps -r "$repo/requirements/cpu.lock"
     "${pip[@]}" --no-deps --require-hashes -r "$repo/requirements/sglang.txt"
   else
-    "${pip[@]}" -r "$repo/requirements/gpu.in"
+    # Exactly the lock (make lock PROFILE=gpu): every package pinned and checked by its hash.
+    "${pip[@]}" --no-deps --require-hashes -r "$repo/requirements/gpu.lock"
   fi
   touch "$venv/.pdd-ready"
 fi

@@ -33,3 +33,11 @@ def _build(scheduler: Any) -> Optional[Any]:
 
         return MainHandoff(scheduler, args)
     return None
+
+
+def close_handoff(scheduler: Any) -> None:
+    """SGLang's shutdown path: close the scheduler's handoff side if one was built (never builds
+    one). On the scheduler thread, or once it stopped stepping; safe to call twice."""
+    handoff = getattr(scheduler, "_pdd_handoff", None)
+    if handoff is not None and handoff is not _NOT_BUILT:
+        handoff.close()

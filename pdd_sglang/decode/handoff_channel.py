@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import socket
-from collections import Counter
+from collections import Counter, deque
 from pathlib import Path
 from typing import Any, Optional
 
@@ -49,8 +49,15 @@ def policy_config(args: Any) -> PolicyConfig:
                         relay_load_watermark=args.pdd_relay_load_watermark)
 
 
+# /server_info shows the latest this many latency samples; Prometheus keeps the full histogram.
+LATENCY_SAMPLES_KEPT = 256
+# Seconds: a same-host handoff takes milliseconds, a Catch-Up over a slow line many seconds.
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
 class HandoffStats:
-    """Counts shown in /server_info and, with --enable-metrics, as Prometheus counters."""
+    """Counts and latencies shown in /server_info (bounded: the latest samples) and, with
+    --enable-metrics, as Prometheus counters and histograms."""
 
     def __init__(self, role: str):
         self.role = role
@@ -58,18 +65,35 @@ class HandoffStats:
         self.refused: Counter = Counter()
         self.handed_tokens = 0
         self.payload_bytes = 0
-        self.handoff_latency_s: list[float] = []  # main: HandoffReady sent -> extend scheduled
+        # main: HandoffReady sent -> first tokens received; and -> last chunk absorbed.
+        self.handoff_latency_s: deque = deque(maxlen=LATENCY_SAMPLES_KEPT)
+        self.handoff_duration_s: deque = deque(maxlen=LATENCY_SAMPLES_KEPT)
         self._prometheus = None
         import os
 
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
             from prometheus_client import Counter as PromCounter
+            from prometheus_client import Histogram
 
             self._prometheus = (
                 PromCounter("pdd_handoff_events_total", "PDD handoff events", ["role", "event"]),
                 PromCounter("pdd_handoff_refused_total", "PDD handoff messages or requests refused",
                             ["role", "reason"]),
+                Histogram("pdd_handoff_latency_seconds", "PDD main: HandoffReady sent to the "
+                          "relay's first tokens received", ["role"], buckets=LATENCY_BUCKETS_S),
+                Histogram("pdd_handoff_duration_seconds", "PDD main: HandoffReady sent to the "
+                          "last chunk absorbed", ["role"], buckets=LATENCY_BUCKETS_S),
             )
+
+    def latency(self, seconds: float) -> None:
+        self.handoff_latency_s.append(seconds)
+        if self._prometheus:
+            self._prometheus[2].labels(self.role).observe(seconds)
+
+    def duration(self, seconds: float) -> None:
+        self.handoff_duration_s.append(seconds)
+        if self._prometheus:
+            self._prometheus[3].labels(self.role).observe(seconds)
 
     def event(self, name: str, count: int = 1) -> None:
         self.events[name] += count
@@ -84,7 +108,6 @@ class HandoffStats:
     def snapshot(self, loop: ControlLoop) -> dict:
         refused = Counter(self.refused)
         refused.update(loop.refusals)
-        latencies = sorted(self.handoff_latency_s)
         return {
             "role": self.role,
             "control_address": loop.address,
@@ -92,5 +115,7 @@ class HandoffStats:
             "refused": dict(refused),
             "handed_tokens": self.handed_tokens,
             "payload_bytes": self.payload_bytes,
-            "handoff_latency_ms": [round(s * 1e3, 3) for s in latencies[-256:]],
+            # The latest samples, oldest first.
+            "handoff_latency_ms": [round(s * 1e3, 3) for s in self.handoff_latency_s],
+            "handoff_duration_ms": [round(s * 1e3, 3) for s in self.handoff_duration_s],
         }

@@ -20,22 +20,32 @@ Life cycle of a P->RLD->MD request on a main:
    next token from the last position. A Catch-Up chunk that is not the last samples nothing
    (it runs as a middle chunk of a chunked prefill) and is acknowledged with ``HandoffAck``.
 5. After the last chunk the request joins the running decode batch (as SGLang merges a finished
-   prefill batch). Its stream starts after the handed tokens: the client already has them from
-   the relay. ``max_new_tokens`` and stop conditions see the handed tokens as output, so limits
-   span the handoff.
+   prefill batch) and main acknowledges that chunk too: until then the relay keeps the request
+   (out of its batch), and resumes it if main refuses. Its stream starts after the handed
+   tokens: the client already has them from the relay. ``max_new_tokens`` and stop conditions
+   see the handed tokens as output, so limits span the handoff.
 6. If the relay refuses because it finished the request alone (the singular filter), main aborts
    its copy: KV row, slots and lock are released, and the prompt KV stays in the radix cache for
    the conversation's next turn. If the relay never had the request (it died, or never
    registered with prefill), aborted it (its KV transfer failed), its connection drops (ZMQ's
    disconnect or heartbeat timeout), or it does not answer within ``--pdd-handoff-timeout``,
    main decodes the request itself from the first token, as plain PD: a delay, not an error.
+   The timeout measures silence, not the whole handoff: every absorbed Catch-Up chunk restarts
+   it, so a long Catch-Up from a slow but healthy relay completes. A relay silent past it in the
+   middle of a Catch-Up is told ``HandoffRefused("timeout")`` and answers the request itself;
+   main drops its copy (its KV runs past the last sampled token).
+
+A held request is in one :class:`Held` state at a time: ``DIGESTING`` (with the digest on,
+hashing its received KV off the scheduler thread), ``AWAITING_TOKENS`` (ready sent, or a
+middle chunk acknowledged; the deadline runs), ``TOKENS_QUEUED`` (a chunk appended, its extend not
+yet scheduled), ``EXTENDING`` (its extend batch is running).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from collections import Counter
 from http import HTTPStatus
 from typing import Any, Optional
 
@@ -43,8 +53,9 @@ from pdd_sglang.policy import Pipeline
 from pdd_sglang.diagnostics import kv_digest
 from pdd_sglang.protocol.control_channel import PeerState
 from pdd_sglang.decode.handoff_channel import HandoffStats, main_loop
-from pdd_sglang.decode.relay import route_for
-from pdd_sglang.protocol.messages import (HandoffAck, HandoffReady, HandoffRefused, HandoffTokens,
+from pdd_sglang.decode.main_extend import ExtendSteps, Held, _Parked, _RunningExtend
+from pdd_sglang.decode.route_cache import route_for
+from pdd_sglang.protocol.messages import (HandoffReady, HandoffRefused, HandoffTokens,
                                  MessageError, check_token_ids)
 
 logger = logging.getLogger(__name__)
@@ -56,27 +67,7 @@ logger = logging.getLogger(__name__)
 RELAY_ANSWERED_ALONE = ("finished_at_relay",)
 
 
-@dataclass
-class _Parked:
-    req: Any
-    relay: str  # the relay's control address
-    ready_at: float
-    deadline: float
-    seq: int = 0  # next chunk expected
-    handed: int = 0  # positions [0, handed) of the relay's output received
-    first_extend: bool = True
-    extend_ready: bool = False  # tokens appended, extend not yet run
-    is_last: bool = False
-    chunk_seq: int = -1
-
-
-@dataclass
-class _RunningExtend:
-    batch: Any
-    parked: list = field(default_factory=list)
-
-
-class MainHandoff:
+class MainHandoff(ExtendSteps):
     def __init__(self, scheduler: Any, args: Any):
         self.scheduler = scheduler
         self.args = args
@@ -85,6 +76,7 @@ class MainHandoff:
         self.parked: dict[int, _Parked] = {}
         self._running: Optional[_RunningExtend] = None
         self.relays_down: set[str] = set()  # connections ZMQ saw drop and not come back
+        self._closed = False
 
     # ---- hooks -----------------------------------------------------------------------------
     def hold(self, transferred: list) -> list:
@@ -100,30 +92,54 @@ class MainHandoff:
                 self.stats.event("relay_down_continued_alone")
                 passed.append(req)  # nobody to hand anything over: decode it here, as plain PD
                 continue
+            if self._closed or not self.loop.alive:
+                self.stats.event("control_channel_down_continued_alone")
+                passed.append(req)
+                continue
             room = req.bootstrap_room
-            self.parked[room] = _Parked(req, route.relay_control, now,
-                                        now + self.args.pdd_handoff_timeout)
-            self.loop.send(route.relay_control, self._ready(req))
-            self.stats.event("ready_sent")
+            parked = self.parked[room] = _Parked(req, route.relay_control, now,
+                                                 now + self.args.pdd_handoff_timeout,
+                                                 own_tokens=len(req.output_ids))
+            if self.args.pdd_enable_kv_digest:
+                self._start_digest(parked, route)
+            else:
+                self._send_ready(parked, HandoffReady(room=room), now)
         return passed
 
-    def _ready(self, req: Any) -> HandoffReady:
-        """HandoffReady, with the digest of the KV that crossed the WAN if asked to."""
-        room = req.bootstrap_room
-        if not self.args.pdd_enable_kv_digest:
-            return HandoffReady(room=room)
-        received_from = int(req.kv.cache_protected_len)  # before it: main's own cache
-        route = route_for(req)
-        if (self.args.pdd_debug_corrupt_wan_kv and route is not None and route.debug_corrupt_wan_kv
-                and received_from < len(req.origin_input_ids)):
-            kv_digest.corrupt_one_value(self.scheduler, req, received_from)
-        hashes = kv_digest.token_hashes(self.scheduler, req, received_from)
-        return HandoffReady(room=room, kv_digest=kv_digest.range_digest(hashes),
-                            kv_digest_start=received_from)
+    def _start_digest(self, parked: _Parked, route: Any) -> None:
+        """Hash the KV that crossed the WAN off the scheduler thread; HandoffReady waits."""
+        req = parked.req
+        parked.digest_start = int(req.kv.cache_protected_len)  # before it: main's own cache
+        if (self.args.pdd_debug_corrupt_wan_kv and route.debug_corrupt_wan_kv
+                and parked.digest_start < len(req.origin_input_ids)):
+            kv_digest.corrupt_one_value(self.scheduler, req, parked.digest_start)
+        parked.digest = kv_digest.PendingHashes.start(self.scheduler, req, parked.digest_start,
+                                                      background=True)
+        parked.state = Held.DIGESTING
+
+    def _send_digested(self) -> None:
+        now = time.monotonic()
+        for parked in self.parked.values():
+            if parked.state is Held.DIGESTING and parked.digest.ready():
+                digest = kv_digest.range_digest(parked.digest.result())
+                parked.digest = None
+                self._send_ready(parked, HandoffReady(room=parked.req.bootstrap_room,
+                                                      kv_digest=digest,
+                                                      kv_digest_start=parked.digest_start), now)
+
+    def _send_ready(self, parked: _Parked, ready: HandoffReady, now: float) -> None:
+        """The deadline runs from here: the relay's silence, not main's own hashing."""
+        parked.state = Held.AWAITING_TOKENS
+        parked.ready_at, parked.deadline = now, now + self.args.pdd_handoff_timeout
+        self.loop.send(parked.relay, ready)
+        self.stats.event("ready_sent")
 
     def step(self, running_batch: Any) -> tuple[Any, Optional[Any]]:
         """``(running_batch, extend_batch_to_run_now or None)``, between two decode steps."""
         running_batch = self._merge_finished_extend(running_batch)
+        if self._closed:
+            return running_batch, None
+        self._send_digested()
         for peer, message in self.loop.received():
             self._on_message(peer, message)
         self._expire()
@@ -134,16 +150,31 @@ class MainHandoff:
 
     def abort(self, abort_req: Any) -> None:
         for parked in list(self.parked.values()):
-            if parked.extend_ready and self._running is not None and parked in self._running.parked:
+            if parked.state is Held.EXTENDING:
                 continue  # its extend is in flight; SGLang aborts it once it is in the batch
             if abort_req.abort_all or parked.req.rid.startswith(abort_req.rid):
                 self._abort(parked, "aborted by the client", notify_relay="aborted_at_main")
 
     def state(self) -> dict:
-        return {**self.stats.snapshot(self.loop), "parked": len(self.parked)}
+        held = Counter(p.state.value for p in self.parked.values())
+        return {**self.stats.snapshot(self.loop), "parked": len(self.parked), "held": dict(held)}
 
     def close(self) -> None:
+        """Server shutdown, on the scheduler thread (or once it stopped stepping); idempotent.
+
+        Every held request is let go: its relay is told (``main_shutting_down``) and answers it
+        itself, main's copy is aborted with that reason and its KV row, slots and lock freed.
+        A request whose extend is running is SGLang's (its own shutdown ends it). Then the
+        control loop flushes those refusals and stops."""
+        if self._closed:
+            return
+        self._closed = True
+        for parked in list(self.parked.values()):
+            if parked.state is not Held.EXTENDING:
+                self._abort(parked, "PDD main is shutting down",
+                            notify_relay="main_shutting_down")
         self.loop.close()
+        kv_digest.PendingHashes.shutdown()
 
     # ---- messages --------------------------------------------------------------------------
     def _on_message(self, peer: str, message: Any) -> None:
@@ -180,7 +211,7 @@ class MainHandoff:
         self.relays_down.add(state.address)
         self.stats.event("relay_lost")
         for parked in [p for p in self.parked.values() if p.relay == state.address]:
-            if not parked.extend_ready:
+            if parked.state in (Held.DIGESTING, Held.AWAITING_TOKENS):
                 self._continue_alone(parked)
 
     def _on_tokens(self, peer: str, message: HandoffTokens) -> None:
@@ -206,14 +237,14 @@ class MainHandoff:
         parked.seq = message.seq + 1
         parked.chunk_seq = message.seq
         parked.is_last = message.is_last
-        parked.extend_ready = True
+        parked.state = Held.TOKENS_QUEUED
         self.stats.handed_tokens += len(new_tokens)
         if message.seq == 0:
-            self.stats.handoff_latency_s.append(time.monotonic() - parked.ready_at)
+            self.stats.latency(time.monotonic() - parked.ready_at)
 
     def _check_tokens(self, parked: _Parked, message: HandoffTokens) -> list[int]:
         """The tokens main does not have yet, or MessageError naming what is wrong."""
-        if parked.extend_ready:
+        if parked.state is not Held.AWAITING_TOKENS:
             raise MessageError("out_of_order", "a chunk arrived before the last was absorbed")
         if message.seq < parked.seq:
             raise MessageError("duplicate", f"chunk {message.seq} again (expected {parked.seq})")
@@ -243,131 +274,55 @@ class MainHandoff:
     def _expire(self) -> None:
         now = time.monotonic()
         for parked in list(self.parked.values()):
-            if now > parked.deadline and not parked.extend_ready:
-                self.stats.event("timeout")
+            if now > parked.deadline and parked.state is Held.AWAITING_TOKENS:
+                self.stats.event("timeout" if parked.chunks_absorbed == 0
+                                 else "timeout_mid_catch_up")
+                logger.warning("PDD main: relay %s silent for %.1f s on room %s (%d chunks "
+                               "absorbed); %s", parked.relay, self.args.pdd_handoff_timeout,
+                               parked.req.bootstrap_room, parked.chunks_absorbed,
+                               "decoding it here" if parked.chunks_absorbed == 0
+                               else "the relay answers it")
                 self.loop.send(parked.relay, HandoffRefused(room=parked.req.bootstrap_room,
                                                             reason="timeout"))
-                self._continue_alone(parked)
+                self._continue_alone(parked, "PDD relay silent past --pdd-handoff-timeout in "
+                                             "the middle of a Catch-Up handoff")
 
-    def _continue_alone(self, parked: _Parked) -> None:
+    def _continue_alone(self, parked: _Parked,
+                        mid_catch_up: str = "PDD relay lost in the middle of a Catch-Up "
+                                            "handoff") -> None:
         """No relay will hand anything over: main decodes from the first token, as plain PD.
 
         Only before any chunk is absorbed: after one, the request's KV runs past its last
         sampled token, so it is aborted instead (the client gets a clear error).
         """
-        del self.parked[parked.req.bootstrap_room]
-        if not parked.first_extend:
-            self.parked[parked.req.bootstrap_room] = parked
-            self._abort(parked, "PDD relay lost in the middle of a Catch-Up handoff",
-                        notify_relay=None)
+        if parked.chunks_absorbed > 0:
+            self._abort(parked, mid_catch_up, notify_relay=None)
             return
+        del self.parked[parked.req.bootstrap_room]
+        # A first chunk received but not yet extended: main has no KV for it, so it is not
+        # main's output yet.
+        del parked.req.output_ids[parked.own_tokens:]
         self.scheduler.waiting_queue.append(parked.req)
         self.stats.event("continued_alone")
 
     def _abort(self, parked: _Parked, message: str, notify_relay: Optional[str],
                cache: bool = True) -> None:
-        """Abort a parked request: stream the abort, free its row, slots and lock."""
-        from sglang.srt.disaggregation.utils import prepare_abort
-        from sglang.srt.mem_cache.common import release_kv_cache
-
+        """Abort a parked request: tell the relay if asked, stream the abort, free its row,
+        slots and lock."""
         req = parked.req
         room = req.bootstrap_room
         del self.parked[room]
         if notify_relay is not None:
             self.loop.send(parked.relay, HandoffRefused(room=room, reason=notify_relay))
+        self._release(req, message, cache)
+
+    def _release(self, req: Any, message: str, cache: bool) -> None:
+        from sglang.srt.disaggregation.utils import prepare_abort
+        from sglang.srt.mem_cache.common import release_kv_cache
+
         prepare_abort(req, message, status_code=HTTPStatus.SERVICE_UNAVAILABLE)
         self.scheduler.output_streamer.stream_output([req], req.return_logprob)
         # The KV that arrived (the prompt, and any absorbed chunk) is valid unless the digest
         # said otherwise: keep it cached for the conversation's next turn.
         release_kv_cache(req, self.scheduler.tree_cache, checkpoint=cache)
         self.stats.event("aborted")
-
-    # ---- the extend ------------------------------------------------------------------------
-    def _next_extend(self, running_batch: Any) -> Optional[Any]:
-        ready = [p for p in self.parked.values() if p.extend_ready]
-        if not ready or self._running is not None:
-            return None
-        scheduler = self.scheduler
-        room_for = min(scheduler.req_to_token_pool.size, scheduler.max_running_requests)
-        room_for -= running_batch.batch_size()
-        ready = [p for p in ready if not p.is_last] + [p for p in ready if p.is_last][
-            :max(0, room_for)]
-        ready = self._fit_memory(ready)
-        if not ready:
-            return None
-        from sglang.srt.managers.schedule_batch import ScheduleBatch
-
-        for parked in ready:
-            self._prepare_req(parked)
-        batch = ScheduleBatch.init_new(
-            [p.req for p in ready], scheduler.req_to_token_pool,
-            scheduler.token_to_kv_pool_allocator, scheduler.tree_cache, scheduler.model_config,
-            scheduler.enable_overlap, scheduler.spec_algorithm)
-        batch.prepare_for_extend()
-        self._running = _RunningExtend(batch, ready)
-        self.stats.event("extend_batches")
-        return batch
-
-    def _fit_memory(self, ready: list) -> list:
-        """Those that fit in free (or evictable) KV now; the others wait a step."""
-        scheduler = self.scheduler
-        page = max(1, int(scheduler.token_to_kv_pool_allocator.page_size))
-        budget = (int(scheduler.token_to_kv_pool_allocator.available_size())
-                  + int(scheduler.tree_cache.evictable_size()))
-        fits = []
-        for parked in ready:
-            need = len(parked.req.output_ids) + len(parked.req.origin_input_ids)
-            need = need - parked.req.kv.kv_committed_len + page
-            if need <= budget:
-                budget -= need
-                fits.append(parked)
-        return fits
-
-    def _prepare_req(self, parked: _Parked) -> None:
-        req = parked.req
-        if parked.first_extend:
-            # What SGLang's prebuilt step would have counted: main's own radix hit beyond what
-            # prefill reported; the transferred prompt is not a cache hit.
-            delta = max(0, req.prefix_len - req.already_computed)
-            req.cached_tokens += delta
-            req.cached_tokens_device += delta
-            req._cache_breakdown_computed = True
-            req.time_stats.set_wait_queue_entry_time()
-            parked.first_extend = False
-        # Everything in the row is the prefix; the extend is every output token without KV.
-        req.prefix_len = req.kv.kv_committed_len
-        req.already_computed = req.prefix_len
-        req.refresh_fill_ids()
-        req.extend_end = len(req.full_untruncated_fill_ids)
-        if parked.is_last:
-            # The client has the handed tokens from the relay: main's stream starts after them.
-            req.send_token_offset = len(req.output_ids)
-        else:
-            # A middle Catch-Up chunk samples nothing: SGLang's middle-chunk path.
-            req.inflight_middle_chunks = 1
-
-    def _merge_finished_extend(self, running_batch: Any) -> Any:
-        running, self._running = self._running, None
-        if running is None:
-            return running_batch
-        batch = running.batch
-        keep = []
-        for index, parked in enumerate(running.parked):
-            room = parked.req.bootstrap_room
-            parked.extend_ready = False
-            if parked.is_last:
-                self.parked.pop(room, None)
-                self.stats.event("handoffs_absorbed")
-                if not parked.req.finished():
-                    keep.append(index)
-            elif parked.req.finished():  # aborted meanwhile
-                self.parked.pop(room, None)
-            else:
-                self.loop.send(parked.relay, HandoffAck(room=room, seq=parked.chunk_seq))
-        batch.filter_batch(keep_indices=keep)
-        if batch.is_empty():
-            return running_batch
-        if running_batch.is_empty():
-            return batch
-        running_batch.merge_batch(batch)
-        return running_batch

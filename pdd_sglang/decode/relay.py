@@ -9,18 +9,23 @@ Life cycle of a P->RLD->MD request on a relay:
 3. Between two decode steps, :meth:`RelayHandoff.step` picks the mode from the relay's live load
    (:func:`pdd_sglang.policy.choose_handoff_mode`) and sends ``HandoffTokens`` with the output
    IDs so far, 4 bytes per token.
-   - One-Shot: one message with every token; the relay finishes the request with the
-     ``pdd_handoff`` finish reason (its last stream chunk says how many tokens it handed) and
-     frees its KV at once.
+   - One-Shot: one message with every token (the last chunk).
    - Catch-Up: a chunk of ``--pdd-catch-up-chunk`` tokens, and the relay keeps decoding; each
      ``HandoffAck`` from main releases the next chunk, and once the rest fits in one chunk that
-     chunk is the last, and the relay finishes as in One-Shot.
+     chunk is the last.
+   With the last chunk sent, the relay stops decoding the request (it leaves the batch, keeping
+   its KV) until main acknowledges that chunk too: main has absorbed every handed token and
+   streams from there. Only then does the relay finish it with the ``pdd_handoff`` finish reason
+   (its last stream chunk says how many tokens it handed) and free its KV.
 4. Singular filter: if the relay finishes the request itself (EOS, stop, length) before main is
    ready, its answer is the whole answer; a later ``HandoffReady`` is answered with
    ``HandoffRefused("finished_at_relay")`` so main frees its slots, and the router aborts main's
    and prefill's copies (cancelling a WAN transfer still running).
-5. If main refuses a chunk (bad input, timeout) the relay simply decodes on to the end: the
-   request is still completed.
+5. If main refuses a chunk (bad input, disagreeing tokens, timeout, shutdown), or does not
+   acknowledge the last one within ``FINAL_ACK_WAIT_S``, the relay decodes on to the end; a request
+   that left the batch for the handoff goes back through SGLang's waiting queue (as a retracted
+   request does) and resumes from its last token. A handoff gone wrong never costs the client
+   its answer while the relay has the request.
 6. With ``--pdd-enable-kv-digest`` the relay hashes each request's prompt KV as it lands, and
    checks the digest in main's ``HandoffReady`` against its own copy before handing anything
    over; on a mismatch it answers ``HandoffRefused("kv_digest_mismatch")`` and decodes the
@@ -29,6 +34,7 @@ Life cycle of a P->RLD->MD request on a relay:
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections import OrderedDict
@@ -39,16 +45,18 @@ from pdd_sglang import policy
 from pdd_sglang.diagnostics import kv_digest
 from pdd_sglang.decode.handoff_channel import HandoffStats, policy_config, relay_loop
 from pdd_sglang.decode.finish import HandedOff
+from pdd_sglang.decode.relay_debug_hold import READY_WAIT_S, DebugHold
+from pdd_sglang.decode.route_cache import route_for
 from pdd_sglang.protocol.messages import (HandoffAck, HandoffReady, HandoffRefused, HandoffTokens,
                                  encode, pack_tokens)
-from pdd_sglang.protocol.route import Route, RouteError, route_of
 
 logger = logging.getLogger(__name__)
 
-# A HandoffReady may beat the relay's own copy of the request into its running batch (the
-# relay's prebuilt step lags a little); past this, the room is unknown.
-READY_WAIT_S = 30.0
 FINISHED_ROOMS_KEPT = 8192
+# Main acknowledges the last chunk once its extend ran (a step and a round trip); past this the
+# relay takes the request back (main died, or is far behind) and answers it itself. The client
+# waits at most this long for the rest of a handed request whose main died at that moment.
+FINAL_ACK_WAIT_S = 10.0
 # Rooms whose prompt-KV hashes the relay keeps for main's digest (8 bytes per prompt token each);
 # a room's go once main's HandoffReady is answered.
 KV_HASHED_ROOMS_KEPT = 1024
@@ -61,6 +69,12 @@ class _Pending:
     ready: HandoffReady
 
 
+class Handing(enum.Enum):
+    SENDING = "sending"  # the next chunk goes out at the next step
+    AWAITING_ACK = "awaiting_ack"  # a middle chunk sent; the relay keeps decoding
+    AWAITING_FINAL_ACK = "awaiting_final_ack"  # the last chunk sent; out of the batch, KV kept
+
+
 @dataclass
 class _Active:
     req: Any
@@ -68,23 +82,11 @@ class _Active:
     mode: policy.HandoffMode
     handed: int = 0
     seq: int = 0
-    awaiting_ack: bool = False
+    state: Handing = Handing.SENDING
+    last_sent_at: float = 0.0
 
 
-def route_for(req: Any) -> Optional[Route]:
-    """A request's PDD route, parsed once (the relay reads it every step)."""
-    cached = getattr(req, "_pdd_route_cache", False)
-    if cached is not False:
-        return cached
-    try:
-        route = route_of(getattr(req, "kv_hints", None))
-    except RouteError:
-        route = None  # refused (and the request aborted) where the receiver was created
-    req._pdd_route_cache = route
-    return route
-
-
-class RelayHandoff:
+class RelayHandoff(DebugHold):
     def __init__(self, scheduler: Any, args: Any):
         self.scheduler = scheduler
         self.args = args
@@ -95,7 +97,9 @@ class RelayHandoff:
         self.active: dict[int, _Active] = {}
         self.finished_rooms: OrderedDict[int, str] = OrderedDict()
         self.held_out: dict[int, tuple] = {}  # room -> (req, since): test-only handoff hold
-        self.kv_hashes: OrderedDict[int, bytes] = OrderedDict()  # --pdd-enable-kv-digest
+        # --pdd-enable-kv-digest: each room's prompt-KV hashes, computed off the scheduler thread.
+        self.kv_hashes: OrderedDict[int, kv_digest.PendingHashes] = OrderedDict()
+        self._closed = False
         logger.info("PDD relay control channel at %s", self.loop.address)
 
     # ---- hooks -----------------------------------------------------------------------------
@@ -103,13 +107,16 @@ class RelayHandoff:
         if self.args.pdd_enable_kv_digest:
             for req in transferred:
                 if _is_relay_main(req) and not req.finished():
-                    self.kv_hashes[req.bootstrap_room] = kv_digest.token_hashes(self.scheduler, req)
+                    self.kv_hashes[req.bootstrap_room] = kv_digest.PendingHashes.start(
+                        self.scheduler, req, background=True)
             while len(self.kv_hashes) > KV_HASHED_ROOMS_KEPT:
                 self.kv_hashes.popitem(last=False)
         return transferred  # the relay decodes every request at once
 
     def step(self, running_batch: Any) -> tuple[Any, None]:
         """Between two decode steps: act on main's messages, send tokens, finish handed requests."""
+        if self._closed:
+            return running_batch, None
         reqs = {req.bootstrap_room: req for req in running_batch.reqs
                 if _is_relay_main(req)}
         self._note_finished(reqs)
@@ -120,6 +127,9 @@ class RelayHandoff:
             running_batch = self._hold_out(running_batch, now)
             reqs.update({room: req for room, (req, _) in self.held_out.items()})
         for room, pending in list(self.pending.items()):
+            hashes = self.kv_hashes.get(room)
+            if pending.ready.kv_digest and hashes is not None and not hashes.ready():
+                continue  # the relay's own hashes are not done yet: answer at a later step
             if room in self.finished_rooms:
                 del self.pending[room]
                 self.stats.event("singular_finished_at_relay")
@@ -143,46 +153,39 @@ class RelayHandoff:
             if refusal is not None:  # main's copy is damaged: the relay decodes on to the end
                 self._refuse(pending.peer, room, refusal)
                 held = self.held_out.pop(room, None)
-                if held is not None:  # test-only hold: out of the batch, it cannot finish here
-                    self._abort(held[0], "PDD main's KV copy was damaged")
+                if held is not None:  # test-only hold: out of the batch, back in to finish
+                    self._resume(held[0], "main's KV copy was damaged")
                 continue
             self._start(room, req, pending.peer)
         for room, active in list(self.active.items()):
-            if not active.awaiting_ack:
+            if active.state is Handing.SENDING:
                 self._send_next_chunk(room, active)
-        return running_batch, None
+            elif (active.state is Handing.AWAITING_FINAL_ACK
+                  and now - active.last_sent_at > FINAL_ACK_WAIT_S):
+                del self.active[room]
+                self._refuse(active.peer, room, "final_ack_timeout")
+                self._resume(active.req, "main did not acknowledge the last chunk")
+        # A request whose last chunk is out stops decoding here until main says it has it.
+        leaving = [a.req for a in self.active.values() if a.state is Handing.AWAITING_FINAL_ACK]
+        leaving = [req for req in leaving if any(req is r for r in running_batch.reqs)]
+        return self._leave_batch(running_batch, leaving), None
 
     def idle(self) -> bool:
         return not self.pending and not self.active and not self.held_out
 
     def abort(self, abort_req: Any) -> None:
-        """Requests out of the batch (test-only hold) are not in SGLang's reach: abort them here."""
-        for room, (req, _) in list(self.held_out.items()):
+        """Requests out of the batch (waiting for main's last ack, or the test-only hold) are
+        not in SGLang's reach: abort them here."""
+        out = {room: req for room, (req, _) in self.held_out.items()}
+        out.update({room: a.req for room, a in self.active.items()
+                    if a.state is Handing.AWAITING_FINAL_ACK})
+        for room, req in out.items():
             if abort_req.abort_all or req.rid.startswith(abort_req.rid):
-                del self.held_out[room]
-                self.active.pop(room, None)
+                self.held_out.pop(room, None)
+                active = self.active.pop(room, None)
+                if active is not None:
+                    self._refuse(active.peer, room, "aborted_at_relay")
                 self._abort(req, "aborted by the client")
-
-    def _hold_out(self, running_batch: Any, now: float) -> Any:
-        """Test-only: a request at its forced handoff point waits for main out of the batch, so
-        the handoff happens after exactly that many tokens however late main is ready."""
-        for room, (req, since) in list(self.held_out.items()):
-            if now - since > READY_WAIT_S and room not in self.active:
-                del self.held_out[room]
-                self._abort(req, "PDD debug handoff hold: main never became ready")
-        moved = []
-        for req in running_batch.reqs:
-            room = req.bootstrap_room
-            route = route_for(req)
-            if (route is None or route.debug_handoff_after_tokens is None or req.finished()
-                    or room in self.pending or room in self.active or room in self.held_out):
-                continue
-            if self._hold_satisfied(req):
-                moved.append(req)
-                self.held_out[room] = (req, now)
-        if moved:
-            running_batch.filter_batch(reqs_to_exclude=moved)
-        return running_batch
 
     def _abort(self, req: Any, message: str) -> None:
         from http import HTTPStatus
@@ -203,30 +206,35 @@ class RelayHandoff:
     def _on_message(self, peer: bytes, message: Any) -> None:
         if isinstance(message, HandoffReady):
             room = message.room
-            if room in self.finished_rooms:
-                self.stats.event("singular_finished_at_relay")
-                self._refuse(peer, room, self._kv_verdict(message) or self.finished_rooms[room])
-            elif room in self.pending or room in self.active:
+            if room in self.pending or room in self.active:
                 self.stats.refuse("duplicate_ready")
                 logger.warning("PDD relay: duplicate HandoffReady for room %s", room)
             else:
                 self.pending[room] = _Pending(peer, time.monotonic(), message)
         elif isinstance(message, HandoffAck):
             active = self.active.get(message.room)
-            if active is None or not active.awaiting_ack or message.seq != active.seq - 1:
+            if (active is None or message.seq != active.seq - 1
+                    or active.state not in (Handing.AWAITING_ACK, Handing.AWAITING_FINAL_ACK)):
                 self.stats.refuse("unexpected_ack")
                 logger.warning("PDD relay: unexpected HandoffAck %s", message)
                 return
-            active.awaiting_ack = False
+            if active.state is Handing.AWAITING_ACK:
+                active.state = Handing.SENDING
+                return
+            del self.active[message.room]  # main has every handed token: the relay is done
+            self._finish_handed(active.req, active.handed, active.mode)
         elif isinstance(message, HandoffRefused):
             # Main gave up on this request; the relay keeps decoding it to the end.
             self.stats.event(f"main_refused_{message.reason}")
             self.pending.pop(message.room, None)
             held = self.held_out.pop(message.room, None)
-            if held is not None:  # out of the decode batch: it cannot finish here
-                self.active.pop(message.room, None)
-                self._abort(held[0], f"PDD main refused the handoff ({message.reason})")
-            elif self.active.pop(message.room, None) is not None:
+            active = self.active.pop(message.room, None)
+            if held is not None or (active is not None
+                                    and active.state is Handing.AWAITING_FINAL_ACK):
+                # Out of the decode batch: back in through SGLang's waiting queue.
+                self._resume(held[0] if held is not None else active.req,
+                             f"main refused the handoff ({message.reason})")
+            elif active is not None:
                 logger.warning("PDD relay: main refused room %s (%s); finishing it here",
                                message.room, message.reason)
         else:
@@ -246,11 +254,11 @@ class RelayHandoff:
         copy over the same positions; None if they match or main sent no digest."""
         if not ready.kv_digest:
             return None
-        hashes = self.kv_hashes.pop(ready.room, None)
-        if hashes is None:  # hashing off here, or the room's hashes aged out
+        pending = self.kv_hashes.pop(ready.room, None)
+        if pending is None:  # hashing off here, or the room's hashes aged out
             self.stats.event("kv_digest_unverified")
             return None
-        if kv_digest.range_digest(hashes, ready.kv_digest_start) == ready.kv_digest:
+        if kv_digest.range_digest(pending.result(), ready.kv_digest_start) == ready.kv_digest:
             self.stats.event("kv_digest_verified")
             return None
         logger.error("PDD relay: room %s: main's KV from position %d does not match the relay's "
@@ -262,15 +270,6 @@ class RelayHandoff:
         self.loop.send(peer, HandoffRefused(room=room, reason=reason))
 
     # ---- handing off -----------------------------------------------------------------------
-    def _hold_satisfied(self, req: Any) -> bool:
-        route = route_for(req)
-        hold = route.debug_handoff_after_tokens if route is not None else None
-        if hold is None or not self.args.pdd_debug_handoff_hold:
-            return True
-        # A request that can no longer reach the hold point hands off at its last token.
-        reachable = min(hold, req.sampling_params.max_new_tokens - 1)
-        return len(req.output_ids) >= reachable
-
     def _choose_mode(self, req: Any) -> policy.HandoffMode:
         route = route_for(req)
         forced = route.debug_handoff_mode if route is not None else None
@@ -316,11 +315,8 @@ class RelayHandoff:
         self.stats.payload_bytes += len(encode(message))
         self.stats.handed_tokens += len(tokens)
         active.handed, active.seq = chunk.end, active.seq + 1
-        if chunk.is_last:
-            del self.active[room]
-            self._finish_handed(req, chunk.end, active.mode)
-        else:
-            active.awaiting_ack = True
+        active.last_sent_at = time.monotonic()
+        active.state = Handing.AWAITING_FINAL_ACK if chunk.is_last else Handing.AWAITING_ACK
 
     def _finish_handed(self, req: Any, handed: int, mode: policy.HandoffMode) -> None:
         """Finish a request between two steps, exactly as a normal finish would."""
@@ -328,10 +324,37 @@ class RelayHandoff:
 
         self.held_out.pop(req.bootstrap_room, None)
         req.finished_reason = HandedOff(handed, mode.value)
+        req.is_retracted = False  # finished now: the overlap scheduler skips it on that ground
         req.time_stats.set_completion_time()
         self.scheduler.output_streamer.stream_output([req], req.return_logprob)
         release_kv_cache(req, self.scheduler.tree_cache, checkpoint=True)
         self.stats.event("handed_off")
+
+    def _leave_batch(self, running_batch: Any, reqs: list) -> Any:
+        """Take ``reqs`` out of the decode batch, their row and KV kept. Under the overlap
+        scheduler a decode step for them is already in flight: marked as SGLang marks a
+        retracted request, its token is dropped (and its over-allocated slot freed with the
+        request), so the client never gets a token past what was handed."""
+        if not reqs:
+            return running_batch
+        if getattr(self.scheduler, "enable_overlap", False):
+            for req in reqs:
+                req.is_retracted = True  # cleared by SGLang when the request is resumed
+        running_batch.filter_batch(reqs_to_exclude=reqs)
+        return running_batch
+
+    def _resume(self, req: Any, why: str) -> None:
+        """A request out of the batch for a handoff that will not happen: the relay decodes it
+        on from its last token, through SGLang's waiting queue (the path a retracted request
+        takes back: its row and KV are kept)."""
+        if req.finished():
+            return
+        self.held_out.pop(req.bootstrap_room, None)
+        req._pdd_resumed = True  # the test-only hold must not take it out again
+        self.scheduler.waiting_queue.append(req)
+        self.stats.event("resumed")
+        logger.warning("PDD relay: room %s: %s; the relay decodes it to the end",
+                       req.bootstrap_room, why)
 
     def _note_finished(self, reqs: dict) -> None:
         for room, req in reqs.items():
@@ -343,7 +366,29 @@ class RelayHandoff:
             self.finished_rooms.popitem(last=False)
 
     def close(self) -> None:
+        """Server shutdown, on the scheduler thread (or once it stopped stepping); idempotent.
+
+        Every main waiting on this relay is told (``relay_shutting_down``): one that has absorbed
+        nothing decodes the request itself, one mid Catch-Up drops its copy with that reason.
+        Requests out of the batch (waiting for main's last ack, test-only hold) are aborted here,
+        their KV freed; the rest are SGLang's. Then the control loop flushes and stops."""
+        if self._closed:
+            return
+        self._closed = True
+        for room, pending in self.pending.items():
+            self._refuse(pending.peer, room, "relay_shutting_down")
+        out = {room: req for room, (req, _) in self.held_out.items()}
+        for room, active in self.active.items():
+            self._refuse(active.peer, room, "relay_shutting_down")
+            if active.state is Handing.AWAITING_FINAL_ACK:
+                out[room] = active.req
+        for req in out.values():
+            self._abort(req, "PDD relay is shutting down")
+        self.pending.clear()
+        self.active.clear()
+        self.held_out.clear()
         self.loop.close()
+        kv_digest.PendingHashes.shutdown()
 
 
 def _is_relay_main(req: Any) -> bool:

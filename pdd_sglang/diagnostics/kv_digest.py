@@ -5,7 +5,10 @@ as it lands (8 bytes per token, kept for a bounded number of rooms); main hashes
 received across the WAN and sends :func:`range_digest` of them with ``HandoffReady``, on the
 control channel. The relay compares it with the digest of its own copy over the same positions;
 the two copies left prefill as the same bytes, so any difference is damage on the way. Hashing
-reads every received row once on the CPU (about a WAN copy's worth of memory traffic).
+reads every received row once, where the KV lives (:func:`token_hash_tensor`: vectorized
+integer passes, on the GPU's stream or, on the CPU, a worker thread), and the scheduler only
+starts it (:class:`PendingHashes`): main says HandoffReady once its hashes are done, the relay
+answers once its own are.
 
 With ``--pdd-debug-kv-digest``, the prefill fingerprints a request's prompt KV when it sends the
 last chunk, and each decode server fingerprints its own rows for the same prompt once the transfer
@@ -36,34 +39,154 @@ def enabled() -> bool:
     return bool(getattr(get_server_args(), "pdd_debug_kv_digest", False))
 
 
+def _slots(scheduler: Any, req: Any, start: int) -> Any:
+    tokens = len(req.origin_input_ids)
+    return scheduler.req_to_token_pool.req_to_token[req.kv.req_pool_idx, start:tokens].long()
+
+
 def _token_rows(scheduler: Any, req: Any, start: int = 0) -> Any:
-    """The prompt KV of positions [start, prompt end) as one row of bytes per token: every layer's
-    K then V, in the logical order of the tokens (so the page size does not matter)."""
+    """The prompt KV of positions [start, prompt end) as one row per token on the host: every
+    layer's K then V, in the logical order of the tokens (debug view only)."""
     import torch
 
-    tokens = len(req.origin_input_ids)
-    slots = scheduler.req_to_token_pool.req_to_token[req.kv.req_pool_idx, start:tokens].long()
+    slots = _slots(scheduler, req, start)
     pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
-    rows = []
-    for layer in range(pool.start_layer, pool.start_layer + pool.layer_num):
-        for buffer in (pool.get_key_buffer(layer), pool.get_value_buffer(layer)):
-            rows.append(buffer[slots].detach().to("cpu").reshape(tokens - start, -1))
+    rows = [buffer[slots].detach().to("cpu").reshape(len(slots), -1)
+            for buffer in _buffers(pool)]
     return torch.cat(rows, dim=1).contiguous()
 
 
 TOKEN_HASH_BYTES = 8
+# Tokens hashed per pass of one buffer: bounds the temporaries (tokens x row words x 8 bytes).
+_TOKENS_PER_PASS_BYTES = 64 << 20
+_MIX = -49064778989728563  # 0xff51afd7ed558ccd as a signed int64 (MurmurHash3's fmix64)
+_LAYER_PRIME = 1099511628211  # FNV-64's prime: folds one buffer's hashes into the token's
+_coefficients: dict = {}
+
+
+def _buffers(pool: Any) -> list:
+    """Every layer's K then V buffer, in layer order."""
+    out = []
+    for layer in range(pool.start_layer, pool.start_layer + pool.layer_num):
+        out += [pool.get_key_buffer(layer), pool.get_value_buffer(layer)]
+    return out
+
+
+def _row_coefficients(words: int, device: Any) -> Any:
+    """Odd 64-bit multipliers, one per 32-bit word of a token's row: the same on every server
+    (drawn on the host from a fixed seed, whatever the device)."""
+    import torch
+
+    key = (words, str(device))
+    if key not in _coefficients:
+        draw = torch.randint(-(1 << 62), 1 << 62, (words,), dtype=torch.int64,
+                             generator=torch.Generator().manual_seed(0x5EED))
+        _coefficients[key] = (draw | 1).to(device)
+    return _coefficients[key]
+
+
+def token_hash_tensor(pool: Any, slots: Any) -> Any:
+    """One int64 hash per token of its KV in every layer, on the pool's device, in a few
+    vectorized integer passes per buffer and no host copy (asynchronous on a GPU).
+
+    Each 32-bit word of a token's row is multiplied by its own odd constant and xor-shifted
+    (both one-to-one on 64-bit integers, so any one changed word changes the token's sum), the
+    words summed (wrapping), the buffers folded in layer order, and the result finalized with
+    MurmurHash3's mix. Integer arithmetic only: the same bits give the same hash on any device
+    and page layout, whatever the dtype (bf16, fp8 and float32 rows are read as raw words)."""
+    import torch
+
+    buffers = _buffers(pool)
+    device = buffers[0].device
+    slots = slots.to(device)
+    total = torch.zeros(len(slots), dtype=torch.int64, device=device)
+    for buffer in buffers:
+        row_bytes = buffer[0].numel() * buffer.element_size()
+        words = row_bytes // 4
+        coefficients = _row_coefficients(words, device)
+        per_pass = max(1, _TOKENS_PER_PASS_BYTES // (8 * words))
+        for first in range(0, len(slots), per_pass):
+            chunk = slots[first:first + per_pass]
+            rows = buffer[chunk].reshape(len(chunk), -1)
+            # Sign extension of each 32-bit word is one-to-one, as are the odd multiply and the
+            # xor-shift: any one changed word changes that word's term.
+            x = rows.view(torch.int32).to(torch.int64)
+            x.mul_(coefficients)
+            x.bitwise_xor_(x >> 29)
+            part = total[first:first + per_pass]
+            part.mul_(_LAYER_PRIME).add_(x.sum(dim=1))
+    total ^= total >> 33
+    total *= _MIX
+    total ^= total >> 33
+    return total
 
 
 def token_hashes(scheduler: Any, req: Any, start: int = 0) -> bytes:
     """An 8-byte hash of each prompt token's KV from ``start`` on, concatenated in token order;
-    two servers' hashes of a token are equal only if its KV is bit-identical on both."""
-    import torch
+    two servers' hashes of a token are equal only if its KV is bit-identical on both (with
+    overwhelming probability). Synchronous: see :class:`PendingHashes` for the serving path."""
+    return PendingHashes.start(scheduler, req, start).result()
 
-    if start >= len(req.origin_input_ids):  # main had the whole prompt: nothing crossed
-        return b""
-    raw = _token_rows(scheduler, req, start).view(torch.uint8).numpy()  # any dtype, bf16 too
-    return b"".join(hashlib.blake2b(row.tobytes(), digest_size=TOKEN_HASH_BYTES).digest()
-                    for row in raw)
+
+class PendingHashes:
+    """:func:`token_hashes` without stalling the scheduler thread.
+
+    On a GPU the hashing kernels are queued on the current stream behind the work that wrote
+    the KV and an event marks their end; the scheduler polls :meth:`ready` each step and reads
+    the 8 bytes per token only once they are done. On the CPU the hashing runs on one worker
+    thread (torch releases the GIL) over the request's slots, which the request holds until the
+    hashes are read. Either way the scheduler step pays O(1) to start it."""
+
+    _executor = None
+
+    def __init__(self, future: Any = None, tensor: Any = None, event: Any = None):
+        self._future, self._tensor, self._event = future, tensor, event
+
+    @classmethod
+    def start(cls, scheduler: Any, req: Any, start: int = 0,
+              background: bool = False) -> "PendingHashes":
+        if start >= len(req.origin_input_ids):  # main had the whole prompt: nothing crossed
+            return cls(tensor=None)
+        pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
+        slots = _slots(scheduler, req, start).clone()
+        device = _buffers(pool)[0].device
+        if device.type == "cuda":
+            import torch
+
+            tensor = token_hash_tensor(pool, slots)
+            event = torch.cuda.Event()
+            event.record()
+            return cls(tensor=tensor, event=event)
+        if background:
+            return cls(future=cls._worker().submit(token_hash_tensor, pool, slots))
+        return cls(tensor=token_hash_tensor(pool, slots))
+
+    @classmethod
+    def _worker(cls):
+        if cls._executor is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            cls._executor = ThreadPoolExecutor(1, thread_name_prefix="pdd-kv-digest")
+        return cls._executor
+
+    @classmethod
+    def shutdown(cls) -> None:
+        """Stop the CPU worker thread (server shutdown); a later hash starts a new one."""
+        if cls._executor is not None:
+            cls._executor.shutdown(wait=True, cancel_futures=True)
+            cls._executor = None
+
+    def ready(self) -> bool:
+        if self._future is not None:
+            return self._future.done()
+        return self._event is None or self._event.query()
+
+    def result(self) -> bytes:
+        """The hashes, waiting for them if they are not ready."""
+        tensor = self._future.result() if self._future is not None else self._tensor
+        if tensor is None:
+            return b""
+        return tensor.cpu().numpy().astype("<i8").tobytes()
 
 
 def range_digest(hashes: bytes, skip_tokens: int = 0) -> bytes:

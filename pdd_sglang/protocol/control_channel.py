@@ -37,6 +37,14 @@ logger = logging.getLogger(__name__)
 # heartbeats go unanswered this long (line cut, host hung).
 HEARTBEAT_INTERVAL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 5000
+# close(): how long the I/O thread may take to flush what the scheduler queued last (refusals
+# that let the peer finish a request) and to stop; sockets then close with a bounded linger.
+CLOSE_JOIN_TIMEOUT_S = 5.0
+CLOSE_LINGER_MS = 1000
+
+
+class ControlChannelError(RuntimeError):
+    """The control channel could not start (the port is taken, the address is wrong)."""
 
 
 @dataclass(frozen=True)
@@ -91,10 +99,11 @@ class _Endpoint:
             logger.warning("PDD control channel refused a message: %s", err)
             return None
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
         if self._authenticator is not None:
-            self._authenticator.stop()
-        self.socket.close(linger=0)
+            self._authenticator.stop()  # joins ZMQ's authenticator thread
+            self._authenticator = None
+        self.socket.close(linger=linger_ms)
         self.context.term()
 
 
@@ -113,12 +122,22 @@ class RelayControlServer(_Endpoint):
             self.socket.curve_publickey = public
             self.socket.curve_secretkey = secret
             self.socket.curve_server = True
-        if address.endswith(":0"):
-            port = self.socket.bind_to_random_port(address.rsplit(":", 1)[0])
-            self.address = f"{address.rsplit(':', 1)[0]}:{port}"
-        else:
-            self.socket.bind(address)
-            self.address = address
+        try:
+            if address.endswith(":0"):
+                port = self.socket.bind_to_random_port(address.rsplit(":", 1)[0])
+                self.address = f"{address.rsplit(':', 1)[0]}:{port}"
+            else:
+                self.socket.bind(address)
+                self.address = address
+        except zmq.ZMQError as err:
+            self.close()
+            if err.errno == zmq.EADDRINUSE:
+                raise ControlChannelError(
+                    f"PDD relay: control address {address} is already in use (another relay on "
+                    f"this host with the same --pdd-control-port?); give each relay its own "
+                    f"port, or 0 for a free one") from None
+            raise ControlChannelError(f"PDD relay: cannot bind the control channel at "
+                                      f"{address}: {err}") from None
 
     def receive(self, timeout_ms: int):
         """``(peer, message)``, or ``None`` on timeout or a refused message."""
@@ -166,10 +185,10 @@ class MainControlClient(_Endpoint):
             changes.append(self.connected)
         return changes
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
         self.socket.disable_monitor()
         self.monitor.close(linger=0)
-        super().close()
+        super().close(linger_ms)
 
     def receive(self, timeout_ms: int):
         if not self.socket.poll(timeout_ms):
@@ -191,6 +210,11 @@ class ControlLoop:
     :class:`MainControlClient` per relay address on first use, and a peer is that address;
     when a relay's connection comes up or goes down, :meth:`received` yields
     ``(address, PeerState(address, connected))``.
+
+    :meth:`close` (idempotent) flushes what was queued, closes every socket (the authenticator's
+    thread joined) and joins the I/O thread with a timeout. If the I/O thread dies, :meth:`send`
+    logs it once and drops messages: the handoff sides see :attr:`alive` go False and serve
+    without handoffs, and the scheduler thread never blocks or raises on the dead channel.
     """
 
     def __init__(self, relay_bind: Optional[str] = None, curve: Optional[CurveConfig] = None):
@@ -208,14 +232,33 @@ class ControlLoop:
         self._wake_push.connect(wake_address)
         self._wake_lock = threading.Lock()
         self._stopping = False
+        self._closed = False
+        self._dead_logged = False
         self._thread = threading.Thread(target=self._run, name="pdd-control", daemon=True)
         self._thread.start()
 
     # ---- scheduler side ---------------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        """False once the I/O thread has stopped (closed, or died on an error)."""
+        return self._thread.is_alive()
+
     def send(self, peer, message) -> None:
+        if not self.alive:
+            if not self._dead_logged and not self._closed:
+                self._dead_logged = True
+                logger.error("PDD control loop is not running; handoff messages are dropped "
+                             "and requests are served without handoffs")
+            return
         self._outbox.put((peer, message))
+        self._wake()
+
+    def _wake(self) -> None:
         with self._wake_lock:
-            self._wake_push.send(b"", zmq.NOBLOCK)
+            try:
+                self._wake_push.send(b"", zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # ZMQ's queue of wake-ups is full: the I/O thread has one to read already
 
     def received(self) -> list[tuple]:
         """Every ``(peer, message)`` that arrived since the last call (never blocks)."""
@@ -241,10 +284,17 @@ class ControlLoop:
         return total
 
     def close(self) -> None:
+        """Flush what is queued, stop the I/O thread (joined with a timeout), close the sockets.
+        Safe to call twice, and after the I/O thread died."""
+        if self._closed:
+            return
+        self._closed = True
         self._stopping = True
-        with self._wake_lock:
-            self._wake_push.send(b"", zmq.NOBLOCK)
-        self._thread.join(timeout=5)
+        self._wake()
+        self._thread.join(timeout=CLOSE_JOIN_TIMEOUT_S)
+        if self._thread.is_alive():  # stuck in a socket call: leave its sockets to the process
+            logger.error("PDD control loop did not stop within %.0f s", CLOSE_JOIN_TIMEOUT_S)
+            return
         self._wake_push.close(linger=0)
         self._wake_pull.close(linger=0)
         self._wake_context.term()
@@ -291,11 +341,16 @@ class ControlLoop:
                     if item is None:
                         continue
                     self._inbox.put(item if peer is None else (peer, item))
+            self._flush_outbox()  # the last words queued before close() (refusals)
         except Exception:  # the channel dies loudly, never silently
             logger.exception("PDD control loop stopped")
         finally:
+            linger = CLOSE_LINGER_MS if self._stopping else 0
             for endpoint in self._endpoints():
-                endpoint.close()
+                try:
+                    endpoint.close(linger)
+                except Exception:  # one bad endpoint must not keep the others open
+                    logger.exception("PDD control channel: closing an endpoint failed")
 
     def _flush_outbox(self) -> None:
         while True:

@@ -211,3 +211,60 @@ def test_main_wan_copy_is_checked_against_the_relays_and_a_damaged_one_never_ser
             if r["room"] == again["bootstrap_room"] and r["role"] == "main"]
     page = three_roles.page_size
     assert sum(r["pages"] for r in rows) == -(-len(body["input_ids"]) // page), rows
+
+
+def test_concurrent_handoffs_under_load_splice_consistently(three_roles, baselines):
+    """Handoffs as traffic makes them (no forced point): several P->RLD->MD requests at once,
+    64-256-token outputs, greedy and sampled, main's copy late, so the relay runs ahead and
+    Catch-Ups happen while it keeps decoding. Every answer splices as the router splices it:
+    the relay streamed exactly what it handed, main's stream starts right after (SGLang's
+    completion_tokens counts the handed tokens), greedy answers are the plain server's."""
+    import concurrent.futures
+    import random
+
+    rng = random.Random(16)
+    cases = []
+    for index in range(8):
+        sampled = index % 2 == 1
+        params = {"max_new_tokens": rng.choice([64, 96, 160, 256]), "ignore_eos": True,
+                  "temperature": 0.8 if sampled else 0.0}
+        if sampled:
+            params["sampling_seed"] = 1000 + index
+        # Main's copy is late (each KV chunk 300 ms on the WAN), so the relay runs ahead; longer
+        # prompts (1,200-2,000 tokens at page 16) make it finish before main is ready.
+        cases.append({"input_ids": words(60 + index, rng.choice([150, 300, 600])),
+                      "sampling_params": params})
+    references = [None if c["sampling_params"]["temperature"] else
+                  three_roles["plain"].post_json("/generate", c)["output_ids"] for c in cases]
+    relay_before = three_roles["relay"].pdd_state()["handoff"]
+    with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+        answers = list(pool.map(lambda c: run(three_roles, c), cases))
+    outcomes = []
+    for case, reference, answer in zip(cases, references, answers):
+        total = case["sampling_params"]["max_new_tokens"]
+        handed = answer["handed_tokens"]
+        outcomes.append((answer.get("mode"), handed))
+        assert len(answer["output_ids"]) == total, (handed, answer["relay"]["meta_info"])
+        if handed is not None:
+            relay, main = answer["relay"], answer["main"]
+            assert len(relay["output_ids"]) == handed, (handed, len(relay["output_ids"]))
+            assert main["meta_info"]["completion_tokens"] - len(main["output_ids"]) == handed, (
+                handed, main["meta_info"]["completion_tokens"], len(main["output_ids"]))
+        if reference is not None:
+            assert answer["output_ids"] == reference, (handed, answer.get("mode"))
+    # --pdd-enable-kv-digest is on: every main copy that crossed matched the relay's, so a
+    # divergence here could not come from damaged KV.
+    relay_after = three_roles["relay"].pdd_state()["handoff"]
+    verified = (relay_after["events"].get("kv_digest_verified", 0)
+                - relay_before["events"].get("kv_digest_verified", 0))
+    assert relay_after["refused"].get("kv_digest_mismatch", 0) == relay_before["refused"].get(
+        "kv_digest_mismatch", 0)
+    print(f"\nunforced handoffs (mode, handed): {outcomes}; KV digests verified: {verified}")
+    assert any(handed for _, handed in outcomes), outcomes  # the case under test happened
+    # --enable-metrics: main's handoff latencies as Prometheus histograms.
+    import urllib.request
+
+    with urllib.request.urlopen(three_roles["main"].url + "/metrics", timeout=30) as resp:
+        metrics = resp.read().decode()
+    for name in ("pdd_handoff_latency_seconds_bucket", "pdd_handoff_duration_seconds_count"):
+        assert name in metrics, name

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import urllib.request
 
 import msgspec
@@ -14,7 +15,8 @@ import zmq
 
 from pdd_sglang.protocol.messages import (MAX_MESSAGE_BYTES, Envelope, HandoffAck, HandoffReady,
                                  HandoffRefused, HandoffTokens, decode, encode, pack_tokens)
-from pdd_sglang.dev.testing.pd_client import generate_fanout, relay_control_address
+from pdd_sglang.dev.testing.cluster import Cluster, SGLangServer, free_port
+from pdd_sglang.dev.testing.pd_client import generate_fanout, generate_pdd, relay_control_address
 from pdd_sglang.dev.testing.conversation import FIRST_WORD_ID, WORDS
 
 VOCAB = 1000 + FIRST_WORD_ID
@@ -25,7 +27,7 @@ def words(seed: int, count: int) -> list[int]:
 
 
 # Message checks do not depend on the page size: the page-1 cluster only.
-pytestmark = pytest.mark.parametrize("three_roles", [1], indirect=True, ids=["page1"])
+page1 = pytest.mark.parametrize("three_roles", [1], indirect=True, ids=["page1"])
 
 
 @pytest.fixture
@@ -87,6 +89,7 @@ def refused(cluster) -> dict:
     return cluster["main"].pdd_state()["handoff"]["refused"]
 
 
+@page1
 @pytest.mark.parametrize("bad", ["token_out_of_vocab", "out_of_order", "mismatch"])
 def test_main_refuses_a_bad_chunk_and_aborts_cleanly(cluster, bad):
     fake = FakeRelay()
@@ -119,6 +122,7 @@ def test_main_refuses_a_bad_chunk_and_aborts_cleanly(cluster, bad):
         fake.close()
 
 
+@page1
 def test_main_survives_garbage_duplicates_and_unknown_rooms_then_completes(cluster):
     fake = FakeRelay()
     try:
@@ -159,6 +163,7 @@ def test_main_survives_garbage_duplicates_and_unknown_rooms_then_completes(clust
         fake.close()
 
 
+@page1
 def test_relay_refuses_strangers_and_keeps_serving(cluster):
     relay = cluster["relay"]
     context = zmq.Context()
@@ -189,6 +194,7 @@ def test_relay_refuses_strangers_and_keeps_serving(cluster):
     assert relay.alive()
 
 
+@page1
 def test_a_request_the_relay_aborted_is_decoded_whole_by_main(cluster):
     """A relay whose KV never came (its transfer failed, its wait timed out) aborts the request
     before streaming anything: main must answer it, not abort too."""
@@ -207,6 +213,7 @@ def test_a_request_the_relay_aborted_is_decoded_whole_by_main(cluster):
         fake.close()
 
 
+@page1
 def test_an_abort_reaches_a_request_main_holds_for_the_handoff(cluster):
     """SGLang's /abort_request finds requests in its own queues; one that main holds for the
     handoff is dropped by the hook too, and the relay is told."""
@@ -226,5 +233,162 @@ def test_an_abort_reaches_a_request_main_holds_for_the_handoff(cluster):
         assert fake.receive() == HandoffRefused(room=ready.room, reason="aborted_at_main")
         thread.join(120)
         assert "error" in result, result
+    finally:
+        fake.close()
+
+
+@page1
+def test_main_refusing_the_last_chunk_leaves_the_relay_to_answer_whole(cluster):
+    """The relay keeps a handed request until main acknowledges the last chunk. A main that
+    refuses it (here: a fake main saying its tokens disagree, the divergence seen under load)
+    costs the client nothing: the relay resumes the request and answers all of it."""
+    body = {"input_ids": words(46, 90), "sampling_params": {"max_new_tokens": 40,
+                                                             "temperature": 0.0,
+                                                             "ignore_eos": True}}
+    reference = cluster["plain"].post_json("/generate", body)["output_ids"]
+    relay = cluster["relay"]
+    resumed_before = relay.pdd_state()["handoff"]["events"].get("resumed", 0)
+    # The real main talks to a fake relay (and is let go at the end); a fake main talks to the
+    # real relay.
+    fake_relay = FakeRelay()
+    context = zmq.Context()
+    fake_main = context.socket(zmq.DEALER)
+    fake_main.connect(relay_control_address(relay))
+    result: dict = {}
+
+    def call():
+        try:
+            result.update(generate_pdd(cluster["prefill"], relay, cluster["main"], body,
+                                       cluster.bootstrap_port, relay_control=fake_relay.address,
+                                       debug_handoff_after_tokens=5,
+                                       debug_handoff_mode="one-shot"))
+        except Exception as err:
+            result["error"] = err
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    room = None
+    try:
+        room = fake_relay.receive().room
+        fake_main.send(encode(HandoffReady(room=room)))
+        assert fake_main.poll(60000)
+        chunk = decode(fake_main.recv())
+        assert isinstance(chunk, HandoffTokens) and chunk.is_last, chunk
+        assert chunk.tokens == reference[:5]
+        fake_main.send(encode(HandoffRefused(room=room, reason="mismatch")))
+        thread.join(120)
+        assert "error" not in result, result
+        assert result["handed_tokens"] is None  # no handoff: the relay answered...
+        assert result["output_ids"] == reference  # ...all of it, token for token
+        assert result["relay"]["meta_info"]["finish_reason"]["type"] == "length"
+        assert relay.pdd_state()["handoff"]["events"]["resumed"] == resumed_before + 1
+    finally:
+        if room is not None:  # main lets its copy go
+            fake_relay.send(HandoffRefused(room=room, reason="finished_at_relay"))
+        thread.join(120)
+        fake_main.close(linger=0)
+        context.term()
+        fake_relay.close()
+
+
+# ---- a slow but healthy relay ------------------------------------------------------------------
+HANDOFF_TIMEOUT_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def slow_relay_pair(tiny_model, tmp_path_factory):
+    """A PDD prefill and a main whose --pdd-handoff-timeout is short, for a fake relay to pace."""
+    _, model_path = tiny_model
+    log_dir = tmp_path_factory.mktemp("slow-relay-logs")
+    bootstrap_port = free_port()
+    transport = ("--disaggregation-transfer-backend", "mooncake_tcp")
+    servers = [
+        SGLangServer("prefill", model_path, log_dir, extra_args=(
+            "--pdd-role", "prefill", "--disaggregation-bootstrap-port", str(bootstrap_port),
+            "--pdd-relay-bootstrap-timeout", "2", *transport)),
+        SGLangServer("main", model_path, log_dir, extra_args=(
+            "--pdd-role", "main", "--pdd-handoff-timeout", str(HANDOFF_TIMEOUT_S), *transport)),
+    ]
+    with Cluster(servers) as pair:
+        pair.bootstrap_port = bootstrap_port
+        before = {n: pair[n].wait_idle() for n in ("prefill", "main")}
+        yield pair
+        for name, pool in before.items():
+            after = pair[name].wait_idle()
+            assert after["in_use_tokens"] == 0 and after["locked_tokens"] == 0, (name, after)
+            assert after["free_request_slots"] == pool["free_request_slots"], (name, after)
+        assert pair["main"].pdd_state()["handoff"]["parked"] == 0
+
+
+def main_events(pair) -> dict:
+    return dict(pair["main"].pdd_state()["handoff"]["events"])
+
+
+def greedy_case(pair, seed: int, max_new_tokens: int) -> tuple[dict, list[int], dict]:
+    """A greedy request, main's own answer to it (P->MD: what a handoff must reproduce token for
+    token), and main's handoff events before the handoff under test."""
+    body = {"input_ids": words(seed, 90), "sampling_params": {"max_new_tokens": max_new_tokens,
+                                                               "temperature": 0.0}}
+    answer = generate_fanout(pair["prefill"], [pair["main"]], body, pair.bootstrap_port,
+                             "prefill_main")["main"]
+    return body, answer["output_ids"], main_events(pair)
+
+
+def test_a_catch_up_longer_than_the_timeout_completes_token_exact(slow_relay_pair):
+    """Each chunk comes within the timeout of the last absorbed one, the whole Catch-Up takes
+    three times the timeout: main keeps waiting (progress restarts its deadline) and its output
+    is the greedy answer from the handoff point on."""
+    pair = slow_relay_pair
+    body, reference, before = greedy_case(pair, 44, 40)
+    fake = FakeRelay()
+    try:
+        thread, result = start_request(pair, fake.address, body)
+        room = fake.receive().room
+        began = time.monotonic()
+        chunk, chunks = 6, 5
+        for seq in range(chunks):
+            start = seq * chunk
+            fake.send(HandoffTokens(room=room, seq=seq, start=start,
+                                    token_ids=pack_tokens(reference[start:start + chunk]),
+                                    is_last=False))
+            assert fake.receive() == HandoffAck(room=room, seq=seq)
+            time.sleep(0.7 * HANDOFF_TIMEOUT_S)  # silent, but under the timeout
+        handed = chunks * chunk + 2
+        fake.send(HandoffTokens(room=room, seq=chunks, start=chunks * chunk,
+                                token_ids=pack_tokens(reference[chunks * chunk:handed]),
+                                is_last=True))
+        thread.join(120)
+        took = time.monotonic() - began
+        assert took > 3 * HANDOFF_TIMEOUT_S, took  # the case under test did happen
+        assert "error" not in result, result
+        main = result["main"]
+        assert main["output_ids"] == reference[handed:]
+        assert main["meta_info"]["completion_tokens"] == 40
+        after = main_events(pair)
+        assert after.get("timeout", 0) == before.get("timeout", 0)
+        assert after.get("timeout_mid_catch_up", 0) == before.get("timeout_mid_catch_up", 0)
+        assert after["handoffs_absorbed"] == before.get("handoffs_absorbed", 0) + 1
+    finally:
+        fake.close()
+
+
+def test_a_relay_silent_mid_catch_up_is_told_and_main_lets_go(slow_relay_pair):
+    """Past the timeout with no chunk since the last absorbed one, main tells the relay
+    (which then answers the request itself) and drops its copy with a clear reason."""
+    pair = slow_relay_pair
+    body, reference, before = greedy_case(pair, 45, 30)
+    fake = FakeRelay()
+    try:
+        thread, result = start_request(pair, fake.address, body)
+        room = fake.receive().room
+        fake.send(HandoffTokens(room=room, seq=0, start=0, token_ids=pack_tokens(reference[:8]),
+                                is_last=False))
+        assert fake.receive() == HandoffAck(room=room, seq=0)
+        assert fake.receive(timeout_s=10 * HANDOFF_TIMEOUT_S) == HandoffRefused(
+            room=room, reason="timeout")
+        thread.join(120)
+        assert "failed on main" in str(result.get("error")), result
+        after = main_events(pair)
+        assert after["timeout_mid_catch_up"] == before.get("timeout_mid_catch_up", 0) + 1
     finally:
         fake.close()

@@ -195,3 +195,66 @@ def test_control_loop_counts_what_it_refuses(keys):
         raw.close(linger=0)
         context.term()
         plain.close()
+
+
+def pdd_threads() -> list[str]:
+    """Threads a control loop owns: its I/O thread and ZMQ's authenticator."""
+    import threading
+
+    return [t.name for t in threading.enumerate()
+            if t.name == "pdd-control" or type(t).__name__ == "AuthenticationThread"]
+
+
+
+def test_close_flushes_the_last_messages_joins_every_thread_and_is_idempotent(keys):
+    from pdd_sglang.protocol.control_channel import ControlLoop
+
+    assert pdd_threads() == []
+    relay = ControlLoop(relay_bind="tcp://127.0.0.1:0", curve=keys["relay"])
+    main = ControlLoop(curve=keys["main"])
+    main.send(relay.address, HandoffReady(room=7))
+    peer, _ = relay.wait_received(5)
+    assert len(pdd_threads()) == 3  # two I/O threads, the relay's authenticator
+    # Queued just before close: still delivered (a refusal that lets the peer finish a request).
+    relay.send(peer, HandoffAck(room=7, seq=0))
+    relay.close()
+    assert [m for _, m in messages_only(main, 1)] == [HandoffAck(room=7, seq=0)]
+    main.close()
+    relay.close()
+    main.close()
+    assert pdd_threads() == []
+    assert not relay.alive and not main.alive
+    relay.send(peer, HandoffAck(room=7, seq=1))  # after close: dropped, silently
+
+
+def test_two_relays_on_one_control_port_get_one_clear_error():
+    from pdd_sglang.protocol.control_channel import ControlChannelError, ControlLoop
+
+    first = ControlLoop(relay_bind="tcp://127.0.0.1:0")
+    try:
+        with pytest.raises(ControlChannelError, match="already in use.*--pdd-control-port"):
+            ControlLoop(relay_bind=first.address)
+        assert pdd_threads() == ["pdd-control"]  # the refused one left nothing running
+    finally:
+        first.close()
+
+
+def test_a_dead_control_thread_never_makes_send_raise_on_the_scheduler_thread(caplog):
+    from pdd_sglang.protocol.control_channel import ControlLoop
+
+    loop = ControlLoop()
+
+    def broken():
+        raise RuntimeError("injected: the I/O thread fails")
+
+    loop._flush_outbox = broken
+    loop.send("tcp://127.0.0.1:1", HandoffReady(room=1))  # wakes the thread, which dies
+    loop._thread.join(5)
+    assert not loop.alive
+    with caplog.at_level("ERROR"):
+        for room in range(5000):  # far past ZMQ's buffer of unread wake-ups
+            loop.send("tcp://127.0.0.1:1", HandoffReady(room=room))
+    dead = [r for r in caplog.records if "control loop is not running" in r.getMessage()]
+    assert len(dead) == 1
+    loop.close()
+    assert pdd_threads() == []

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import threading
+
 import torch
 
 from pdd_sglang.diagnostics import kv_digest
@@ -79,3 +81,35 @@ def test_a_prompt_main_had_whole_has_nothing_to_digest():
     assert kv_digest.token_hashes(scheduler, req, start=10) == b""
     assert kv_digest.range_digest(b"") == kv_digest.range_digest(
         kv_digest.token_hashes(scheduler, req), skip_tokens=10)
+
+
+def test_hashing_off_the_scheduler_thread_gives_the_same_hashes(monkeypatch):
+    scheduler, req = server(prompt(40), list(range(40)))
+    inline = kv_digest.token_hashes(scheduler, req, 3)
+    pending = kv_digest.PendingHashes.start(scheduler, req, 3, background=True)
+    assert pending.result() == inline and pending.ready()
+    assert [t.name for t in threading.enumerate()
+            if t.name.startswith("pdd-kv-digest")]
+    kv_digest.PendingHashes.shutdown()
+    assert not [t.name for t in threading.enumerate()
+                if t.name.startswith("pdd-kv-digest")]
+    # Hashed a few tokens per pass (a long prompt's bounded temporaries): the same hashes.
+    monkeypatch.setattr(kv_digest, "_TOKENS_PER_PASS_BYTES", 8 * HEADS * DIM * 3)
+    assert kv_digest.token_hashes(scheduler, req, 3) == inline
+
+
+def test_every_token_and_every_layer_counts():
+    kv = prompt()
+    base = kv_digest.token_hashes(*server(kv, list(range(10))))
+    for token, layer, kind in [(0, 0, 0), (9, 1, 1), (4, 1, 0)]:
+        damaged = kv.clone()
+        damaged[token, layer, kind, 1, 2] += 0.5
+        hashes = kv_digest.token_hashes(*server(damaged, list(range(10))))
+        size = kv_digest.TOKEN_HASH_BYTES
+        changed = [i for i in range(10) if hashes[i * size:(i + 1) * size]
+                   != base[i * size:(i + 1) * size]]
+        assert changed == [token], (token, layer, kind)
+    # Swapping two layers' values is damage too (the fold is ordered).
+    swapped = kv.clone()
+    swapped[:, [0, 1]] = kv[:, [1, 0]]
+    assert kv_digest.token_hashes(*server(swapped, list(range(10)))) != base

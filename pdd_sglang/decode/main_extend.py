@@ -1,0 +1,145 @@
+"""Main's handoff EXTEND: the state of a held request, and the steps that turn handed tokens into
+an EXTEND batch and merge it into the running decode batch (life cycle steps 4-5 of
+:mod:`pdd_sglang.decode.main`)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from pdd_sglang.protocol.messages import HandoffAck, HandoffRefused
+
+
+class Held(enum.Enum):
+    DIGESTING = "digesting"  # --pdd-enable-kv-digest: hashing the KV that crossed, off-thread
+    AWAITING_TOKENS = "awaiting_tokens"  # HandoffReady sent, or a middle chunk acknowledged
+    TOKENS_QUEUED = "tokens_queued"  # a chunk's tokens appended; its extend not yet scheduled
+    EXTENDING = "extending"  # its extend batch is running (SGLang owns the request meanwhile)
+
+
+@dataclass
+class _Parked:
+    req: Any
+    relay: str  # the relay's control address
+    ready_at: float
+    deadline: float  # restarted by every absorbed chunk: it measures the relay's silence
+    state: Held = Held.AWAITING_TOKENS
+    seq: int = 0  # next chunk expected
+    handed: int = 0  # positions [0, handed) of the relay's output received
+    own_tokens: int = 1  # output tokens main had before the handoff (prefill's first token)
+    digest: Any = None  # kv_digest.PendingHashes while DIGESTING
+    digest_start: int = 0
+    chunks_absorbed: int = 0  # extends run; after the first, main cannot decode alone
+    is_last: bool = False
+    chunk_seq: int = -1
+
+
+@dataclass
+class _RunningExtend:
+    batch: Any
+    parked: list = field(default_factory=list)
+
+
+class ExtendSteps:
+    """The EXTEND half of :class:`pdd_sglang.decode.main.MainHandoff` (its state lives there)."""
+
+    def _next_extend(self, running_batch: Any) -> Optional[Any]:
+        ready = [p for p in self.parked.values() if p.state is Held.TOKENS_QUEUED]
+        if not ready or self._running is not None:
+            return None
+        scheduler = self.scheduler
+        room_for = min(scheduler.req_to_token_pool.size, scheduler.max_running_requests)
+        room_for -= running_batch.batch_size()
+        ready = [p for p in ready if not p.is_last] + [p for p in ready if p.is_last][
+            :max(0, room_for)]
+        ready = self._fit_memory(ready)
+        if not ready:
+            return None
+        from sglang.srt.managers.schedule_batch import ScheduleBatch
+
+        for parked in ready:
+            self._prepare_req(parked)
+            parked.state = Held.EXTENDING
+        batch = ScheduleBatch.init_new(
+            [p.req for p in ready], scheduler.req_to_token_pool,
+            scheduler.token_to_kv_pool_allocator, scheduler.tree_cache, scheduler.model_config,
+            scheduler.enable_overlap, scheduler.spec_algorithm)
+        batch.prepare_for_extend()
+        self._running = _RunningExtend(batch, ready)
+        self.stats.event("extend_batches")
+        return batch
+
+    def _fit_memory(self, ready: list) -> list:
+        """Those that fit in free (or evictable) KV now; the others wait a step."""
+        scheduler = self.scheduler
+        page = max(1, int(scheduler.token_to_kv_pool_allocator.page_size))
+        budget = (int(scheduler.token_to_kv_pool_allocator.available_size())
+                  + int(scheduler.tree_cache.evictable_size()))
+        fits = []
+        for parked in ready:
+            need = len(parked.req.output_ids) + len(parked.req.origin_input_ids)
+            need = need - parked.req.kv.kv_committed_len + page
+            if need <= budget:
+                budget -= need
+                fits.append(parked)
+        return fits
+
+    def _prepare_req(self, parked: _Parked) -> None:
+        req = parked.req
+        if parked.chunks_absorbed == 0:
+            # What SGLang's prebuilt step would have counted: main's own radix hit beyond what
+            # prefill reported; the transferred prompt is not a cache hit.
+            delta = max(0, req.prefix_len - req.already_computed)
+            req.cached_tokens += delta
+            req.cached_tokens_device += delta
+            req._cache_breakdown_computed = True
+            req.time_stats.set_wait_queue_entry_time()
+        # Everything in the row is the prefix; the extend is every output token without KV.
+        req.prefix_len = req.kv.kv_committed_len
+        req.already_computed = req.prefix_len
+        req.refresh_fill_ids()
+        req.extend_end = len(req.full_untruncated_fill_ids)
+        if parked.is_last:
+            # The client has the handed tokens from the relay: main's stream starts after them.
+            req.send_token_offset = len(req.output_ids)
+        else:
+            # A middle Catch-Up chunk samples nothing: SGLang's middle-chunk path.
+            req.inflight_middle_chunks = 1
+
+    def _merge_finished_extend(self, running_batch: Any) -> Any:
+        running, self._running = self._running, None
+        if running is None:
+            return running_batch
+        batch = running.batch
+        keep = []
+        now = time.monotonic()
+        for index, parked in enumerate(running.parked):
+            room = parked.req.bootstrap_room
+            parked.chunks_absorbed += 1
+            if parked.is_last:
+                self.parked.pop(room, None)
+                if parked.req.finished():  # aborted meanwhile: the relay answers it
+                    self.loop.send(parked.relay, HandoffRefused(room=room,
+                                                                reason="aborted_at_main"))
+                    continue
+                # The relay keeps the request until this ack: main has every handed token.
+                self.loop.send(parked.relay, HandoffAck(room=room, seq=parked.chunk_seq))
+                self.stats.event("handoffs_absorbed")
+                self.stats.duration(now - parked.ready_at)
+                keep.append(index)
+            elif parked.req.finished():  # aborted meanwhile
+                self.parked.pop(room, None)
+            else:
+                # Progress: the relay has until a full timeout from now for the next chunk.
+                parked.state = Held.AWAITING_TOKENS
+                parked.deadline = now + self.args.pdd_handoff_timeout
+                self.loop.send(parked.relay, HandoffAck(room=room, seq=parked.chunk_seq))
+        batch.filter_batch(keep_indices=keep)
+        if batch.is_empty():
+            return running_batch
+        if running_batch.is_empty():
+            return batch
+        running_batch.merge_batch(batch)
+        return running_batch

@@ -1,0 +1,118 @@
+"""RelayHandoff.close() and MainHandoff.close() over real control loops (ZMQ on loopback), and
+the handoff statistics' bounds.
+
+The scheduler is a stand-in: what SGLang does to free a request (abort, stream, release its KV)
+is recorded instead; which requests are let go, what each peer is told, and that no PDD thread
+is left are the real thing.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+from pdd_sglang import policy
+from pdd_sglang.protocol.control_channel import ControlLoop
+from pdd_sglang.protocol.messages import HandoffReady, HandoffRefused
+
+ARGS = dict(pdd_control_keypair=None, pdd_control_relay_key=None,
+            pdd_control_authorized_keys=None, host="127.0.0.1", pdd_control_port=0,
+            pdd_catch_up_threshold=64, pdd_catch_up_chunk=64, pdd_relay_load_watermark=0.7,
+            pdd_handoff_timeout=30.0, pdd_enable_kv_digest=False, pdd_debug_handoff_hold=False)
+
+
+def control_threads() -> int:
+    return sum(t.name == "pdd-control" for t in threading.enumerate())
+
+
+def request(room: int) -> SimpleNamespace:
+    return SimpleNamespace(bootstrap_room=room, rid=f"r{room}", output_ids=[5],
+                           finished=lambda: False)
+
+
+def refusals(loop: ControlLoop, count: int, timeout_s: float = 5.0) -> dict:
+    got, deadline = {}, time.monotonic() + timeout_s
+    while len(got) < count and time.monotonic() < deadline:
+        item = loop.wait_received(0.1)
+        if item is not None and isinstance(item[1], HandoffRefused):
+            got[item[1].room] = item[1].reason
+    return got
+
+
+def test_main_close_lets_every_held_request_go_and_tells_its_relay():
+    from pdd_sglang.decode.main import Held, MainHandoff, _Parked
+
+    relay = ControlLoop(relay_bind="tcp://127.0.0.1:0")
+    try:
+        main = MainHandoff(SimpleNamespace(), SimpleNamespace(**ARGS))
+        released = []
+        main._release = lambda req, message, cache: released.append((req.bootstrap_room, message))
+        now = time.monotonic()
+        for room, state in [(1, Held.AWAITING_TOKENS), (2, Held.TOKENS_QUEUED),
+                            (3, Held.EXTENDING)]:
+            main.parked[room] = _Parked(request(room), relay.address, now, now + 30, state=state)
+        main.close()
+        # Told, so the relay answers them; main's copies freed, with the reason.
+        assert refusals(relay, 2) == {1: "main_shutting_down", 2: "main_shutting_down"}
+        assert released == [(1, "PDD main is shutting down"), (2, "PDD main is shutting down")]
+        assert list(main.parked) == [3]  # its extend is running: SGLang's to end
+        assert not main.loop.alive
+        main.close()  # idempotent
+        batch = object()
+        assert main.step(batch) == (batch, None)  # hooks after close do nothing
+    finally:
+        relay.close()
+    assert control_threads() == 0
+
+
+def test_relay_close_tells_every_waiting_main_and_frees_what_it_holds_out_of_the_batch():
+    from pdd_sglang.decode.relay import Handing, RelayHandoff, _Active, _Pending
+
+    relay = RelayHandoff(SimpleNamespace(), SimpleNamespace(**ARGS))
+    main = ControlLoop()
+    try:
+        main.send(relay.loop.address, HandoffReady(room=99))
+        peer, _ = relay.loop.wait_received(5)
+        aborted = []
+        relay._abort = lambda req, message: aborted.append((req.bootstrap_room, message))
+        relay.pending[10] = _Pending(peer, time.monotonic(), HandoffReady(room=10))
+        one_shot = policy.HandoffMode.ONE_SHOT
+        relay.active[11] = _Active(request(11), peer, one_shot, state=Handing.AWAITING_ACK)
+        relay.active[12] = _Active(request(12), peer, one_shot,
+                                   state=Handing.AWAITING_FINAL_ACK)
+        relay.close()
+        # Main decodes 10 itself, drops its Catch-Up copy of 11 with the reason, and 12 (out
+        # of the relay's batch, waiting for main's last ack) is aborted here, its KV freed.
+        assert refusals(main, 3) == {10: "relay_shutting_down", 11: "relay_shutting_down",
+                                     12: "relay_shutting_down"}
+        assert aborted == [(12, "PDD relay is shutting down")]
+        assert relay.idle() and not relay.loop.alive
+        relay.close()
+    finally:
+        main.close()
+    assert control_threads() == 0
+
+
+def test_handoff_statistics_keep_the_latest_samples_in_order():
+    from pdd_sglang.decode.handoff_channel import LATENCY_SAMPLES_KEPT, HandoffStats
+
+    stats = HandoffStats("main")
+    for index in range(LATENCY_SAMPLES_KEPT + 100):
+        stats.latency(index / 1000)
+        stats.duration(index / 100)
+    snapshot = stats.snapshot(SimpleNamespace(address=None, refusals={}))
+    latencies = snapshot["handoff_latency_ms"]
+    assert len(latencies) == LATENCY_SAMPLES_KEPT  # bounded
+    assert latencies == [float(i) for i in range(100, LATENCY_SAMPLES_KEPT + 100)]  # the latest
+    assert snapshot["handoff_duration_ms"][-1] == (LATENCY_SAMPLES_KEPT + 99) * 10.0
+
+
+def test_close_handoff_closes_only_what_was_built():
+    from pdd_sglang.decode import close_handoff
+
+    closed = []
+    close_handoff(SimpleNamespace())  # no handoff built: nothing to do, nothing built
+    close_handoff(SimpleNamespace(_pdd_handoff=None))  # a server without a relay/main role
+    close_handoff(SimpleNamespace(_pdd_handoff=SimpleNamespace(close=lambda: closed.append(1))))
+    assert closed == [1]
