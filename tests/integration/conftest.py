@@ -118,11 +118,18 @@ def router_cluster(page1_cluster):
         cluster.router = None
 
 
-# The demo and the fault suite start servers of their own (in network namespaces). They run
-# before any shared cluster starts, so the machine never holds both sets at once: with both, the
-# kernel's OOM killer took a shared cluster's prefill (24 GiB, about 1 GB per CPU server).
+# Tests that start servers of their own (the demo and the fault suite in network namespaces, the
+# life-cycle and WAN tests) run before the shared clusters start, and the shared clusters' tests
+# run last: the machine never holds both sets at once. With both, the kernel's OOM killer took a
+# shared cluster's prefill (24 GiB, about 1 GB per CPU server).
 OWN_SERVERS = ("test_demo.py", "test_fault_suite.py")
 
 
+def _order(item) -> int:
+    if item.path.name in OWN_SERVERS:
+        return 0
+    return 2 if item.path.parent.name == "integration" else 1
+
+
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: 0 if item.path.name in OWN_SERVERS else 1)  # stable: the rest keeps its order
+    items.sort(key=_order)  # stable: within each group the order pytest chose stays
