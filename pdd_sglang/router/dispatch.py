@@ -100,12 +100,16 @@ class Dispatcher:
                     last = update if resumed is None else resumed.update(update)
                     yield last
                 return
-            except (UpstreamError, StreamEndedEarly) as err:
+            except (UpstreamError, StreamEndedEarly, SpliceError) as err:
                 if retries >= self.retry_max_retries or not _retryable(err):
                     raise
                 if answered or resumed is not None:
                     following = continuation(job, last.output_ids)
-                    if not self.retry_after_first_token or following is None:
+                    # Two servers that disagree on a position leave no right answer to re-send
+                    # but the client's own: it goes on from there, whatever
+                    # --retry-after-first-token says (failing is the only other answer).
+                    if following is None or not (self.retry_after_first_token
+                                                 or isinstance(err, SpliceError)):
                         raise
                     attempt_job = following
                     resumed = Resumed(len(job.prompt_ids), list(last.output_ids), last.text,
@@ -119,6 +123,7 @@ class Dispatcher:
             except (NoHealthyServer, RequestRejected):
                 raise failure from None  # nowhere to go: the failure is the answer
             cause = (failure.cause if isinstance(failure, UpstreamError)
+                     else "splice" if isinstance(failure, SpliceError)
                      else "upstream_stream_ended")
             self.metrics.retries.labels(cause).inc()
             logger.warning("retrying a request %s (%s), retry %d of %d",

@@ -405,3 +405,32 @@ def test_with_retry_after_first_token_the_answer_goes_on_from_the_last_token_sen
 
     asyncio.run(with_router([relay_script, _main_dies_after([12, 13])], test, delay_s=0.05,
                             retry_after_first_token=True))
+
+
+def test_servers_that_disagree_after_the_handoff_cost_a_continuation_not_an_error():
+    """Main's tokens contradict what the relay already streamed: the client keeps its tokens and
+    the answer goes on from them on a fresh placement (even without --retry-after-first-token)."""
+    async def test(session, url, prefill, relay, main):
+        body = {"input_ids": [5, 6, 7], "stream": True, "sampling_params": {"max_new_tokens": 6}}
+        async with session.post(url + "/generate", json=body) as resp:
+            events = await sse(resp)
+        assert "error" not in events[-1], events
+        assert events[-1]["output_ids"] == [10, 11, 12, 20, 21]
+        assert events[-1]["meta_info"]["resumed_after_tokens"] == 3
+        assert prefill.bodies[1]["input_ids"] == [5, 6, 7, 10, 11, 12]
+        async with session.get(url + "/metrics") as resp:
+            assert 'pdd_router_retries_total{cause="splice"} 1.0' in await resp.text()
+
+    def relay_script(call: int):
+        if call == 0:  # streams 3 tokens, says it handed 2
+            return [{"ids": [10]}, {"ids": [11]},
+                    {"ids": [12], "finish": {"type": "pdd_handoff", "handed_tokens": 2}}]
+        return [{"ids": [20]}, {"ids": [21], "finish": LENGTH}]
+
+    def main_script(call: int):
+        if call == 0:  # from position 2, where the client already has 12: a disagreement
+            return [{"ids": [99], "meta": {"completion_tokens": 3}},
+                    {"ids": [98], "finish": LENGTH, "meta": {"completion_tokens": 4}}]
+        return [{"ids": [20]}, {"ids": [21], "finish": LENGTH}]
+
+    asyncio.run(with_router([relay_script, main_script], test, delay_s=0.05))
