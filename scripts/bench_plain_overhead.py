@@ -17,8 +17,9 @@ DIR/plain_overhead.json with
 A tiny ``/generate`` proxy in this script does what SGLang's PD router does (the same body, with
 the prefill's bootstrap address and a fresh room, to both servers; the decode server's answer
 back), identically for both runs. Hold /tmp/pdd-servers.lock on a shared machine; the figures
-are fair only on a quiet one (the script records the load average). Rounds alternate
-patched/pristine so drift in the machine's load hits both.
+are fair only on a quiet one (the script records the load average). Both pairs are started once
+and stay up; the rounds alternate through them ABBA, so drift in the machine's load and the
+warm-up of whichever runs first hit both.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import json
 import os
 import random
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -160,31 +162,46 @@ class PdProxy:
         self._loop.run_until_complete(runner.cleanup())
 
 
-def run_workload(label: str, out: Path, model: Path, env: dict, args) -> dict:
+@contextmanager
+def plain_pair(label: str, out: Path, model: Path, env: dict):
+    """A plain prefill + decode pair (no ``--pdd-role``) behind the PD proxy, started once."""
     log_dir = out / label
     bootstrap_port = free_port()
-    prefill = SGLangServer("prefill", model, log_dir, env=dict(env), extra_args=(
+    prefill = SGLangServer(f"{label}-prefill", model, log_dir, env=dict(env), extra_args=(
         "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bootstrap_port),
         *TRANSPORT))
-    decode = SGLangServer("decode", model, log_dir, env=dict(env), extra_args=(
+    decode = SGLangServer(f"{label}-decode", model, log_dir, env=dict(env), extra_args=(
         "--disaggregation-mode", "decode", *TRANSPORT, *RELAY_CPU_ARGS))
     with Cluster([prefill, decode]), PdProxy(prefill, decode, bootstrap_port) as proxy:
-        result_file = log_dir / "bench.jsonl"
-        cmd = [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang",
-               "--base-url", proxy.url, "--dataset-name", "random-ids",
-               "--num-prompts", str(args.num_prompts), "--random-input-len", str(args.input_len),
-               "--random-output-len", str(args.output_len), "--random-range-ratio", "1",
-               "--max-concurrency", str(args.concurrency), "--seed", "1",
-               "--tokenizer", str(model), "--model", str(model), "--output-file", str(result_file),
-               "--disable-tqdm", "--warmup-requests", "2"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-        if proc.returncode != 0:
-            raise RuntimeError(f"bench_serving failed ({label}):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
-        record = json.loads(result_file.read_text().splitlines()[-1])
+        proxy.log_dir = log_dir
+        yield proxy
+
+
+def run_workload(label: str, index: int, proxy: "PdProxy", model: Path, args) -> dict:
+    """One ``bench_serving`` run through a pair's proxy."""
+    result_file = proxy.log_dir / f"bench-{index}.jsonl"
+    cmd = [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang",
+           "--base-url", proxy.url, "--dataset-name", "random-ids",
+           "--num-prompts", str(args.num_prompts), "--random-input-len", str(args.input_len),
+           "--random-output-len", str(args.output_len), "--random-range-ratio", "1",
+           "--max-concurrency", str(args.concurrency), "--seed", str(1 + index),
+           "--tokenizer", str(model), "--model", str(model), "--output-file", str(result_file),
+           "--disable-tqdm", "--warmup-requests", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench_serving failed ({label}):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+    record = json.loads(result_file.read_text().splitlines()[-1])
     if record.get("completed") != args.num_prompts:
         raise RuntimeError(f"{label}: {record.get('completed')} of {args.num_prompts} completed")
     return {"output_tok_s": record["output_throughput"],
             "total_tok_s": record.get("total_throughput"), "completed": record["completed"]}
+
+
+def abba(rounds: int) -> list[tuple[str, str]]:
+    """Round i runs patched then pristine, round i+1 the other way (ABBA): a drift in the
+    machine's load, or a warm-up effect of whichever runs first, falls on both alike."""
+    return [("patched", "pristine") if i % 2 == 0 else ("pristine", "patched")
+            for i in range(rounds)]
 
 
 def main(argv=None) -> int:
@@ -194,30 +211,39 @@ def main(argv=None) -> int:
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=1, help="patched/pristine pairs, alternated")
+    parser.add_argument("--rounds", type=int, default=4,
+                        help="patched/pristine pairs, alternated ABBA")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     model = ensure_tiny_model()
     runs: dict = {"patched": [], "pristine": []}
     load_before = os.getloadavg()[0]
-    with pristine_sglang(with_cpu_fix=True) as scratch:
-        for index in range(args.rounds):
-            order = ("patched", "pristine") if index % 2 == 0 else ("pristine", "patched")
+    # Both pairs stay up for the whole run and take turns (an idle SGLang server sleeps: about
+    # 0.01 core), so every round compares the same four processes, not fresh starts.
+    with pristine_sglang(with_cpu_fix=True) as scratch, \
+            plain_pair("patched", args.out, model, {}) as patched_proxy, \
+            plain_pair("pristine", args.out, model, pristine_env(scratch)) as pristine_proxy:
+        proxies = {"patched": patched_proxy, "pristine": pristine_proxy}
+        for index, order in enumerate(abba(args.rounds)):
             for label in order:
-                env = {} if label == "patched" else pristine_env(scratch)
                 print(f"round {index + 1}: {label} ...", file=sys.stderr, flush=True)
-                runs[label].append(run_workload(f"{label}-{index}", args.out, model, env, args))
-    patched = sum(r["output_tok_s"] for r in runs["patched"]) / args.rounds
-    pristine = sum(r["output_tok_s"] for r in runs["pristine"]) / args.rounds
+                runs[label].append(run_workload(label, index, proxies[label], model, args))
+    patched = statistics.fmean(r["output_tok_s"] for r in runs["patched"])
+    pristine = statistics.fmean(r["output_tok_s"] for r in runs["pristine"])
+    per_round = [round(p["output_tok_s"] / q["output_tok_s"], 3)
+                 for p, q in zip(runs["patched"], runs["pristine"])]
     result = {"patched_tok_s": patched, "pristine_tok_s": pristine, "ratio": patched / pristine,
-              "goal_ratio": 0.99, "workload": {k: getattr(args, k) for k in (
+              "goal_ratio": 0.99, "ratio_per_round": per_round,
+              "workload": {k: getattr(args, k) for k in (
                   "num_prompts", "input_len", "output_len", "concurrency", "rounds")},
-              "loadavg_1m_before": load_before, "runs": runs}
+              "design": "both pairs up throughout; rounds alternate ABBA through the same servers",
+              "loadavg_1m_before": load_before, "loadavg_1m_after": os.getloadavg()[0],
+              "runs": runs}
     path = args.out / "plain_overhead.json"
     path.write_text(json.dumps(result, indent=1))
     print(f"wrote {path}", file=sys.stderr)
     print(f"patched {patched:.1f} tok/s, pristine {pristine:.1f} tok/s, ratio {patched / pristine:.3f}"
-          f" (goal >= 0.99)")
+          f" (goal >= 0.99); per round {per_round}")
     return 0
 
 

@@ -219,9 +219,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{cpu_budget.PERIOD_US // 1000} ms period) of {len(os.sched_getaffinity(0))}; "
               f"the rest for the router, the line and the clients", flush=True)
         print(f"starting the WAN line ({args.rate_mbit:g} Mbit/s, RTT {args.rtt_ms:g} ms "
-              f"+-{args.jitter_ms:g} ms) and 4 servers (logs: {log_dir}) ...", flush=True)
-        for group in groups.values():
-            group.create()
+              f"+-{args.jitter_ms:g} ms) and the servers (logs: {log_dir}) ...", flush=True)
+        for group in groups.values():  # unthrottled while the servers start
+            group.create(limited=False)
         line.start(log_path=str(log_dir / "wan.log"))
         ns_a, ns_b = line.namespace("a"), line.namespace("b")
         bootstrap_port = free_port()
@@ -244,10 +244,6 @@ def main(argv: list[str] | None = None) -> int:
         relay = NetnsServer("relay", host=line.address("a"), exec_prefix=where("a", "relay"),
                             netns=ns_a, extra_args=("--pdd-role", "relay", *TRANSPORT,
                                                     *RELAY_CPU_ARGS), **common)
-        servers = [prefill, main_a, main_b, relay]
-        cluster = Cluster(servers).__enter__()
-        timings["startup_s"] = round(time.perf_counter() - t0, 1)
-        print(f"servers ready in {timings['startup_s']:.0f} s", flush=True)
         plan = [("latency", "same_dc_pd", main_a, None, args.placement),
                 ("latency", "cross_dc_pd", main_b, None, args.placement),
                 ("latency", "pdd", main_b, relay, args.placement),
@@ -255,6 +251,15 @@ def main(argv: list[str] | None = None) -> int:
                 ("load", "cross_dc_pd", main_b, None, args.placement),
                 ("load", "pdd", main_b, relay, args.placement),
                 ("load", other, main_b, relay, OTHER_PLACEMENT[args.placement])]
+        if args.inject_crash is not None:  # the crash run ends in its first setup: start only
+            plan = plan[:1]                # that setup's servers
+        needed = {s.name for _, _, *used, _ in plan for s in used if s is not None}
+        servers = [s for s in (prefill, main_a, main_b, relay) if s.name in needed | {"prefill"}]
+        cluster = Cluster(servers).__enter__()
+        for group in groups.values():  # the fairness rule holds from the first request on
+            group.limit()
+        timings["startup_s"] = round(time.perf_counter() - t0, 1)
+        print(f"servers ready in {timings['startup_s']:.0f} s", flush=True)
         for index, (point, name, main_server, relay_server, placement) in enumerate(plan):
             if index:  # shared servers start each setup with an empty cache
                 for server in (prefill, main_server):

@@ -86,13 +86,21 @@ class CpuGroup:
     def dirs(self) -> list[Path]:
         return list(dict.fromkeys([self.cpu_dir, self.acct_dir]))
 
-    def create(self) -> "CpuGroup":
+    def create(self, limited: bool = True) -> "CpuGroup":
+        """The group, with its quota, or (``limited=False``) without one until :meth:`limit`:
+        servers start up faster unthrottled, and no measurement runs before the quota is set."""
         for path in self.dirs:
             path.mkdir(exist_ok=True)
         self.created = True
         (self.cpu_dir / "cpu.cfs_period_us").write_text(str(self.period_us))
-        (self.cpu_dir / "cpu.cfs_quota_us").write_text(str(int(self.cores * self.period_us)))
+        if limited:
+            self.limit()
+        else:
+            (self.cpu_dir / "cpu.cfs_quota_us").write_text("-1")
         return self
+
+    def limit(self) -> None:
+        (self.cpu_dir / "cpu.cfs_quota_us").write_text(str(int(self.cores * self.period_us)))
 
     def exec_prefix(self) -> tuple:
         return ("sh", "-c", ENTER_AND_EXEC, f"cpu-{self.name}", *map(str, self.dirs), "--")

@@ -1,13 +1,18 @@
-"""The two shared clusters of real SGLang servers on the tiny model (CPU profile), started once.
+"""The two shared clusters of real SGLang servers on the tiny model (CPU profile), one at a time.
 
-Every integration test that can share servers uses one of two session-wide PDD clusters (prefill,
-relay, main, a second main and a plain single server as the greedy reference); they differ only
-in the KV page size, so each check runs where its layout matters:
+Every integration test that can share servers uses one of two PDD clusters (prefill, relay,
+main, a plain single server as the greedy reference, and at page size 1 a second main); they
+differ in the KV page size, so each check runs where its layout matters:
 
 - ``page1``: page size 1. Behind it runs the PDD router (``router_cluster``); the plain PD pair
-  (``pd_pair``) and the two-main affinity test use its prefill and mains.
+  (``pd_pair``), the two-main affinity test and the slow-relay tests (a fake relay paces
+  ``main2``, whose handoff timeout is short) use its prefill and mains.
 - ``page16``: page size 16 with chunked prefill of 64 tokens, so a prompt's KV reaches each
   destination in several chunks that do not fall on its prefix.
+
+Only one cluster is alive at a time (``SharedClusters``: a CPU server holds about 2.7 GB, and
+both clusters at once ran this 24 GiB machine out of memory), and the collection order below
+runs every page-1 test, then every page-16 test, so each starts once.
 
 Per-request test controls travel in the route (forced handoff points, a damaged WAN copy); what
 is a server flag here is test-only and inert unless a route asks for it, except the WAN delay on
@@ -28,6 +33,9 @@ from pdd_sglang.dev.testing.wan_cluster import RouterProcess
 # Every KV chunk to main waits this long (a test-only WAN delay), so the relay runs ahead.
 WAN_DELAY_MS = 300
 CATCH_UP_CHUNK = 64
+# The second main gives up on a silent relay quickly, for the slow-relay tests (its other user,
+# the two-main affinity test, places every request P->MD: no handoff to time out).
+MAIN2_HANDOFF_TIMEOUT_S = 2.0
 
 # ---- PDD router ------------------------------------------------------------------------------
 # Link parameters that put the P->MD / P->RLD->MD boundary at 100 uncached tokens of the tiny
@@ -44,8 +52,9 @@ def tiny_model():
 
 
 def _pdd_cluster(page_size: int, model_path, log_dir) -> Cluster:
-    """Prefill, relay, main, a second main and a plain server; main checks its WAN copy against
-    the relay's (``--pdd-enable-kv-digest``) and damages one when its route asks."""
+    """Prefill, relay, main, a plain server and at page 1 a second main (short handoff timeout); mains
+    check their WAN copy against the relay's (``--pdd-enable-kv-digest``) and damage one when
+    its route asks."""
     bootstrap_port = free_port()
     common = ("--disaggregation-transfer-backend", "mooncake_tcp", "--page-size", str(page_size),
               "--pdd-debug-kv-digest")
@@ -62,74 +71,139 @@ def _pdd_cluster(page_size: int, model_path, log_dir) -> Cluster:
             str(CATCH_UP_CHUNK), "--enable-metrics", "--pdd-enable-kv-digest", *common,
             *RELAY_CPU_ARGS)),
         SGLangServer("main", model_path, log_dir, extra_args=main_args),
-        SGLangServer("main2", model_path, log_dir, extra_args=main_args),
         # The greedy reference: one ordinary SGLang server, no disaggregation.
         SGLangServer("plain", model_path, log_dir, extra_args=("--page-size", str(page_size))),
     ]
+    if page_size == 1:  # its users (two mains, the slow relay) need no other page size
+        servers.append(SGLangServer("main2", model_path, log_dir, extra_args=(
+            *main_args, "--pdd-handoff-timeout", repr(MAIN2_HANDOFF_TIMEOUT_S))))
     cluster = Cluster(servers)
     cluster.bootstrap_port = bootstrap_port
     cluster.log_dir = log_dir
     cluster.page_size = page_size
+    cluster.main2_handoff_timeout_s = MAIN2_HANDOFF_TIMEOUT_S
     cluster.model_path = model_path
     return cluster
 
 
-@pytest.fixture(scope="session")
-def page1_cluster(tiny_model, tmp_path_factory):
-    _, model_path = tiny_model
-    with _pdd_cluster(1, model_path, tmp_path_factory.mktemp("page1-logs")) as cluster:
-        yield cluster
+class SharedClusters:
+    """At most one shared cluster alive at a time, started when a test first asks for it.
+
+    A CPU SGLang server holds about 2.7 GB (launcher, scheduler, detokenizer), so the two
+    clusters' ten servers would not fit in this machine's 24 GiB together: asking for the other
+    page size stops the live cluster (and the router over it) first. The collection order below
+    runs every page-1 test before the page-16 ones, so each cluster starts once.
+    """
+
+    def __init__(self, model_path, tmp_path_factory):
+        self._model_path = model_path
+        self._tmp = tmp_path_factory
+        self.page_size: int | None = None
+        self.cluster: Cluster | None = None
+        self.started: list[int] = []  # page sizes, in the order their clusters started
+
+    def get(self, page_size: int) -> Cluster:
+        if self.page_size != page_size:
+            self.close()
+            log_dir = self._tmp.mktemp(f"page{page_size}-logs")
+            self.cluster = _pdd_cluster(page_size, self._model_path, log_dir).__enter__()
+            self.cluster.router = None
+            self.page_size = page_size
+            self.started.append(page_size)
+        return self.cluster
+
+    def with_router(self) -> Cluster:
+        """The page-1 cluster's P, RLD and MD behind the PDD router."""
+        cluster = self.get(1)
+        if cluster.router is None:
+            router = RouterProcess(cluster.log_dir / "router.log", [
+                "--prefill", cluster["prefill"].url, str(cluster.bootstrap_port),
+                "--relay", cluster["relay"].url, "--main", cluster["main"].url,
+                "--wan-gbps", repr(ROUTER_WAN_GBPS), "--wan-rtt-ms", "0",
+                "--health-interval-s", "1"])
+            try:
+                router.start()
+            except BaseException:
+                router.stop()
+                raise
+            cluster.router = router
+        return cluster
+
+    def close(self) -> None:
+        cluster, self.cluster, self.page_size = self.cluster, None, None
+        if cluster is None:
+            return
+        try:
+            if cluster.router is not None:
+                cluster.router.stop()
+        finally:
+            cluster.stop()
 
 
 @pytest.fixture(scope="session")
-def page16_cluster(tiny_model, tmp_path_factory):
+def shared_clusters(tiny_model, tmp_path_factory):
     _, model_path = tiny_model
-    with _pdd_cluster(16, model_path, tmp_path_factory.mktemp("page16-logs")) as cluster:
-        yield cluster
+    clusters = SharedClusters(model_path, tmp_path_factory)
+    try:
+        yield clusters
+    finally:
+        clusters.close()
 
 
-@pytest.fixture(scope="session", params=[1, 16], ids=lambda p: f"page{p}")
-def three_roles(request):
+# Function-scoped: each test gets the cluster that is live for it, never a stopped one.
+@pytest.fixture
+def page1_cluster(shared_clusters):
+    return shared_clusters.get(1)
+
+
+@pytest.fixture
+def page16_cluster(shared_clusters):
+    return shared_clusters.get(16)
+
+
+@pytest.fixture(params=[1, 16], ids=lambda p: f"page{p}")
+def three_roles(request, shared_clusters):
     """PDD prefill, relay and main (and a plain server) at page size 1 or 16."""
-    return request.getfixturevalue(f"page{request.param}_cluster")
+    return shared_clusters.get(request.param)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def pd_pair(page1_cluster):
     """A PDD prefill and a PDD main, over Mooncake TCP, with main's decode radix cache."""
     return page1_cluster
 
 
-@pytest.fixture(scope="session")
-def router_cluster(page1_cluster):
+@pytest.fixture
+def router_cluster(shared_clusters):
     """P, RLD and MD of the page-1 cluster behind the PDD router (the plain server beside)."""
-    cluster = page1_cluster
-    router = RouterProcess(cluster.log_dir / "router.log", [
-        "--prefill", cluster["prefill"].url, str(cluster.bootstrap_port),
-        "--relay", cluster["relay"].url, "--main", cluster["main"].url,
-        "--wan-gbps", repr(ROUTER_WAN_GBPS), "--wan-rtt-ms", "0",
-        "--health-interval-s", "1"])
-    try:
-        router.start()
-        cluster.router = router
-        yield cluster
-    finally:
-        router.stop()
-        cluster.router = None
+    return shared_clusters.with_router()
 
 
 # Tests that start servers of their own (the demo and the fault suite in network namespaces, the
-# life-cycle and WAN tests) run before the shared clusters start, and the shared clusters' tests
-# run last: the machine never holds both sets at once. With both, the kernel's OOM killer took a
-# shared cluster's prefill (24 GiB, about 1 GB per CPU server).
+# life-cycle and WAN tests) run before any shared cluster
+# starts; then every page-1 test, then the page-16 ones: the machine never holds two sets of
+# servers at once, and each shared cluster starts once.
 OWN_SERVERS = ("test_demo.py", "test_fault_suite.py")
+LAST = ("test_shutdown.py",)  # stops the live cluster's servers
 
 
-def _order(item) -> int:
+def _page_size(item) -> int:
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and "three_roles" in callspec.params:
+        return callspec.params["three_roles"]
+    return 16 if "page16_cluster" in item.fixturenames else 1
+
+
+def _order(item) -> tuple:
     if item.path.name in OWN_SERVERS:
-        return 0
-    return 2 if item.path.parent.name == "integration" else 1
+        return (0,)
+    if item.path.name in LAST:
+        return (3,)
+    if item.path.parent.name != "integration":
+        return (1,)
+    return (2, _page_size(item))
 
 
+@pytest.hookimpl(trylast=True)  # after pytest's own reordering by fixture
 def pytest_collection_modifyitems(config, items):
     items.sort(key=_order)  # stable: within each group the order pytest chose stays

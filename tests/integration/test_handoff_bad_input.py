@@ -15,7 +15,6 @@ import zmq
 
 from pdd_sglang.protocol.messages import (MAX_MESSAGE_BYTES, Envelope, HandoffAck, HandoffReady,
                                  HandoffRefused, HandoffTokens, decode, encode, pack_tokens)
-from pdd_sglang.dev.testing.cluster import Cluster, SGLangServer, free_port
 from pdd_sglang.dev.testing.pd_client import generate_fanout, generate_pdd, relay_control_address
 from pdd_sglang.dev.testing.conversation import FIRST_WORD_ID, WORDS
 
@@ -292,32 +291,31 @@ def test_main_refusing_the_last_chunk_leaves_the_relay_to_answer_whole(cluster):
 
 
 # ---- a slow but healthy relay ------------------------------------------------------------------
-HANDOFF_TIMEOUT_S = 2.0
 
 
-@pytest.fixture(scope="module")
-def slow_relay_pair(tiny_model, tmp_path_factory):
-    """A PDD prefill and a main whose --pdd-handoff-timeout is short, for a fake relay to pace."""
-    _, model_path = tiny_model
-    log_dir = tmp_path_factory.mktemp("slow-relay-logs")
-    bootstrap_port = free_port()
-    transport = ("--disaggregation-transfer-backend", "mooncake_tcp")
-    servers = [
-        SGLangServer("prefill", model_path, log_dir, extra_args=(
-            "--pdd-role", "prefill", "--disaggregation-bootstrap-port", str(bootstrap_port),
-            "--pdd-relay-bootstrap-timeout", "2", *transport)),
-        SGLangServer("main", model_path, log_dir, extra_args=(
-            "--pdd-role", "main", "--pdd-handoff-timeout", str(HANDOFF_TIMEOUT_S), *transport)),
-    ]
-    with Cluster(servers) as pair:
-        pair.bootstrap_port = bootstrap_port
-        before = {n: pair[n].wait_idle() for n in ("prefill", "main")}
-        yield pair
-        for name, pool in before.items():
-            after = pair[name].wait_idle()
-            assert after["in_use_tokens"] == 0 and after["locked_tokens"] == 0, (name, after)
-            assert after["free_request_slots"] == pool["free_request_slots"], (name, after)
-        assert pair["main"].pdd_state()["handoff"]["parked"] == 0
+class _SlowRelayPair:
+    """The page-1 cluster's prefill and its second main (``main2``, started with a short
+    ``--pdd-handoff-timeout``), for a fake relay to pace; main2 is "main" here."""
+
+    def __init__(self, cluster):
+        self.servers = {"prefill": cluster["prefill"], "main": cluster["main2"]}
+        self.bootstrap_port = cluster.bootstrap_port
+        self.handoff_timeout_s = cluster.main2_handoff_timeout_s
+
+    def __getitem__(self, name):
+        return self.servers[name]
+
+
+@pytest.fixture
+def slow_relay_pair(page1_cluster):
+    pair = _SlowRelayPair(page1_cluster)
+    before = {n: pair[n].wait_idle() for n in ("prefill", "main")}
+    yield pair
+    for name, pool in before.items():
+        after = pair[name].wait_idle()
+        assert after["in_use_tokens"] == 0 and after["locked_tokens"] == 0, (name, after)
+        assert after["free_request_slots"] == pool["free_request_slots"], (name, after)
+    assert pair["main"].pdd_state()["handoff"]["parked"] == 0
 
 
 def main_events(pair) -> dict:
@@ -330,7 +328,7 @@ def greedy_case(pair, seed: int, max_new_tokens: int) -> tuple[dict, list[int], 
     body = {"input_ids": words(seed, 90), "sampling_params": {"max_new_tokens": max_new_tokens,
                                                                "temperature": 0.0}}
     answer = generate_fanout(pair["prefill"], [pair["main"]], body, pair.bootstrap_port,
-                             "prefill_main")["main"]
+                             "prefill_main")[pair["main"].name]
     return body, answer["output_ids"], main_events(pair)
 
 
@@ -352,16 +350,16 @@ def test_a_catch_up_longer_than_the_timeout_completes_token_exact(slow_relay_pai
                                     token_ids=pack_tokens(reference[start:start + chunk]),
                                     is_last=False))
             assert fake.receive() == HandoffAck(room=room, seq=seq)
-            time.sleep(0.7 * HANDOFF_TIMEOUT_S)  # silent, but under the timeout
+            time.sleep(0.7 * pair.handoff_timeout_s)  # silent, but under the timeout
         handed = chunks * chunk + 2
         fake.send(HandoffTokens(room=room, seq=chunks, start=chunks * chunk,
                                 token_ids=pack_tokens(reference[chunks * chunk:handed]),
                                 is_last=True))
         thread.join(120)
         took = time.monotonic() - began
-        assert took > 3 * HANDOFF_TIMEOUT_S, took  # the case under test did happen
+        assert took > 3 * pair.handoff_timeout_s, took  # the case under test did happen
         assert "error" not in result, result
-        main = result["main"]
+        main = result[pair["main"].name]
         assert main["output_ids"] == reference[handed:]
         assert main["meta_info"]["completion_tokens"] == 40
         after = main_events(pair)
@@ -384,7 +382,7 @@ def test_a_relay_silent_mid_catch_up_is_told_and_main_lets_go(slow_relay_pair):
         fake.send(HandoffTokens(room=room, seq=0, start=0, token_ids=pack_tokens(reference[:8]),
                                 is_last=False))
         assert fake.receive() == HandoffAck(room=room, seq=0)
-        assert fake.receive(timeout_s=10 * HANDOFF_TIMEOUT_S) == HandoffRefused(
+        assert fake.receive(timeout_s=10 * pair.handoff_timeout_s) == HandoffRefused(
             room=room, reason="timeout")
         thread.join(120)
         assert "failed on main" in str(result.get("error")), result

@@ -23,9 +23,9 @@ def words(seed: int, count: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def two_mains(page1_cluster):
+def two_mains(shared_clusters):
     """The page-1 cluster's prefill and both its mains, behind a router of their own."""
-    cluster = page1_cluster
+    cluster = shared_clusters.get(1)
     router = RouterProcess(cluster.log_dir / "router-two-mains.log", [
         "--prefill", cluster["prefill"].url, str(cluster.bootstrap_port),
         "--main", cluster["main"].url, cluster["main2"].url])

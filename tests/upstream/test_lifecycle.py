@@ -3,8 +3,7 @@
 * A patched server without a role (a plain PD pair, the case where PDD used to start its WAN
   workers anyway) has no PDD thread and no ``pdd`` state, and its greedy outputs equal those of
   the pristine wheel (a scratch copy reverted by apply_patches, never the shared venv).
-* Each role, stopped the way an operator stops SGLang (SIGTERM to the server process), closes its
-  PDD owners on the scheduler's shutdown path and reports no PDD thread left.
+* (Each role's shutdown is tested on the last shared cluster: ``tests/integration/test_shutdown.py``.)
 * The router exits on SIGINT and SIGTERM with status 0 and no traceback.
 
 Every thread PDD starts carries a ``pdd-`` name in the kernel (``/proc/PID/task/TID/comm``), so
@@ -19,14 +18,12 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from pdd_sglang.dev.testing.cluster import RELAY_CPU_ARGS, Cluster, SGLangServer, free_port
-from pdd_sglang.dev.testing.pd_client import generate_pd, generate_pdd
+from pdd_sglang.dev.testing.pd_client import generate_pd
 from pdd_sglang.dev.testing.tiny_model import ensure_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -72,42 +69,6 @@ def test_a_patched_server_without_a_role_is_plain_sglang(tmp_path):
                 assert "pdd" not in internal_state(server), server.name
                 assert pdd_thread_names(server) == [], server.name
             assert cluster.dead_servers() == []
-
-
-def stop_like_an_operator(server: SGLangServer, timeout_s: float = 60.0) -> float:
-    """SIGTERM to the server's own process (SGLang drains, then sends its schedulers a
-    ShutdownReq): the seconds until it exited."""
-    started = time.monotonic()
-    server.process.send_signal(signal.SIGTERM)
-    server.process.wait(timeout_s)
-    return time.monotonic() - started
-
-
-@pytest.mark.integration
-def test_every_role_closes_its_pdd_threads_on_shutdown(tmp_path):
-    model_path = ensure_tiny_model()
-    bootstrap_port = free_port()
-    prefill = SGLangServer("prefill", model_path, tmp_path, extra_args=(
-        "--pdd-role", "prefill", "--disaggregation-bootstrap-port", str(bootstrap_port), *TRANSPORT))
-    relay = SGLangServer("relay", model_path, tmp_path, extra_args=(
-        "--pdd-role", "relay", *TRANSPORT, *RELAY_CPU_ARGS))
-    main = SGLangServer("main", model_path, tmp_path, extra_args=("--pdd-role", "main", *TRANSPORT))
-    with Cluster([prefill, relay, main]):
-        body = {"input_ids": prompts(1)[0], "sampling_params": GREEDY}
-        generate_pdd(prefill, relay, main, body, bootstrap_port, keep_main_copy=True)
-        # While it serves, the prefill's WAN path runs under PDD's names (the test can see them).
-        assert {"pdd-keeper", "pdd-wan-xfer-0"} <= set(pdd_thread_names(prefill))
-        seconds = {}
-        for server in (relay, main, prefill):
-            server.wait_idle(60)
-            seconds[server.name] = stop_like_an_operator(server)
-            log = server.log_path.read_text(errors="replace")
-            assert "PDD: closed on scheduler exit; PDD threads left: none" in log, server.name
-        assert "PDD: prefill WAN path closed (workers, watchdog and engine)" in (
-            prefill.log_path.read_text(errors="replace"))
-        figures = {k: round(v, 2) for k, v in seconds.items()}
-        print("shutdown seconds per role:", figures)
-        (tmp_path / "shutdown_seconds.json").write_text(__import__("json").dumps(figures))
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])

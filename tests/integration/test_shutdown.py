@@ -1,0 +1,66 @@
+"""Each role, stopped the way an operator stops SGLang (SIGTERM to the server process), closes its
+PDD owners on the scheduler's shutdown path and reports no PDD thread left (issue 14).
+
+It stops the servers of the shared page-16 cluster, so it runs last (``conftest.py`` orders it
+there); the cluster's teardown then stops what is left.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import time
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from pdd_sglang.dev.testing.cluster import SGLangServer
+from pdd_sglang.dev.testing.pd_client import generate_pdd
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from bench_wan_cpu import tree_threads  # noqa: E402
+
+GREEDY = {"max_new_tokens": 16, "temperature": 0}
+
+
+def pdd_thread_names(server: SGLangServer) -> list[str]:
+    return sorted(name for name, _ in tree_threads(server.process.pid).values()
+                  if name.startswith("pdd-"))
+
+
+def prompts(count: int = 3) -> list[list[int]]:
+    rng = random.Random(14)
+    return [[rng.randrange(10, 1000) for _ in range(rng.randrange(20, 120))] for _ in range(count)]
+
+
+def stop_like_an_operator(server: SGLangServer, timeout_s: float = 60.0) -> float:
+    """SIGTERM to the server's own process (SGLang drains, then sends its schedulers a
+    ShutdownReq): the seconds until it exited."""
+    started = time.monotonic()
+    server.process.send_signal(signal.SIGTERM)
+    server.process.wait(timeout_s)
+    return time.monotonic() - started
+
+
+@pytest.mark.integration
+def test_every_role_closes_its_pdd_threads_on_shutdown(page16_cluster, tmp_path):
+    cluster = page16_cluster
+    prefill, relay, main = (cluster[n] for n in ("prefill", "relay", "main"))
+    body = {"input_ids": prompts(1)[0], "sampling_params": GREEDY}
+    generate_pdd(prefill, relay, main, body, cluster.bootstrap_port, keep_main_copy=True)
+    # While it serves, the prefill's WAN path runs under PDD's names (the test can see them).
+    assert {"pdd-keeper", "pdd-wan-xfer-0"} <= set(pdd_thread_names(prefill))
+    seconds = {}
+    for server in (relay, main, prefill):
+        server.wait_idle(60)
+        seconds[server.name] = stop_like_an_operator(server)
+        log = server.log_path.read_text(errors="replace")
+        assert "PDD: closed on scheduler exit; PDD threads left: none" in log, server.name
+    assert "PDD: prefill WAN path closed (workers, watchdog and engine)" in (
+        prefill.log_path.read_text(errors="replace"))
+    figures = {k: round(v, 2) for k, v in seconds.items()}
+    print("shutdown seconds per role:", figures)
+    (tmp_path / "shutdown_seconds.json").write_text(json.dumps(figures))
