@@ -24,6 +24,7 @@ network namespaces behind the emulated line.
 
 from __future__ import annotations
 
+
 import pytest
 
 from pdd_sglang.dev.testing.cluster import RELAY_CPU_ARGS, Cluster, SGLangServer, free_port
@@ -179,11 +180,15 @@ def router_cluster(shared_clusters):
     return shared_clusters.with_router()
 
 
-# Tests that start servers of their own (the demo and the fault suite in network namespaces, the
-# life-cycle and WAN tests) run before any shared cluster
-# starts; then every page-1 test, then the page-16 ones: the machine never holds two sets of
-# servers at once, and each shared cluster starts once.
-OWN_SERVERS = ("test_demo.py", "test_fault_suite.py")
+# ---- the order ------------------------------------------------------------------------------
+# Pure-logic tests first, beside the background runs (tests/conftest.py), and the test of a plain
+# server without a role (its servers fit beside the quick demo's); then the tests that start
+# servers of their own (the demo's other runs and the fault suite in network namespaces, the WAN line's and
+# the life-cycle tests); then every page-1 test and the page-16 ones: the machine never holds two
+# sets of servers at once, and each shared cluster starts once.
+BESIDE_THE_DEMO = ("test_a_patched_server_without_a_role_is_plain_sglang",)
+DEMO_TESTS = ("test_demo.py",)
+FAULT_SUITE = ("test_fault_suite.py",)
 LAST = ("test_shutdown.py",)  # stops the live cluster's servers
 
 
@@ -195,13 +200,20 @@ def _page_size(item) -> int:
 
 
 def _order(item) -> tuple:
-    if item.path.name in OWN_SERVERS:
-        return (0,)
-    if item.path.name in LAST:
-        return (3,)
-    if item.path.parent.name != "integration":
+    name, folder = item.path.name, item.path.parent.name
+    if item.originalname in BESIDE_THE_DEMO:
+        return (0, 1)
+    if name in DEMO_TESTS:
         return (1,)
-    return (2, _page_size(item))
+    if name in FAULT_SUITE:
+        return (2,)
+    if name in LAST:
+        return (5,)
+    if folder == "integration":
+        return (4, _page_size(item))
+    if folder == "dev_wan_emulator" or item.get_closest_marker("integration") is not None:
+        return (3,)
+    return (0, 0)
 
 
 @pytest.hookimpl(trylast=True)  # after pytest's own reordering by fixture

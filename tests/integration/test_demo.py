@@ -1,12 +1,14 @@
 """`make demo`'s short configuration: same-DC PD, naive cross-DC PD and PDD over the emulated line.
 
 Runs ``scripts/demo.py --quick`` as a subprocess (the real entry point: real SGLang servers in the
-WAN emulator's namespaces, each in its own cgroup CPU group, the PDD router, a streaming client)
-and checks its JSON: both operating points and both placements ran, every request has an outcome
-and PDD handed off, nothing errored or leaked, per-server CPU and the stage split are there. Never
-timing: speed is what the demo prints, not what a test asserts. Other runs: a server killed
-mid-run, and Ctrl-C during start-up, leave no namespace, cgroup or process behind; a missing CPU
-controller is refused with its reason. Needs root and /dev/net/tun (CI has both); skips otherwise.
+WAN emulator's namespaces, each in its own cgroup CPU group, the PDD router, a streaming client),
+started in the background as soon as the session has collected its tests, beside the pure-logic
+tests (tests/conftest.py), and checks its JSON: both operating points and both placements ran, every
+request has an outcome and PDD handed off, nothing errored or leaked, per-server CPU and the
+stage split are there. Never timing: speed is what the demo prints, not what a test asserts.
+Other runs: a server killed mid-run, and Ctrl-C during start-up, leave no namespace, cgroup or
+process behind; a missing CPU controller is refused with its reason. Needs root and
+/dev/net/tun (CI has both); skips otherwise.
 """
 
 from __future__ import annotations
@@ -50,10 +52,12 @@ def _cgroups_of(pid: int) -> list[str]:
     return sorted(p.name for p in CGROUP_CPU.glob(f"pdd-demo-{pid}-*"))
 
 
-def test_quick_demo_runs_both_points_and_pdd_hands_off(tmp_path):
-    proc = run_demo(["--quick", "--out", str(tmp_path)], timeout_s=1200)
+def test_quick_demo_runs_both_points_and_pdd_hands_off(background):
+    # Started in the background when the session collected its tests (tests/conftest.py).
+    proc = background.result(timeout_s=1200)
+    out = background.out
     assert proc.returncode == 0, f"demo failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-    data = json.loads((tmp_path / "demo.json").read_text())
+    data = json.loads((out / "demo.json").read_text())
     other = data["other_placement_setup"]
     assert data["placement"] == "congestion-aware" and other == "pdd_idle_line"
     for point, names in (("setups", ("same_dc_pd", "cross_dc_pd", "pdd", other)),
@@ -97,7 +101,7 @@ def test_quick_demo_runs_both_points_and_pdd_hands_off(tmp_path):
     assert data["cleanup"] == {"namespaces_left": [], "server_processes_left": [],
                                "cgroups_left": []}
     for figure in ("ttft.png", "stages.png"):
-        assert (tmp_path / figure).stat().st_size > 0
+        assert (out / figure).stat().st_size > 0
 
 
 def _assert_nothing_left(stderr: str) -> None:
