@@ -161,7 +161,8 @@ class Dispatcher:
                                                 main_after if u is placement.main else None,
                                                 placement, job, marks, copies))
                  for u in placement.decoders}
-        prefill_task = self._spawn(self._prefill(placement.prefill, body, list(queues.values())))
+        prefill_task = self._spawn(self._prefill(placement.prefill, body, list(queues.values()),
+                                                 marks))
         clean = False
         with self.pool.holding(placement.upstreams):
             try:
@@ -309,10 +310,12 @@ class Dispatcher:
             if copy is not None:
                 self.placer.lines.drop(copy)  # no-op once landed
 
-    async def _prefill(self, upstream: Upstream, body: dict, queues: list[asyncio.Queue]) -> None:
+    async def _prefill(self, upstream: Upstream, body: dict, queues: list[asyncio.Queue],
+                       marks: dict) -> None:
         """The prefill's answer carries nothing for the client; only its failure matters (and
         its time stats, logged for the stage split)."""
         try:
+            marks["prefill_sent_ts"] = time.time()
             answer = await self.client.generate_final(upstream, body)
         except asyncio.CancelledError:
             raise

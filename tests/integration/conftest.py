@@ -181,12 +181,14 @@ def router_cluster(shared_clusters):
 
 
 # ---- the order ------------------------------------------------------------------------------
-# Pure-logic tests first, beside the background runs (tests/conftest.py), and the test of a plain
-# server without a role (its servers fit beside the quick demo's); then the tests that start
-# servers of their own (the demo's other runs and the fault suite in network namespaces, the WAN line's and
-# the life-cycle tests); then every page-1 test and the page-16 ones: the machine never holds two
-# sets of servers at once, and each shared cluster starts once.
+# Pure-logic tests first, beside the background runs (tests/conftest.py), then the test of a
+# plain server without a role and the demo's other runs (a crash, Ctrl-C: namespaces, cgroups
+# and pids of their own), whose servers fit beside the quick demo's; then the quick demo's
+# result; then the tests that start servers of their own (the fault suite in network
+# namespaces, the WAN line's tests); then every page-1 test and the page-16 ones: the machine
+# never holds two shared clusters at once, and each starts once.
 BESIDE_THE_DEMO = ("test_a_patched_server_without_a_role_is_plain_sglang",)
+QUICK_DEMO_TEST = "test_quick_demo_runs_both_points_and_pdd_hands_off"  # its run: tests/conftest.py
 DEMO_TESTS = ("test_demo.py",)
 FAULT_SUITE = ("test_fault_suite.py",)
 LAST = ("test_shutdown.py",)  # stops the live cluster's servers
@@ -203,8 +205,8 @@ def _order(item) -> tuple:
     name, folder = item.path.name, item.path.parent.name
     if item.originalname in BESIDE_THE_DEMO:
         return (0, 1)
-    if name in DEMO_TESTS:
-        return (1,)
+    if name in DEMO_TESTS:  # the demo's other runs beside the quick one; then its result
+        return (1,) if item.originalname == QUICK_DEMO_TEST else (0, 2)
     if name in FAULT_SUITE:
         return (2,)
     if name in LAST:

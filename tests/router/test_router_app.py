@@ -167,6 +167,8 @@ def test_handoff_is_spliced_through_every_api():
         assert (marks["router_received_ts"] <= marks["relay_first_chunk_ts"]
                 <= marks["first_token_ts"]), marks
         assert marks["main_first_chunk_ts"] >= marks["router_received_ts"]
+        # The post to prefill, which the demo's split starts prefill's side from.
+        assert marks["router_received_ts"] <= marks["prefill_sent_ts"] <= marks["first_token_ts"]
         assert meta["pdd"]["line_bytes_ahead"] == 0  # nothing else on the line
         # Every server got the same rid, room, bootstrap address and route.
         sent = [s.bodies[-1] for s in (prefill, relay, main)]

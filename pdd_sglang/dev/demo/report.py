@@ -7,10 +7,10 @@ or the relay lost), ``error``.
 
 Stages of a TTFT (each from two wall-clock marks on this one host; they add up to the TTFT):
 
-  router_to_prefill   client sends -> prefill's tokenizer has it (client->router HTTP, placement,
-                      router->prefill HTTP)
-  registration_wait   prefill has it -> it enters prefill's wait queue (bootstrap: the decode
-                      side(s) register their KV slots)
+  router_to_prefill   client sends -> the router posts it to prefill (client->router HTTP,
+                      placement)
+  registration_wait   the router posts it -> it enters prefill's wait queue (router->prefill
+                      HTTP, tokenization, bootstrap: the decode side(s) register their KV slots)
   prefill_queue       wait queue -> prefill's forward starts (SGLang's queue_time)
   prefill_forward     forward start -> forward done
   kv_and_first_token  forward done -> first token at the router (KV copy to the decode server that
@@ -59,11 +59,19 @@ def prefill_stats_from_log(log_path: Path) -> dict:
 
 
 def stage_split(row: dict, prefill: dict | None) -> dict | None:
-    """The six stages of one request's TTFT (seconds), or None where a mark is missing."""
+    """The six stages of one request's TTFT (seconds), or None where a mark is missing.
+
+    Every mark is on the router's clock or the prefill scheduler's (its forward marks agree with
+    the router's to milliseconds). SGLang's ``request_received_ts`` is not used: SGLang turns its
+    tokenizer process's monotonic time into wall time with an offset taken once in that process,
+    and in one full demo here it sat 6-21 s away from the scheduler's. So the prefill's side
+    starts where the router posts to it (``prefill_sent_ts``), and the HTTP hop, tokenization and
+    the bootstrap all count as ``registration_wait``.
+    """
     marks = row.get("marks") or {}
     prefill = prefill or {}
     sent, ttft = row.get("sent_ts"), row.get("ttft_s")
-    received = prefill.get("request_received_ts")
+    received = marks.get("prefill_sent_ts")
     forward = prefill.get("forward_entry_time")
     forward_done = prefill.get("prefill_finished_time")
     first = marks.get("first_token_ts")
