@@ -114,27 +114,37 @@ def test_generate_matches_plain_server_streamed_and_not(router_cluster, pipeline
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_router_splices_a_real_handoff(router_cluster, stream):
     """A long answer on P->RLD->MD: the relay hands off to main mid-answer, and the client sees
-    one stream, token for token the plain server's."""
-    prompt = words(9 + stream, 3 * ROUTER_RELAY_ABOVE_TOKENS)
+    one stream, token for token the plain server's.
+
+    Whether main is ready before the relay has decoded all 160 tokens is a race the system is
+    allowed to lose (the relay then answers alone, also token for token): every attempt must be
+    exact, and one of up to three different prompts must hand off."""
     router = router_cluster.router.url
     sampling = {**GREEDY, "max_new_tokens": 160, "ignore_eos": True}
-    reference = router_cluster["plain"].post_json(
-        "/generate", {"input_ids": prompt, "sampling_params": sampling})
-    body = {"input_ids": prompt, "sampling_params": sampling, "stream": stream}
-    if stream:
-        chunks = post_stream(router, "/generate", body)
-        for before, after in zip(chunks, chunks[1:]):
-            assert after["output_ids"][:len(before["output_ids"])] == before["output_ids"]
-        final = chunks[-1]
-    else:
-        status, final = post(router, "/generate", body)
-        assert status == 200, final
-    pdd = final["meta_info"]["pdd"]
-    assert pdd["pipeline"] == "prefill_relay_main"
-    assert pdd["outcome"] == "handoff" and 0 < pdd["handed_tokens"] < 160, pdd
-    assert final["output_ids"] == reference["output_ids"]
-    assert final["meta_info"]["completion_tokens"] == 160
-    assert final["meta_info"]["finish_reason"] == {"type": "length", "length": 160}
+    outcomes = []
+    for attempt in range(3):
+        prompt = words(9 + stream + 10 * attempt, 3 * ROUTER_RELAY_ABOVE_TOKENS)
+        reference = router_cluster["plain"].post_json(
+            "/generate", {"input_ids": prompt, "sampling_params": sampling})
+        body = {"input_ids": prompt, "sampling_params": sampling, "stream": stream}
+        if stream:
+            chunks = post_stream(router, "/generate", body)
+            for before, after in zip(chunks, chunks[1:]):
+                assert after["output_ids"][:len(before["output_ids"])] == before["output_ids"]
+            final = chunks[-1]
+        else:
+            status, final = post(router, "/generate", body)
+            assert status == 200, final
+        pdd = final["meta_info"]["pdd"]
+        assert pdd["pipeline"] == "prefill_relay_main"
+        assert final["output_ids"] == reference["output_ids"]
+        assert final["meta_info"]["completion_tokens"] == 160
+        assert final["meta_info"]["finish_reason"] == {"type": "length", "length": 160}
+        outcomes.append(pdd["outcome"])
+        if pdd["outcome"] == "handoff":
+            assert 0 < pdd["handed_tokens"] < 160, pdd
+            break
+    assert outcomes[-1] == "handoff", outcomes
     assert_idle(router_cluster)
 
 
