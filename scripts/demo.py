@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"starting the WAN line ({args.rate_mbit:g} Mbit/s, RTT {args.rtt_ms:g} ms "
               f"+-{args.jitter_ms:g} ms) and the servers (logs: {log_dir}) ...", flush=True)
         for group in groups.values():  # unthrottled while the servers start
-            group.create(limited=False)
+            group.create()
         line.start(log_path=str(log_dir / "wan.log"))
         ns_a, ns_b = line.namespace("a"), line.namespace("b")
         bootstrap_port = free_port()

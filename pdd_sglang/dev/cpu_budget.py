@@ -12,7 +12,8 @@ Life cycle of a group:
 1. :func:`check_cpu_controller` refuses early, with one clear reason, when the controller is not
    mounted or not writable (not root, a read-only /sys/fs/cgroup).
 2. :class:`CpuGroup` ``.create()`` makes ``/sys/fs/cgroup/cpu/<name>`` (and the same name under
-   ``cpuacct`` when that controller is mounted apart) and writes period and quota.
+   ``cpuacct`` when that controller is mounted apart) and writes the period, no quota yet (start-up
+   runs unthrottled); ``.limit()`` sets the quota once the servers are ready.
 3. ``.exec_prefix()`` is a command prefix that moves the shell into the group(s) and then execs the
    server, so the server and every process and thread it starts are in it from their first
    instruction.
@@ -86,20 +87,18 @@ class CpuGroup:
     def dirs(self) -> list[Path]:
         return list(dict.fromkeys([self.cpu_dir, self.acct_dir]))
 
-    def create(self, limited: bool = True) -> "CpuGroup":
-        """The group, with its quota, or (``limited=False``) without one until :meth:`limit`:
-        servers start up faster unthrottled, and no measurement runs before the quota is set."""
+    def create(self) -> "CpuGroup":
+        """The group, without a quota until :meth:`limit`: servers start up faster unthrottled,
+        and no measurement runs before the quota is set."""
         for path in self.dirs:
             path.mkdir(exist_ok=True)
         self.created = True
         (self.cpu_dir / "cpu.cfs_period_us").write_text(str(self.period_us))
-        if limited:
-            self.limit()
-        else:
-            (self.cpu_dir / "cpu.cfs_quota_us").write_text("-1")
+        (self.cpu_dir / "cpu.cfs_quota_us").write_text("-1")
         return self
 
     def limit(self) -> None:
+        """The quota: ``cores`` per CFS period."""
         (self.cpu_dir / "cpu.cfs_quota_us").write_text(str(int(self.cores * self.period_us)))
 
     def exec_prefix(self) -> tuple:
