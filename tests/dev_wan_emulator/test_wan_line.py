@@ -163,10 +163,11 @@ def test_jitter_stays_within_bounds_and_nothing_is_reordered():
         delays = sorted(probes["delays_ms"])
         assert delays[0] >= low - 0.2, delays[0]  # never early: a hard bound
         # Arrival is kernel-stamped, but the send stamp is taken in Python just before
-        # sendto(), and a sender descheduled in between (other servers share the 2 cores)
-        # stretches a whole burst; the upper bound is therefore checked on the 95th percentile
+        # sendto(), and one deschedule of the sender or the forwarder (other work shares the
+        # 2 cores) holds a whole burst of 30, 5 % of these probes: a CI run saw 30 at 28.55 ms
+        # against a 25 ms bound. The upper bound is therefore checked on the 90th percentile
         # here, and exactly below through the forwarder's own lateness account.
-        assert delays[int(len(delays) * 0.95)] <= high + 1.5, delays[-10:]
+        assert delays[int(len(delays) * 0.90)] <= high + 1.5, delays[-40:]
     # The jitter must really be there: sparse probes spread over most of the window.
     spread = max(sparse["delays_ms"]) - min(sparse["delays_ms"])
     assert spread >= 0.6 * jitter_ms, spread

@@ -55,9 +55,16 @@ def cmd_down(args) -> int:
         names = [f"pddA-{pid}", f"pddB-{pid}"]
         if any(netns.owner_alive(n) for n in names):
             os.kill(pid, signal.SIGTERM)
+            # The forwarder removes its namespaces before it exits, so wait for the process
+            # itself: "down" returning means nothing of the line is left.
             deadline = time.monotonic() + 10
-            while any(netns.exists(n) for n in names) and time.monotonic() < deadline:
+            while netns.owner_alive(names[0]) and time.monotonic() < deadline:
                 time.sleep(0.05)
+            if netns.owner_alive(names[0]):
+                os.kill(pid, signal.SIGKILL)
+                deadline = time.monotonic() + 5
+                while netns.owner_alive(names[0]) and time.monotonic() < deadline:
+                    time.sleep(0.05)
         for name in names:
             netns.destroy(name)
         try:
