@@ -32,41 +32,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pdd_sglang.dev.testing.cluster import Cluster, free_port  # noqa: E402
 from pdd_sglang.dev.testing.pd_client import generate_fanout  # noqa: E402
+from pdd_sglang.dev.testing.processes import tree_cpu_s, tree_threads  # noqa: E402
 from pdd_sglang.dev.testing.tiny_model import WAN_DEMO_MODEL, ensure_tiny_model  # noqa: E402
 from pdd_sglang.dev.testing.wan_cluster import NetnsServer  # noqa: E402
 from pdd_sglang.dev.wan_emulator import WanLine, check_prerequisites  # noqa: E402
 
 TRANSPORT = ("--disaggregation-transfer-backend", "mooncake_tcp")
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def tree_threads(root_pid: int) -> dict:
-    """``{(pid, tid): (thread name, CPU seconds)}`` of every thread under ``root_pid``."""
-    threads, stack, seen = {}, [root_pid], set()
-    while stack:
-        pid = stack.pop()
-        if pid in seen:
-            continue
-        seen.add(pid)
-        try:
-            for tid in os.listdir(f"/proc/{pid}/task"):
-                base = f"/proc/{pid}/task/{tid}"
-                with open(f"{base}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                with open(f"{base}/comm") as f:
-                    name = f.read().strip()
-                threads[(pid, int(tid))] = (name + (" (main)" if int(tid) == pid else ""),
-                                            (int(fields[11]) + int(fields[12])) / CLOCK_TICKS)
-                with open(f"{base}/children") as f:
-                    stack.extend(int(c) for c in f.read().split())
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-    return threads
-
-
-def tree_cpu_s(root_pid: int) -> float:
-    """User + system CPU seconds of every live thread under ``root_pid``."""
-    return sum(cpu for _, cpu in tree_threads(root_pid).values())
 
 
 def busiest_threads(before: dict, after: dict, seconds: float, top: int = 6) -> list:

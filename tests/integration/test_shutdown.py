@@ -12,28 +12,14 @@ import random
 import signal
 import time
 
-import sys
-from pathlib import Path
-
 import pytest
 
 from pdd_sglang.dev.testing.cluster import SGLangServer
 from pdd_sglang.dev.testing.pd_client import generate_pdd
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from bench_wan_cpu import tree_threads  # noqa: E402
+from pdd_sglang.dev.testing.processes import pdd_thread_names
 
 GREEDY = {"max_new_tokens": 16, "temperature": 0}
-
-
-def pdd_thread_names(server: SGLangServer) -> list[str]:
-    return sorted(name for name, _ in tree_threads(server.process.pid).values()
-                  if name.startswith("pdd-"))
-
-
-def prompts(count: int = 3) -> list[list[int]]:
-    rng = random.Random(14)
-    return [[rng.randrange(10, 1000) for _ in range(rng.randrange(20, 120))] for _ in range(count)]
 
 
 def stop_like_an_operator(server: SGLangServer, timeout_s: float = 60.0) -> float:
@@ -49,10 +35,11 @@ def stop_like_an_operator(server: SGLangServer, timeout_s: float = 60.0) -> floa
 def test_every_role_closes_its_pdd_threads_on_shutdown(page16_cluster, tmp_path):
     cluster = page16_cluster
     prefill, relay, main = (cluster[n] for n in ("prefill", "relay", "main"))
-    body = {"input_ids": prompts(1)[0], "sampling_params": GREEDY}
+    rng = random.Random(14)
+    body = {"input_ids": [rng.randrange(10, 1000) for _ in range(60)], "sampling_params": GREEDY}
     generate_pdd(prefill, relay, main, body, cluster.bootstrap_port, keep_main_copy=True)
     # While it serves, the prefill's WAN path runs under PDD's names (the test can see them).
-    assert {"pdd-keeper", "pdd-wan-xfer-0"} <= set(pdd_thread_names(prefill))
+    assert {"pdd-keeper", "pdd-wan-xfer-0"} <= set(pdd_thread_names(prefill.process.pid))
     seconds = {}
     for server in (relay, main, prefill):
         server.wait_idle(60)

@@ -24,20 +24,14 @@ import pytest
 
 from pdd_sglang.dev.testing.cluster import RELAY_CPU_ARGS, Cluster, SGLangServer, free_port
 from pdd_sglang.dev.testing.pd_client import generate_pd
+from pdd_sglang.dev.testing.pristine import pristine_env, pristine_sglang
+from pdd_sglang.dev.testing.processes import pdd_thread_names
 from pdd_sglang.dev.testing.tiny_model import ensure_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "scripts"))
-from bench_plain_overhead import pristine_env, pristine_sglang  # noqa: E402
-from bench_wan_cpu import tree_threads  # noqa: E402
 
 TRANSPORT = ("--disaggregation-transfer-backend", "mooncake_tcp")
 GREEDY = {"max_new_tokens": 16, "temperature": 0}
-
-
-def pdd_thread_names(server: SGLangServer) -> list[str]:
-    return sorted(name for name, _ in tree_threads(server.process.pid).values()
-                  if name.startswith("pdd-"))
 
 
 def internal_state(server: SGLangServer) -> dict:
@@ -67,7 +61,7 @@ def test_a_patched_server_without_a_role_is_plain_sglang(tmp_path):
                 assert got == pristine.post_json("/generate", body)["output_ids"]
             for server in (prefill, decode):
                 assert "pdd" not in internal_state(server), server.name
-                assert pdd_thread_names(server) == [], server.name
+                assert pdd_thread_names(server.process.pid) == [], server.name
             assert cluster.dead_servers() == []
 
 
