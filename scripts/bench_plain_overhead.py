@@ -13,6 +13,7 @@ DIR/plain_overhead.json with
 
     python scripts/bench_plain_overhead.py --out out/plain_overhead
     python scripts/bench_plain_overhead.py --out DIR --num-prompts 64 --rounds 3
+    python scripts/bench_plain_overhead.py --out DIR --control   # A/A: pristine against pristine
 
 A tiny ``/generate`` proxy in this script does what SGLang's PD router does (the same body, with
 the prefill's bootstrap address and a fresh room, to both servers; the decode server's answer
@@ -29,11 +30,9 @@ import asyncio
 import json
 import os
 import random
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -42,54 +41,12 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from pdd_sglang.dev.testing.cluster import RELAY_CPU_ARGS, Cluster, SGLangServer, free_port  # noqa: E402
+from pdd_sglang.dev.testing.pristine import pristine_env, pristine_sglang  # noqa: E402
 from pdd_sglang.dev.testing.tiny_model import ensure_tiny_model  # noqa: E402
 
 TRANSPORT = ("--disaggregation-transfer-backend", "mooncake_tcp")
 # RELAY_CPU_ARGS: a decode server without a radix cache backs retracted requests up in a host
 # pool that pins memory through CUDA by default; on the CPU engine per-request tensors instead.
-
-
-CPU_FIX = "0002-mooncake-host-paths-on-cpu.patch"  # PD on SGLang's CPU engine needs it
-
-
-@contextmanager
-def pristine_sglang(with_cpu_fix: bool = False):
-    """A directory holding the pristine sglang wheel's package, to put first on PYTHONPATH.
-
-    ``with_cpu_fix``: plus patch 0002 alone, the standalone upstream bug fix without which plain
-    PD does not run on SGLang's CPU engine at all (it has no pdd_sglang call)."""
-    import importlib.metadata
-
-    dist = importlib.metadata.distribution("sglang")
-    site = Path(dist.locate_file(""))
-    scratch = Path(tempfile.mkdtemp(prefix="pdd-pristine-sglang-"))
-    try:
-        subprocess.run(["cp", "-al", str(site / "sglang"), str(scratch / "sglang")], check=True)
-        for info in site.glob("sglang-*.dist-info"):
-            shutil.copytree(info, scratch / info.name)
-        proc = subprocess.run([sys.executable, str(REPO / "scripts" / "apply_patches.py"),
-                               "--revert", "--with-debug", "--site-packages", str(scratch)],
-                              capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"reverting the scratch copy failed: {proc.stderr}{proc.stdout}")
-        if with_cpu_fix:
-            only_fix = scratch / "cpu-fix-series"
-            only_fix.mkdir()
-            shutil.copyfile(REPO / "patches" / "UPSTREAM", only_fix / "UPSTREAM")
-            shutil.copyfile(REPO / "patches" / CPU_FIX, only_fix / CPU_FIX)
-            (only_fix / "series").write_text(CPU_FIX + "\n")
-            proc = subprocess.run([sys.executable, str(REPO / "scripts" / "apply_patches.py"),
-                                   "--patch-dir", str(only_fix), "--site-packages", str(scratch)],
-                                  capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise RuntimeError(f"applying {CPU_FIX} to the scratch copy failed: {proc.stderr}")
-        yield scratch
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-
-
-def pristine_env(scratch: Path) -> dict:
-    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(scratch), os.environ.get("PYTHONPATH")]))}
 
 
 class PdProxy:
@@ -197,11 +154,10 @@ def run_workload(label: str, index: int, proxy: "PdProxy", model: Path, args) ->
             "total_tok_s": record.get("total_throughput"), "completed": record["completed"]}
 
 
-def abba(rounds: int) -> list[tuple[str, str]]:
-    """Round i runs patched then pristine, round i+1 the other way (ABBA): a drift in the
+def abba(rounds: int, first: str = "patched", second: str = "pristine") -> list[tuple[str, str]]:
+    """Round i runs ``first`` then ``second``, round i+1 the other way (ABBA): a drift in the
     machine's load, or a warm-up effect of whichever runs first, falls on both alike."""
-    return [("patched", "pristine") if i % 2 == 0 else ("pristine", "patched")
-            for i in range(rounds)]
+    return [(first, second) if i % 2 == 0 else (second, first) for i in range(rounds)]
 
 
 def main(argv=None) -> int:
@@ -213,27 +169,34 @@ def main(argv=None) -> int:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=4,
                         help="patched/pristine pairs, alternated ABBA")
+    parser.add_argument("--control", action="store_true",
+                        help="an A/A run: two pristine pairs in the patched pair's place and the "
+                             "pristine one's, to measure what the bench itself tells apart")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     model = ensure_tiny_model()
-    runs: dict = {"patched": [], "pristine": []}
+    first, second = ("pristine_a", "pristine_b") if args.control else ("patched", "pristine")
+    runs: dict = {first: [], second: []}
     load_before = os.getloadavg()[0]
     # Both pairs stay up for the whole run and take turns (an idle SGLang server sleeps: about
     # 0.01 core), so every round compares the same four processes, not fresh starts.
-    with pristine_sglang(with_cpu_fix=True) as scratch, \
-            plain_pair("patched", args.out, model, {}) as patched_proxy, \
-            plain_pair("pristine", args.out, model, pristine_env(scratch)) as pristine_proxy:
-        proxies = {"patched": patched_proxy, "pristine": pristine_proxy}
-        for index, order in enumerate(abba(args.rounds)):
-            for label in order:
-                print(f"round {index + 1}: {label} ...", file=sys.stderr, flush=True)
-                runs[label].append(run_workload(label, index, proxies[label], model, args))
-    patched = statistics.fmean(r["output_tok_s"] for r in runs["patched"])
-    pristine = statistics.fmean(r["output_tok_s"] for r in runs["pristine"])
+    with pristine_sglang(with_cpu_fix=True) as scratch:
+        first_env = pristine_env(scratch) if args.control else {}
+        with plain_pair(first, args.out, model, first_env) as first_proxy, \
+                plain_pair(second, args.out, model, pristine_env(scratch)) as second_proxy:
+            proxies = {first: first_proxy, second: second_proxy}
+            for index, order in enumerate(abba(args.rounds, first, second)):
+                for label in order:
+                    print(f"round {index + 1}: {label} ...", file=sys.stderr, flush=True)
+                    runs[label].append(run_workload(label, index, proxies[label], model, args))
+    patched = statistics.fmean(r["output_tok_s"] for r in runs[first])
+    pristine = statistics.fmean(r["output_tok_s"] for r in runs[second])
     per_round = [round(p["output_tok_s"] / q["output_tok_s"], 3)
-                 for p, q in zip(runs["patched"], runs["pristine"])]
+                 for p, q in zip(runs[first], runs[second])]
     result = {"patched_tok_s": patched, "pristine_tok_s": pristine, "ratio": patched / pristine,
               "goal_ratio": 0.99, "ratio_per_round": per_round,
+              "control": args.control,
+              "pairs": {"patched_tok_s": first, "pristine_tok_s": second},
               "workload": {k: getattr(args, k) for k in (
                   "num_prompts", "input_len", "output_len", "concurrency", "rounds")},
               "design": "both pairs up throughout; rounds alternate ABBA through the same servers",
@@ -242,8 +205,9 @@ def main(argv=None) -> int:
     path = args.out / "plain_overhead.json"
     path.write_text(json.dumps(result, indent=1))
     print(f"wrote {path}", file=sys.stderr)
-    print(f"patched {patched:.1f} tok/s, pristine {pristine:.1f} tok/s, ratio {patched / pristine:.3f}"
-          f" (goal >= 0.99); per round {per_round}")
+    print(f"{first} {patched:.1f} tok/s, {second} {pristine:.1f} tok/s, ratio {patched / pristine:.3f}"
+          f"{' (A/A control: no patch between them)' if args.control else ' (goal >= 0.99)'}; "
+          f"per round {per_round}")
     return 0
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdd_sglang.dev.demo.report import STAGES, stage_split
+from pdd_sglang.dev.demo.report import STAGES, paired_excess, stage_split
 
 SENT = 1_000_000.0
 
@@ -37,3 +37,34 @@ def test_a_missing_mark_gives_no_split():
     row, stats = row_and_stats(0.0)
     del row["marks"]["prefill_sent_ts"]
     assert stage_split(row, stats) is None
+
+
+def _row(conversation: int, turn: int, outcome: str, **stages: float) -> dict:
+    split = {s: 0.0 for s in STAGES} | stages
+    return {"conversation": conversation, "turn": turn, "outcome_kind": outcome,
+            "ttft_s": sum(split.values()), "stages": split}
+
+
+def test_paired_excess_matches_the_same_request_and_its_stages_add_up():
+    same = {"rows": [_row(0, 0, "main", prefill_forward=0.5),
+                     _row(0, 1, "main", prefill_forward=0.4, kv_and_first_token=0.1),
+                     _row(1, 0, "main", prefill_forward=0.6)]}
+    pdd = {"rows": [_row(1, 0, "handoff_one_shot", prefill_forward=0.5),  # listed out of order
+                    _row(0, 1, "main", prefill_forward=0.4, kv_and_first_token=0.6),
+                    _row(0, 0, "handoff_one_shot", prefill_forward=0.5),
+                    _row(2, 0, "main", prefill_forward=9.0),  # no same-DC twin: not paired
+                    {**_row(0, 2, "error"), "stages": None}]}
+    table = paired_excess(same, pdd)
+    assert table["pairs"] == 3
+    # differences per pair: -0.1 (1,0), +0.5 (0,1), 0.0 (0,0)
+    assert table["ttft_diff_p50_s"] == pytest.approx(0.0, abs=1e-4)
+    assert table["ttft_diff_mean_s"] == pytest.approx(0.4 / 3, abs=1e-4)
+    assert sum(table["stage_diff_mean_s"].values()) == pytest.approx(table["ttft_diff_mean_s"],
+                                                                     abs=1e-3)
+    assert table["stage_diff_mean_s"]["kv_and_first_token"] == pytest.approx(0.5 / 3, abs=1e-4)
+    assert table["by_pdd_outcome"]["main"]["ttft_diff_mean_s"] == pytest.approx(0.5, abs=1e-4)
+    assert table["by_pdd_outcome"]["handoff_one_shot"]["pairs"] == 2
+
+
+def test_paired_excess_without_a_pair_says_so():
+    assert paired_excess({"rows": []}, {"rows": [_row(0, 0, "main")]}) == {"pairs": 0}

@@ -179,7 +179,8 @@ def the_bar(setups: dict, leaks: dict) -> dict:
         "no_errors": bar["errors"] == 0, "no_leaks": not leaks}
     bar.update(checks=checks, met=all(checks.values()),
                pdd_met=checks["pdd_p99"] and checks["pdd_p50"], cross_dc_met=checks["cross_dc_p99"],
-               pdd_excess_by_stage=stage_excess(same, pdd))
+               pdd_excess_by_stage=stage_excess(same, pdd),
+               pdd_excess_paired=paired_excess(same, pdd))
     return bar
 
 
@@ -193,6 +194,34 @@ def stage_excess(same: dict, pdd: dict) -> dict:
                 for q in ("p50_s", "p99_s")}
         excess[stage] = diff
     return dict(sorted(excess.items(), key=lambda kv: -(kv[1]["p99_s"] or 0)))
+
+
+def paired_excess(same: dict, pdd: dict) -> dict:
+    """PDD's TTFT less same-DC's for the same request (conversation, turn), split by stage.
+
+    Percentiles of stages do not add up to a percentile of TTFT; per-request differences do:
+    a pair's stage differences sum to its TTFT difference, so the mean per stage says which stage
+    carries PDD's excess, and per outcome which kind of request. Pairs need a full split on both."""
+    same_rows = {(r["conversation"], r["turn"]): r for r in same["rows"] if r.get("stages")}
+    pairs = [(same_rows[key], r) for r in pdd["rows"] if r.get("stages")
+             and (key := (r["conversation"], r["turn"])) in same_rows]
+
+    def summary(chosen: list) -> dict:
+        diffs = [b["ttft_s"] - a["ttft_s"] for a, b in chosen]
+        return {"pairs": len(chosen),
+                "ttft_diff_p50_s": round(agentic.percentile(diffs, 50), 4),
+                "ttft_diff_mean_s": round(sum(diffs) / len(diffs), 4),
+                "stage_diff_mean_s": {s: round(sum(b["stages"][s] - a["stages"][s]
+                                                   for a, b in chosen) / len(chosen), 4)
+                                      for s in STAGES}}
+
+    if not pairs:
+        return {"pairs": 0}
+    table = summary(pairs)
+    table["by_pdd_outcome"] = {
+        outcome: summary(chosen) for outcome in OUTCOMES
+        if (chosen := [(a, b) for a, b in pairs if b["outcome_kind"] == outcome])}
+    return table
 
 
 def print_table(setups: dict, title: str) -> None:
@@ -224,6 +253,16 @@ def print_bar(bar: dict) -> None:
         print("where PDD's TTFT exceeds same-DC's, by stage (P50 / P99, s):")
         for stage, d in bar["pdd_excess_by_stage"].items():
             print(f"  {stage:<20} {d['p50_s']!s:>8} / {d['p99_s']!s:>8}")
+        paired = bar["pdd_excess_paired"]
+        if paired["pairs"]:
+            print(f"the same requests, PDD less same-DC ({paired['pairs']} pairs): TTFT median "
+                  f"{paired['ttft_diff_p50_s']:+.3f} s, mean {paired['ttft_diff_mean_s']:+.3f} s; "
+                  "mean by stage:")
+            for stage, diff in paired["stage_diff_mean_s"].items():
+                print(f"  {stage:<20} {diff:+.3f}")
+            for outcome, part in paired["by_pdd_outcome"].items():
+                print(f"  PDD {outcome:<17} {part['pairs']:>3} pairs: TTFT mean "
+                      f"{part['ttft_diff_mean_s']:+.3f} s, median {part['ttft_diff_p50_s']:+.3f} s")
 
 
 def workload_stats(system: list, conversations: list, spec: agentic.WorkloadSpec,
