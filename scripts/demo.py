@@ -143,6 +143,12 @@ def run_setup(label: str, line: WanLine, prefill: NetnsServer, main: NetnsServer
                               should_abort=should_abort, timeout_s=180.0)
         duration = time.perf_counter() - started
         progress.close()
+        if any(r.error for r in results):
+            # A server SIGKILLed mid-run can fail the last requests before its process has
+            # exited (a 2.7 GB process takes a moment): give a death the time to show.
+            deadline = time.monotonic() + 15
+            while not should_abort() and time.monotonic() < deadline:
+                time.sleep(0.2)
         if crashed:
             logs = "\n".join(f"--- {s.name} ({s.log_path}):\n{s.log_tail(15)}"
                              for s in servers if s.name in crashed)
@@ -278,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
                 groups, workloads[point], log_dir, bootstrap_port,
                 args.inject_crash if index == 0 else None)
             timings[f"{point}_{name}_s"] = round(time.perf_counter() - started, 1)
+        dead = [s.name for s in servers if not s.alive()]
+        if dead:
+            raise Aborted(f"{', '.join(dead)} died during the run")
         pools = {s.name: s.wait_idle(60) for s in servers}
     except Aborted as err:
         failure = str(err)
