@@ -40,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate-mbit", type=float, default=20.0)
     parser.add_argument("--rtt-ms", type=float, default=20.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--logs", type=Path, default=None,
+                        help="the servers' and the router's logs (default: a new folder in /tmp)")
     args = parser.parse_args(argv)
     try:
         check_prerequisites()
@@ -51,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     chosen = faults.QUICK if args.quick else faults.ALL
     if args.only:
         chosen = [f for f in faults.ALL if f.name in args.only]
-    log_dir = Path(tempfile.mkdtemp(prefix="pdd-faults-logs-"))
+    log_dir = args.logs or Path(tempfile.mkdtemp(prefix="pdd-faults-logs-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
     report = run_suite(chosen, log_dir, rate_mbit=args.rate_mbit, rtt_ms=args.rtt_ms,
                        warmup_s=4.0 if args.quick else 10.0, after_s=3.0 if args.quick else 10.0,
                        seed=args.seed, progress=lambda text: print(text, flush=True))

@@ -1,11 +1,14 @@
 """Session-wide: the integration marker, and runs that start in the background.
 
-Two checks spend most of their time waiting, not computing: the quick demo waits on its servers'
-CPU quotas (one conversation at a time at its latency point), and the GPU lock's resolution waits
-on the package index. Each starts as soon as the session has collected its test, so the
-pure-logic tests run beside them (``tests/integration/conftest.py`` orders them first); the test
-then takes the run's result through the ``background`` fixture. A session that ends early stops
-what is still running (Ctrl-C to the demo, which stops its servers, line and cgroups itself).
+Some checks spend most of their time waiting, not computing, or run servers that fit beside
+others: the quick demo waits on its servers' CPU quotas, its crash run on its two servers, the GPU
+lock's resolution on the package index, the fault suite on its faults' hold times and restarts.
+Each runs as a subprocess beside the tests in the foreground; its test takes the result later.
+The demo's two runs and the lock start as soon as the session has collected their tests, beside
+the pure-logic tests (``tests/integration/conftest.py`` orders them first); the fault suite
+starts on demand (the ``start_background`` fixture), where its servers fit in memory: beside the page-16
+cluster. A session that ends early stops what is still running (Ctrl-C to the demo and the fault
+suite, which stop their servers, line and cgroups themselves).
 """
 
 from __future__ import annotations
@@ -65,15 +68,33 @@ class BackgroundRun:
                 self.process.wait()
 
 
-def _quick_demo(out: Path) -> BackgroundRun | None:
+def _wan_capable() -> bool:
     from pdd_sglang.dev.wan_emulator import check_prerequisites
 
     try:
         check_prerequisites()
     except (PermissionError, FileNotFoundError):
-        return None  # test_demo.py skips, saying why
-    return BackgroundRun([sys.executable, str(REPO / "scripts" / "demo.py"), "--quick",
-                          "--out", str(out)], out)
+        return False  # the test skips, saying why
+    return True
+
+
+def _script(out: Path, script: str, *args: str) -> BackgroundRun | None:
+    if not _wan_capable():
+        return None
+    return BackgroundRun([sys.executable, str(REPO / "scripts" / script), *args], out)
+
+
+def _quick_demo(out: Path) -> BackgroundRun | None:
+    return _script(out, "demo.py", "--quick", "--out", str(out))
+
+
+def _crash_demo(out: Path) -> BackgroundRun | None:
+    """The quick demo with main killed after its first request: the cleanup on a crash."""
+    return _script(out, "demo.py", "--quick", "--inject-crash", "1", "--out", str(out))
+
+
+def _fault_suite(out: Path) -> BackgroundRun | None:
+    return _script(out, "fault_suite.py", "--quick", "--out", str(out), "--logs", str(out / "logs"))
 
 
 def _gpu_lock_resolution(out: Path) -> BackgroundRun:
@@ -84,26 +105,41 @@ def _gpu_lock_resolution(out: Path) -> BackgroundRun:
                          env={**os.environ, "PIP_FIND_LINKS": ""})
 
 
-# test name -> how to start its run
+# test name -> how to start its run; these start once the session has collected the test
 BACKGROUND = {
     "test_quick_demo_runs_both_points_and_pdd_hands_off": _quick_demo,
+    "test_server_crash_mid_run_still_cleans_up": _crash_demo,
     "test_the_lock_resolves_against_the_index_with_hashes_required": _gpu_lock_resolution,
 }
+# name -> how to start it; these start when start_background() is first called for them
+ON_DEMAND = {"fault_suite": _fault_suite}
+
+
+def _start(config, name: str, starter) -> BackgroundRun | None:
+    runs = config.stash.setdefault(_RUNS, {})
+    if name not in runs:
+        runs[name] = starter(Path(tempfile.mkdtemp(prefix=f"pdd-{name.removeprefix('test_')[:25]}-")))
+    return runs[name]
+
+
+@pytest.fixture(scope="session")
+def start_background(request):
+    """``start_background(name)``: start the on-demand run ``name`` now unless it already runs;
+    returns it, or None where it cannot run here."""
+    return lambda name: _start(request.config, name, ON_DEMAND[name])
 
 
 def pytest_collection_finish(session):
-    runs = session.config.stash.setdefault(_RUNS, {})
     if session.config.option.collectonly:
         return
     for name in sorted({item.originalname for item in session.items} & set(BACKGROUND)):
-        run = BACKGROUND[name](Path(tempfile.mkdtemp(prefix=f"pdd-{name[5:30]}-")))
-        if run is not None:
-            runs[name] = run
+        _start(session.config, name, BACKGROUND[name])
 
 
 def pytest_sessionfinish(session):
     for run in session.config.stash.get(_RUNS, {}).values():
-        run.stop()
+        if run is not None:
+            run.stop()
 
 
 @pytest.fixture

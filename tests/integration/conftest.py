@@ -96,9 +96,10 @@ class SharedClusters:
     runs every page-1 test before the page-16 ones, so each cluster starts once.
     """
 
-    def __init__(self, model_path, tmp_path_factory):
+    def __init__(self, model_path, tmp_path_factory, before_start=lambda page_size: None):
         self._model_path = model_path
         self._tmp = tmp_path_factory
+        self._before_start = before_start  # called with the page size, the old cluster stopped
         self.page_size: int | None = None
         self.cluster: Cluster | None = None
         self.started: list[int] = []  # page sizes, in the order their clusters started
@@ -106,6 +107,7 @@ class SharedClusters:
     def get(self, page_size: int) -> Cluster:
         if self.page_size != page_size:
             self.close()
+            self._before_start(page_size)
             log_dir = self._tmp.mktemp(f"page{page_size}-logs")
             self.cluster = _pdd_cluster(page_size, self._model_path, log_dir).__enter__()
             self.cluster.router = None
@@ -142,9 +144,17 @@ class SharedClusters:
 
 
 @pytest.fixture(scope="session")
-def shared_clusters(tiny_model, tmp_path_factory):
+def shared_clusters(request, tiny_model, tmp_path_factory, start_background):
     _, model_path = tiny_model
-    clusters = SharedClusters(model_path, tmp_path_factory)
+    wants_fault_suite = any(item.path.name in FAULT_SUITE for item in request.session.items)
+
+    def before_start(page_size: int) -> None:
+        # The fault suite's three servers fit in memory beside the page-16 cluster's four (not
+        # beside page 1's five), and both spend most of their time waiting: run them together.
+        if page_size == 16 and wants_fault_suite:
+            start_background("fault_suite")
+
+    clusters = SharedClusters(model_path, tmp_path_factory, before_start)
     try:
         yield clusters
     finally:
@@ -181,13 +191,15 @@ def router_cluster(shared_clusters):
 
 
 # ---- the order ------------------------------------------------------------------------------
-# Pure-logic tests first, beside the background runs (tests/conftest.py), then the test of a
-# plain server without a role and the demo's other runs (a crash, Ctrl-C: namespaces, cgroups
-# and pids of their own), whose servers fit beside the quick demo's; then the quick demo's
-# result; then the tests that start servers of their own (the fault suite in network
-# namespaces, the WAN line's tests); then every page-1 test and the page-16 ones: the machine
-# never holds two shared clusters at once, and each starts once.
-BESIDE_THE_DEMO = ("test_a_patched_server_without_a_role_is_plain_sglang",)
+# Pure-logic tests first, beside the background runs (tests/conftest.py: the quick demo and its
+# crash run); then the crash run's result, and only then the test of plain servers without a role
+# (its three servers and the crash run's two would not fit beside the demo's four together); the
+# Ctrl-C and refusal runs of the demo; the quick demo's result; the tests that start servers of
+# their own (the WAN line's); then every page-1 test and the page-16 ones: the machine never holds
+# two shared clusters at once, and each starts once. The fault suite runs in the background beside
+# the page-16 cluster (``shared_clusters``); its tests take its result after the page-16 tests.
+CRASH_TEST = "test_server_crash_mid_run_still_cleans_up"  # its run: tests/conftest.py
+AFTER_THE_CRASH_RUN = ("test_a_patched_server_without_a_role_is_plain_sglang",)
 QUICK_DEMO_TEST = "test_quick_demo_runs_both_points_and_pdd_hands_off"  # its run: tests/conftest.py
 DEMO_TESTS = ("test_demo.py",)
 FAULT_SUITE = ("test_fault_suite.py",)
@@ -203,12 +215,14 @@ def _page_size(item) -> int:
 
 def _order(item) -> tuple:
     name, folder = item.path.name, item.path.parent.name
-    if item.originalname in BESIDE_THE_DEMO:
+    if item.originalname == CRASH_TEST:
         return (0, 1)
-    if name in DEMO_TESTS:  # the demo's other runs beside the quick one; then its result
-        return (1,) if item.originalname == QUICK_DEMO_TEST else (0, 2)
+    if item.originalname in AFTER_THE_CRASH_RUN:
+        return (0, 2)
+    if name in DEMO_TESTS:  # the demo's other runs; then the quick one's result
+        return (1,) if item.originalname == QUICK_DEMO_TEST else (0, 3)
     if name in FAULT_SUITE:
-        return (2,)
+        return (4, 17)
     if name in LAST:
         return (5,)
     if folder == "integration":

@@ -2,7 +2,7 @@
 
 Real prefill, relay and main (the tiny CPU model) and the router, main behind the emulated WAN
 line; a steady load while the relay dies, main dies before its handoffs, and the line stalls past
-the WAN transfer timeout (``scripts/fault_suite.py --quick``).
+the WAN transfer timeout (``scripts/fault_suite.py --quick``, run in the background).
 """
 
 from __future__ import annotations
@@ -15,25 +15,30 @@ from pathlib import Path
 import pytest
 
 from pdd_sglang.dev.faults import faults
-from pdd_sglang.dev.faults.suite import run_suite
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def report(request, tmp_path_factory):
+def report(request, start_background):
+    """The suite's faults.json. It runs as ``scripts/fault_suite.py --quick`` in the background,
+    started beside the page-16 cluster (``conftest.py``), or here when that did not happen."""
     if os.geteuid() != 0 or not Path("/dev/net/tun").exists():
         pytest.skip("the WAN emulator needs root and /dev/net/tun")
-    log_dir = tmp_path_factory.mktemp("fault-logs")
-    result = run_suite(faults.QUICK, log_dir, rate_mbit=20.0, rtt_ms=20.0, warmup_s=4.0,
-                       after_s=3.0, progress=lambda text: print(text, flush=True))
-    print(json.dumps(result["faults"], indent=1))
+    run = start_background("fault_suite")
+    if run is None:
+        pytest.skip("the fault suite cannot emulate the WAN line here")
+    proc = run.result(timeout_s=1500)
+    print(proc.stdout[-6000:])
     failed_before = request.session.testsfailed
-    yield result
+    faults_json = run.out / "faults.json"
+    assert faults_json.exists(), (f"the fault suite wrote no faults.json (exit {proc.returncode}):"
+                                  f"\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    yield json.loads(faults_json.read_text())
     if request.session.testsfailed == failed_before:
-        shutil.rmtree(log_dir, ignore_errors=True)
+        shutil.rmtree(run.out, ignore_errors=True)
     else:  # the servers' and the router's logs of the failed run stay
-        print(f"fault suite logs kept in {log_dir}")
+        print(f"fault suite output and logs kept in {run.out}")
 
 
 @pytest.mark.parametrize("name", [f.name for f in faults.QUICK])
