@@ -160,6 +160,28 @@ def abba(rounds: int, first: str = "patched", second: str = "pristine") -> list[
     return [(first, second) if i % 2 == 0 else (second, first) for i in range(rounds)]
 
 
+def guard_cost_ns(calls: int = 200_000) -> dict:
+    """What every hook pays on a server without a role before it returns SGLang's own answer:
+    the call and its first line, ``pdd_role()``. Timed in this process, both before the role is
+    resolved (no server args published: a lookup that fails each time) and after (cached None)."""
+    import timeit
+
+    from pdd_sglang import hooks
+
+    saved = hooks._role
+    try:
+        hooks._role = hooks._UNRESOLVED
+        hooks.pdd_role()  # the first call imports SGLang's runtime context
+        unresolved = timeit.timeit(hooks.pdd_role, number=calls // 10) / (calls // 10)
+        hooks._role = None
+        # handoff_idle: the hook called on every pass of the scheduler's loop
+        resolved = timeit.timeit(lambda: hooks.handoff_idle(None), number=calls) / calls
+    finally:
+        hooks._role = saved
+    return {"hook_call_role_none_ns": round(resolved * 1e9, 1),
+            "pdd_role_unresolved_ns": round(unresolved * 1e9, 1)}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path)
@@ -200,6 +222,7 @@ def main(argv=None) -> int:
               "workload": {k: getattr(args, k) for k in (
                   "num_prompts", "input_len", "output_len", "concurrency", "rounds")},
               "design": "both pairs up throughout; rounds alternate ABBA through the same servers",
+              "guard": guard_cost_ns(),
               "loadavg_1m_before": load_before, "loadavg_1m_after": os.getloadavg()[0],
               "runs": runs}
     path = args.out / "plain_overhead.json"
