@@ -52,6 +52,15 @@ def _cgroups_of(pid: int) -> list[str]:
     return sorted(p.name for p in CGROUP_CPU.glob(f"pdd-demo-{pid}-*"))
 
 
+def _every_server_started(pid: int) -> bool:
+    groups = _cgroups_of(pid)
+    try:
+        return len(groups) == len(SERVERS) and all(
+            len((CGROUP_CPU / g / "cgroup.procs").read_text().split()) >= 2 for g in groups)
+    except FileNotFoundError:
+        return False
+
+
 def test_quick_demo_runs_both_points_and_pdd_hands_off(background):
     # Started in the background when the session collected its tests (tests/conftest.py).
     proc = background.result(timeout_s=1200)
@@ -133,9 +142,15 @@ def test_ctrl_c_during_start_up_leaves_nothing_behind(tmp_path):
         for line in proc.stdout:
             if line.startswith("starting the WAN line"):
                 break
-        time.sleep(15)  # the servers are starting: processes, namespaces and cgroups all exist
+        # Until every server has spawned its first SGLang subprocess (two processes in its
+        # cgroup): namespaces, cgroups, launchers and children all exist, mid start-up.
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not _every_server_started(proc.pid):
+            time.sleep(0.2)
         groups = _cgroups_of(proc.pid)
         assert len(groups) == len(SERVERS), groups
+        assert _every_server_started(proc.pid), [
+            (g, (CGROUP_CPU / g / "cgroup.procs").read_text().split()) for g in groups]
         proc.send_signal(signal.SIGINT)
         _, stderr = proc.communicate(timeout=120)
     finally:
