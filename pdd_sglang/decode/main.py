@@ -49,12 +49,11 @@ from collections import Counter
 from http import HTTPStatus
 from typing import Any, Optional
 
-from pdd_sglang.policy import Pipeline
 from pdd_sglang.diagnostics import kv_digest
 from pdd_sglang.protocol.control_channel import PeerState
 from pdd_sglang.decode.handoff_channel import HandoffStats, main_loop
 from pdd_sglang.decode.main_extend import ExtendSteps, Held, _Parked, _RunningExtend
-from pdd_sglang.decode.route_cache import route_for
+from pdd_sglang.decode.route_cache import is_relay_main, route_for
 from pdd_sglang.protocol.messages import (HandoffReady, HandoffRefused, HandoffTokens,
                                  MessageError, check_token_ids)
 
@@ -84,10 +83,10 @@ class MainHandoff(ExtendSteps):
         passed = []
         now = time.monotonic()
         for req in transferred:
-            route = route_for(req)
-            if route is None or route.pipeline is not Pipeline.PREFILL_RELAY_MAIN or req.finished():
+            if not is_relay_main(req) or req.finished():
                 passed.append(req)
                 continue
+            route = route_for(req)
             if route.relay_control in self.relays_down:
                 self.stats.event("relay_down_continued_alone")
                 passed.append(req)  # nobody to hand anything over: decode it here, as plain PD

@@ -46,7 +46,7 @@ from pdd_sglang.diagnostics import kv_digest
 from pdd_sglang.decode.handoff_channel import HandoffStats, policy_config, relay_loop
 from pdd_sglang.decode.finish import HandedOff
 from pdd_sglang.decode.relay_debug_hold import READY_WAIT_S, DebugHold
-from pdd_sglang.decode.route_cache import route_for
+from pdd_sglang.decode.route_cache import is_relay_main, route_for
 from pdd_sglang.protocol.messages import (HandoffAck, HandoffReady, HandoffRefused, HandoffTokens,
                                  encode, pack_tokens)
 
@@ -106,7 +106,7 @@ class RelayHandoff(DebugHold):
     def hold(self, transferred: list) -> list:
         if self.args.pdd_enable_kv_digest:
             for req in transferred:
-                if _is_relay_main(req) and not req.finished():
+                if is_relay_main(req) and not req.finished():
                     self.kv_hashes[req.bootstrap_room] = kv_digest.PendingHashes.start(
                         self.scheduler, req, background=True)
             while len(self.kv_hashes) > KV_HASHED_ROOMS_KEPT:
@@ -118,7 +118,7 @@ class RelayHandoff(DebugHold):
         if self._closed:
             return running_batch, None
         reqs = {req.bootstrap_room: req for req in running_batch.reqs
-                if _is_relay_main(req)}
+                if is_relay_main(req)}
         self._note_finished(reqs)
         for peer, message in self.loop.received():
             self._on_message(peer, message)
@@ -389,11 +389,6 @@ class RelayHandoff(DebugHold):
         self.held_out.clear()
         self.loop.close()
         kv_digest.PendingHashes.shutdown()
-
-
-def _is_relay_main(req: Any) -> bool:
-    route = route_for(req)
-    return route is not None and route.pipeline is policy.Pipeline.PREFILL_RELAY_MAIN
 
 
 def _is_abort(req: Any) -> bool:

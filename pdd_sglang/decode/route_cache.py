@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from pdd_sglang.policy import Pipeline
 from pdd_sglang.protocol.route import Route, RouteError, route_of
 
 
@@ -18,3 +19,9 @@ def route_for(req: Any) -> Optional[Route]:
         route = None  # refused (and the request aborted) where the receiver was created
     req._pdd_route_cache = route
     return route
+
+
+def is_relay_main(req: Any) -> bool:
+    """The request's route is P->RLD->MD (the only pipeline with a handoff)."""
+    route = route_for(req)
+    return route is not None and route.pipeline is Pipeline.PREFILL_RELAY_MAIN

@@ -57,3 +57,8 @@ def bytes_past_prefixes(kv_mgr: Any, chunk: Any, sessions: list) -> list[tuple[s
     return [(s, page_bytes * pages_past_prefix(chunk, (infos[s].decode_prefix_len or 0) - start,
                                                page_size))
             for s in sessions if s in infos]
+
+
+def uncounted_copy(chunk: Any) -> Any:
+    """A copy the WAN worker counts afresh: SGLang's per-room in-flight count sees both paths."""
+    return dataclasses.replace(chunk, staging_counted=False)

@@ -37,7 +37,8 @@ import time
 from collections import OrderedDict
 from typing import Any, Optional
 
-from pdd_sglang.prefill.destination_chunks import bytes_past_prefixes, skip_prefix_pages
+from pdd_sglang.prefill.destination_chunks import (bytes_past_prefixes, skip_prefix_pages,
+                                                   uncounted_copy)
 from pdd_sglang.protocol.messages import DestinationHello, MessageError, decode
 from pdd_sglang.prefill.ledger import LEDGER
 from pdd_sglang.prefill.wan_line import WanLine
@@ -309,7 +310,7 @@ class PrefillFanout:
             if hellos and not wan_worker and fanout.awaits_main():
                 # Decided under the same lock as the main's registration: each chunk reaches
                 # main exactly once, either replayed at registration or forwarded below.
-                fanout.unsent_to_main.append(_uncounted(kv_chunk))
+                fanout.unsent_to_main.append(uncounted_copy(kv_chunk))
         if not hellos or not self.wan_queues:
             return reqs
         # Only destinations whose hello this chunk's decision saw: a main registering meanwhile
@@ -325,7 +326,7 @@ class PrefillFanout:
     def _to_wan_path(self, kv_chunk: Any) -> None:
         if self.wan_queues:
             self.wan_queues[kv_chunk.room % len(self.wan_queues)].put(
-                _uncounted(kv_chunk), self._wan_charges(kv_chunk))
+                uncounted_copy(kv_chunk), self._wan_charges(kv_chunk))
 
     def _wan_charges(self, kv_chunk: Any) -> list:
         """``(main session, bytes)`` this chunk will put on the line: pages past main's prefix."""
@@ -390,11 +391,6 @@ class PrefillFanout:
             while len(self._rooms) > MAX_TRACKED_ROOMS:
                 self._rooms.popitem(last=False)
         return fanout
-
-
-def _uncounted(kv_chunk: Any) -> Any:
-    """A copy the WAN worker counts afresh: SGLang's per-room in-flight count sees both paths."""
-    return dataclasses.replace(kv_chunk, staging_counted=False)
 
 
 def _is_wan(hello: Optional[DestinationHello]) -> bool:
