@@ -1,8 +1,10 @@
 """The two shared clusters of real SGLang servers on the tiny model (CPU profile), one at a time.
 
 Every integration test that can share servers uses one of two PDD clusters (prefill, relay,
-main, a plain single server as the greedy reference, and at page size 1 a second main); they
-differ in the KV page size, so each check runs where its layout matters:
+main, and at page size 1 a second main), each beside the session's one greedy reference: a plain
+single server of the pristine sglang wheel (``plain``; no patch, no disaggregation), started with
+the first cluster and kept for the session. The clusters differ in the KV page size, so each
+check runs where its layout matters:
 
 - ``page1``: page size 1. Behind it runs the PDD router (``router_cluster``); the plain PD pair
   (``pd_pair``), the two-main affinity test and the slow-relay tests (a fake relay paces
@@ -12,7 +14,10 @@ differ in the KV page size, so each check runs where its layout matters:
 
 Only one cluster is alive at a time (``SharedClusters``: a CPU server holds about 2.7 GB, and
 both clusters at once ran this 24 GiB machine out of memory), and the collection order below
-runs every page-1 test, then every page-16 test, so each starts once.
+runs every page-1 test, then every page-16 test, so each starts once. A server start costs about
+50 CPU-seconds here (SGLang's three processes each import torch, transformers and sglang), so
+one reference for both page sizes, and for the no-role test, saves two of them; greedy tokens
+do not depend on the page size (float32, torch-native attention).
 
 Per-request test controls travel in the route (forced handoff points, a damaged WAN copy); what
 is a server flag here is test-only and inert unless a route asks for it, except the WAN delay on
@@ -28,6 +33,7 @@ from __future__ import annotations
 import pytest
 
 from pdd_sglang.dev.testing.cluster import RELAY_CPU_ARGS, Cluster, SGLangServer, free_port
+from pdd_sglang.dev.testing.pristine import pristine_env, pristine_sglang
 from pdd_sglang.dev.testing.tiny_model import TinyModelSpec, ensure_tiny_model
 from pdd_sglang.dev.testing.wan_cluster import RouterProcess
 
@@ -53,9 +59,9 @@ def tiny_model():
 
 
 def _pdd_cluster(page_size: int, model_path, log_dir) -> Cluster:
-    """Prefill, relay, main, a plain server and at page 1 a second main (short handoff timeout); mains
-    check their WAN copy against the relay's (``--pdd-enable-kv-digest``) and damage one when
-    its route asks."""
+    """Prefill, relay, main and at page 1 a second main (short handoff timeout); mains check
+    their WAN copy against the relay's (``--pdd-enable-kv-digest``) and damage one when its
+    route asks."""
     bootstrap_port = free_port()
     common = ("--disaggregation-transfer-backend", "mooncake_tcp", "--page-size", str(page_size),
               "--pdd-debug-kv-digest")
@@ -72,8 +78,6 @@ def _pdd_cluster(page_size: int, model_path, log_dir) -> Cluster:
             str(CATCH_UP_CHUNK), "--enable-metrics", "--pdd-enable-kv-digest", *common,
             *RELAY_CPU_ARGS)),
         SGLangServer("main", model_path, log_dir, extra_args=main_args),
-        # The greedy reference: one ordinary SGLang server, no disaggregation.
-        SGLangServer("plain", model_path, log_dir, extra_args=("--page-size", str(page_size))),
     ]
     if page_size == 1:  # its users (two mains, the slow relay) need no other page size
         servers.append(SGLangServer("main2", model_path, log_dir, extra_args=(
@@ -88,20 +92,25 @@ def _pdd_cluster(page_size: int, model_path, log_dir) -> Cluster:
 
 
 class SharedClusters:
-    """At most one shared cluster alive at a time, started when a test first asks for it.
+    """At most one shared cluster alive at a time, started when a test first asks for it, and the
+    session's greedy reference (``plain``) beside whichever is alive.
 
     A CPU SGLang server holds about 2.7 GB (launcher, scheduler, detokenizer), so the two
-    clusters' ten servers would not fit in this machine's 24 GiB together: asking for the other
-    page size stops the live cluster (and the router over it) first. The collection order below
-    runs every page-1 test before the page-16 ones, so each cluster starts once.
+    clusters' nine servers would not fit in this machine's 24 GiB together: asking for the other
+    page size stops the live cluster (and the router over it) first, never the reference. The
+    collection order below runs every page-1 test before the page-16 ones, so each cluster
+    starts once.
     """
 
-    def __init__(self, model_path, tmp_path_factory, before_start=lambda page_size: None):
+    def __init__(self, model_path, tmp_path_factory, reference_env: dict,
+                 before_start=lambda page_size: None):
         self._model_path = model_path
         self._tmp = tmp_path_factory
+        self._reference_env = reference_env
         self._before_start = before_start  # called with the page size, the old cluster stopped
         self.page_size: int | None = None
         self.cluster: Cluster | None = None
+        self.reference: SGLangServer | None = None
         self.started: list[int] = []  # page sizes, in the order their clusters started
 
     def get(self, page_size: int) -> Cluster:
@@ -109,7 +118,15 @@ class SharedClusters:
             self.close()
             self._before_start(page_size)
             log_dir = self._tmp.mktemp(f"page{page_size}-logs")
+            first = self.reference is None
+            if first:  # starts beside the first cluster's servers (start-up is CPU-bound)
+                self.reference = SGLangServer("plain", self._model_path, log_dir,
+                                              env=self._reference_env)
+                self.reference.start()
             self.cluster = _pdd_cluster(page_size, self._model_path, log_dir).__enter__()
+            if first:
+                self.reference.wait_ready()
+            self.cluster.servers["plain"] = self.reference
             self.cluster.router = None
             self.page_size = page_size
             self.started.append(page_size)
@@ -133,14 +150,23 @@ class SharedClusters:
         return cluster
 
     def close(self) -> None:
+        """Stop the live cluster and its router; the reference stays."""
         cluster, self.cluster, self.page_size = self.cluster, None, None
         if cluster is None:
             return
+        cluster.servers.pop("plain", None)
         try:
             if cluster.router is not None:
                 cluster.router.stop()
         finally:
             cluster.stop()
+
+    def close_all(self) -> None:
+        try:
+            self.close()
+        finally:
+            if self.reference is not None:
+                self.reference.stop()
 
 
 @pytest.fixture(scope="session")
@@ -149,16 +175,19 @@ def shared_clusters(request, tiny_model, tmp_path_factory, start_background):
     wants_fault_suite = any(item.path.name in FAULT_SUITE for item in request.session.items)
 
     def before_start(page_size: int) -> None:
-        # The fault suite's three servers fit in memory beside the page-16 cluster's four (not
-        # beside page 1's five), and both spend most of their time waiting: run them together.
+        # The fault suite's three servers fit in memory beside the page-16 cluster's three and
+        # the reference (not beside page 1's four), and both spend much of their time waiting:
+        # run them together.
         if page_size == 16 and wants_fault_suite:
             start_background("fault_suite")
 
-    clusters = SharedClusters(model_path, tmp_path_factory, before_start)
-    try:
-        yield clusters
-    finally:
-        clusters.close()
+    with pristine_sglang() as scratch:
+        clusters = SharedClusters(model_path, tmp_path_factory, pristine_env(scratch),
+                                  before_start)
+        try:
+            yield clusters
+        finally:
+            clusters.close_all()
 
 
 # Function-scoped: each test gets the cluster that is live for it, never a stopped one.
@@ -174,7 +203,7 @@ def page16_cluster(shared_clusters):
 
 @pytest.fixture(params=[1, 16], ids=lambda p: f"page{p}")
 def three_roles(request, shared_clusters):
-    """PDD prefill, relay and main (and a plain server) at page size 1 or 16."""
+    """PDD prefill, relay and main (and the reference, ``plain``) at page size 1 or 16."""
     return shared_clusters.get(request.param)
 
 
@@ -192,14 +221,13 @@ def router_cluster(shared_clusters):
 
 # ---- the order ------------------------------------------------------------------------------
 # Pure-logic tests first, beside the background runs (tests/conftest.py: the quick demo and its
-# crash run); then the crash run's result, and only then the test of plain servers without a role
-# (its three servers and the crash run's two would not fit beside the demo's four together); the
-# Ctrl-C and refusal runs of the demo; the quick demo's result; the tests that start servers of
-# their own (the WAN line's); then every page-1 test and the page-16 ones: the machine never holds
-# two shared clusters at once, and each starts once. The fault suite runs in the background beside
-# the page-16 cluster (``shared_clusters``); its tests take its result after the page-16 tests.
+# crash run); then the crash run's result; the Ctrl-C and refusal runs of the demo; the quick
+# demo's result; the tests that start servers of their own (the WAN line's); then every page-1
+# test (the no-role pair's two servers among them, beside the page-1 cluster) and the page-16
+# ones: the machine never holds two shared clusters at once, and each starts once. The fault
+# suite runs in the background beside the page-16 cluster (``shared_clusters``); its tests take
+# its result after the page-16 tests.
 CRASH_TEST = "test_server_crash_mid_run_still_cleans_up"  # its run: tests/conftest.py
-AFTER_THE_CRASH_RUN = ("test_a_patched_server_without_a_role_is_plain_sglang",)
 QUICK_DEMO_TEST = "test_quick_demo_runs_both_points_and_pdd_hands_off"  # its run: tests/conftest.py
 DEMO_TESTS = ("test_demo.py",)
 FAULT_SUITE = ("test_fault_suite.py",)
@@ -217,8 +245,6 @@ def _order(item) -> tuple:
     name, folder = item.path.name, item.path.parent.name
     if item.originalname == CRASH_TEST:
         return (0, 1)
-    if item.originalname in AFTER_THE_CRASH_RUN:
-        return (0, 2)
     if name in DEMO_TESTS:  # the demo's other runs; then the quick one's result
         return (1,) if item.originalname == QUICK_DEMO_TEST else (0, 3)
     if name in FAULT_SUITE:

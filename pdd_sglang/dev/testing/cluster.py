@@ -38,8 +38,16 @@ CPU_SERVER_ARGS = (
 RELAY_CPU_ARGS = ("--disaggregation-decode-retraction-backup", "cpu_tensor")
 CPU_SERVER_ENV = {
     "SGLANG_USE_CPU_ENGINE": "1",
+    # One torch thread per server: a machine of 2 cores runs several servers at once, and two
+    # OpenMP threads each spin-wait after every parallel region of the tiny model's small ops
+    # (measured: 16 requests x 100 tokens, 4.5 CPU-s of the server at 2 threads, 2.0 at 1, the
+    # same wall time). Every server runs alike, so greedy tokens still agree across them.
+    "OMP_NUM_THREADS": "1",
     # SGLang's own idle-time leak check: a leaked KV slot raises instead of warning.
     "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1",
+    # SGLang's fast start-up path: the tiny Llama's class is found without importing the other
+    # ~250 model modules (any other model still loads them; see the package's docstring).
+    "SGLANG_EXTERNAL_MODEL_PACKAGE": "pdd_sglang.dev.testing.sglang_models",
 }
 _LIVE: set["SGLangServer"] = set()
 
