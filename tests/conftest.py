@@ -6,8 +6,8 @@ lock's resolution on the package index, the fault suite on its faults' hold time
 Each runs as a subprocess beside the tests in the foreground; its test takes the result later.
 The demo's two runs and the lock start as soon as the session has collected their tests, beside
 the pure-logic tests (``tests/integration/conftest.py`` orders them first); the fault suite
-starts on demand (the ``start_background`` fixture), where its servers fit in memory: beside the page-16
-cluster. A session that ends early stops what is still running (Ctrl-C to the demo and the fault
+starts on demand (the ``start_background`` fixture), where the machine has CPU and memory to
+spare: from the quick demo's result on (``tests/integration/conftest.py``). A session that ends early stops what is still running (Ctrl-C to the demo and the fault
 suite, which stop their servers, line and cgroups themselves).
 """
 

@@ -102,12 +102,10 @@ class SharedClusters:
     starts once.
     """
 
-    def __init__(self, model_path, tmp_path_factory, reference_env: dict,
-                 before_start=lambda page_size: None):
+    def __init__(self, model_path, tmp_path_factory, reference_env: dict):
         self._model_path = model_path
         self._tmp = tmp_path_factory
         self._reference_env = reference_env
-        self._before_start = before_start  # called with the page size, the old cluster stopped
         self.page_size: int | None = None
         self.cluster: Cluster | None = None
         self.reference: SGLangServer | None = None
@@ -116,7 +114,6 @@ class SharedClusters:
     def get(self, page_size: int) -> Cluster:
         if self.page_size != page_size:
             self.close()
-            self._before_start(page_size)
             log_dir = self._tmp.mktemp(f"page{page_size}-logs")
             first = self.reference is None
             if first:  # starts beside the first cluster's servers (start-up is CPU-bound)
@@ -170,20 +167,10 @@ class SharedClusters:
 
 
 @pytest.fixture(scope="session")
-def shared_clusters(request, tiny_model, tmp_path_factory, start_background):
+def shared_clusters(tiny_model, tmp_path_factory):
     _, model_path = tiny_model
-    wants_fault_suite = any(item.path.name in FAULT_SUITE for item in request.session.items)
-
-    def before_start(page_size: int) -> None:
-        # The fault suite's three servers fit in memory beside the page-16 cluster's three and
-        # the reference (not beside page 1's four), and both spend much of their time waiting:
-        # run them together.
-        if page_size == 16 and wants_fault_suite:
-            start_background("fault_suite")
-
     with pristine_sglang() as scratch:
-        clusters = SharedClusters(model_path, tmp_path_factory, pristine_env(scratch),
-                                  before_start)
+        clusters = SharedClusters(model_path, tmp_path_factory, pristine_env(scratch))
         try:
             yield clusters
         finally:
@@ -221,17 +208,21 @@ def router_cluster(shared_clusters):
 
 # ---- the order ------------------------------------------------------------------------------
 # Pure-logic tests first, beside the background runs (tests/conftest.py: the quick demo and its
-# crash run); then the crash run's result; the Ctrl-C and refusal runs of the demo; the quick
-# demo's result; the tests that start servers of their own (the WAN line's); then every page-1
-# test (the no-role pair's two servers among them, beside the page-1 cluster) and the page-16
-# ones: the machine never holds two shared clusters at once, and each starts once. The fault
-# suite runs in the background beside the page-16 cluster (``shared_clusters``); its tests take
-# its result after the page-16 tests.
+# crash run); then the crash run's result; the Ctrl-C and refusal runs of the demo; the tests that
+# start servers of their own (the WAN line's); the quick demo's result; then every page-1 test,
+# the fault suite's result, the no-role pair (its two servers start only once the fault suite's
+# three are gone) and the page-16 tests: the machine never holds two shared clusters at once, and
+# each starts once. The fault suite starts in the background when the foreground reaches the quick
+# demo's result: from there on the machine has CPU to spare (the demo waits on its line and its
+# quotas, the page-1 tests on their WAN delays and timeouts; CPU 30-50 % busy there, measured),
+# and its three servers fit in memory beside the demo's four or the page-1 cluster's five.
 CRASH_TEST = "test_server_crash_mid_run_still_cleans_up"  # its run: tests/conftest.py
 QUICK_DEMO_TEST = "test_quick_demo_runs_both_points_and_pdd_hands_off"  # its run: tests/conftest.py
 DEMO_TESTS = ("test_demo.py",)
 FAULT_SUITE = ("test_fault_suite.py",)
+NO_ROLE = ("test_no_role.py",)
 LAST = ("test_shutdown.py",)  # stops the live cluster's servers
+FAULT_SUITE_STARTS_AT = (1,)  # the quick demo's result
 
 
 def _page_size(item) -> int:
@@ -248,14 +239,23 @@ def _order(item) -> tuple:
     if name in DEMO_TESTS:  # the demo's other runs; then the quick one's result
         return (1,) if item.originalname == QUICK_DEMO_TEST else (0, 3)
     if name in FAULT_SUITE:
-        return (4, 17)
+        return (4, 1, 1)
+    if name in NO_ROLE:
+        return (4, 1, 2)
     if name in LAST:
         return (5,)
     if folder == "integration":
-        return (4, _page_size(item))
+        return (4, _page_size(item), 0)
     if folder == "dev_wan_emulator" or item.get_closest_marker("integration") is not None:
-        return (3,)
+        return (0, 4)
     return (0, 0)
+
+
+@pytest.fixture(autouse=True)
+def _fault_suite_in_the_background(request, start_background):
+    if _order(request.node) >= FAULT_SUITE_STARTS_AT and any(
+            item.path.name in FAULT_SUITE for item in request.session.items):
+        start_background("fault_suite")  # once; later calls find it running
 
 
 @pytest.hookimpl(trylast=True)  # after pytest's own reordering by fixture

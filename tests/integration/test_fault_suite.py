@@ -22,7 +22,8 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(scope="module")
 def report(request, start_background):
     """The suite's faults.json. It runs as ``scripts/fault_suite.py --quick`` in the background,
-    started beside the page-16 cluster (``conftest.py``), or here when that did not happen."""
+    started once the foreground reached the quick demo's result (``conftest.py``), or here when that
+    did not happen."""
     if os.geteuid() != 0 or not Path("/dev/net/tun").exists():
         pytest.skip("the WAN emulator needs root and /dev/net/tun")
     run = start_background("fault_suite")
