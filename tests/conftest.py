@@ -142,6 +142,15 @@ def pytest_sessionfinish(session):
             run.stop()
 
 
+@pytest.fixture(scope="session")
+def still_running(request):
+    """``still_running(name)``: whether the background run ``name`` started and has not ended."""
+    def check(name: str) -> bool:
+        run = request.config.stash.get(_RUNS, {}).get(name)
+        return run is not None and run.process.poll() is None
+    return check
+
+
 @pytest.fixture
 def background(request):
     """This test's background run (started at collection; ``result()`` waits for it). Its

@@ -109,18 +109,35 @@ class SharedClusters:
         self.page_size: int | None = None
         self.cluster: Cluster | None = None
         self.reference: SGLangServer | None = None
+        self.ahead: tuple[int, Cluster] | None = None  # (page size, started, not yet waited for)
         self.started: list[int] = []  # page sizes, in the order their clusters started
+
+    def start_ahead(self, page_size: int) -> None:
+        """Start the servers of the next page size now, beside the live cluster, so that their
+        start-up (CPU-bound) overlaps the live cluster's last tests (which mostly wait); ``get``
+        then only waits for them."""
+        if self.ahead is None and self.page_size != page_size:
+            cluster = _pdd_cluster(page_size, self._model_path,
+                                   self._tmp.mktemp(f"page{page_size}-logs"))
+            cluster.start()
+            self.ahead = (page_size, cluster)
 
     def get(self, page_size: int) -> Cluster:
         if self.page_size != page_size:
             self.close()
-            log_dir = self._tmp.mktemp(f"page{page_size}-logs")
+            if self.ahead is not None and self.ahead[0] == page_size:
+                cluster, self.ahead = self.ahead[1], None
+            else:
+                self._stop_ahead()
+                cluster = _pdd_cluster(page_size, self._model_path,
+                                       self._tmp.mktemp(f"page{page_size}-logs"))
+                cluster.start()
             first = self.reference is None
-            if first:  # starts beside the first cluster's servers (start-up is CPU-bound)
-                self.reference = SGLangServer("plain", self._model_path, log_dir,
+            if first:  # starts beside the first cluster's servers
+                self.reference = SGLangServer("plain", self._model_path, cluster.log_dir,
                                               env=self._reference_env)
                 self.reference.start()
-            self.cluster = _pdd_cluster(page_size, self._model_path, log_dir).__enter__()
+            self.cluster = cluster.wait_ready()
             if first:
                 self.reference.wait_ready()
             self.cluster.servers["plain"] = self.reference
@@ -128,6 +145,11 @@ class SharedClusters:
             self.page_size = page_size
             self.started.append(page_size)
         return self.cluster
+
+    def _stop_ahead(self) -> None:
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None:
+            ahead[1].stop()
 
     def with_router(self) -> Cluster:
         """The page-1 cluster's P, RLD and MD behind the PDD router."""
@@ -160,6 +182,7 @@ class SharedClusters:
 
     def close_all(self) -> None:
         try:
+            self._stop_ahead()
             self.close()
         finally:
             if self.reference is not None:
@@ -210,12 +233,14 @@ def router_cluster(shared_clusters):
 # Pure-logic tests first, beside the background runs (tests/conftest.py: the quick demo and its
 # crash run); then the crash run's result; the Ctrl-C and refusal runs of the demo; the tests that
 # start servers of their own (the WAN line's); the quick demo's result; then every page-1 test,
-# the fault suite's result, the no-role pair (its two servers start only once the fault suite's
-# three are gone) and the page-16 tests: the machine never holds two shared clusters at once, and
-# each starts once. The fault suite starts in the background when the foreground reaches the quick
-# demo's result: from there on the machine has CPU to spare (the demo waits on its line and its
-# quotas, the page-1 tests on their WAN delays and timeouts; CPU 30-50 % busy there, measured),
-# and its three servers fit in memory beside the demo's four or the page-1 cluster's five.
+# the fault suite's result, and the page-16 tests with the no-role pair (two servers of its own):
+# the machine never serves from two shared clusters at once, and each starts once.
+# - The fault suite starts in the background when the foreground reaches the quick demo's result:
+#   from there on the machine has CPU to spare (the demo waits on its line and its quotas, the
+#   page-1 tests on their WAN delays and timeouts: CPU 30-50 % busy there, measured), and its three
+#   servers fit in memory beside the demo's four or the page-1 cluster's five.
+# - Once it has ended, the page-16 servers start ahead, beside the page-1 cluster's last tests
+#   (eight servers: they fit where the fault suite's three were).
 CRASH_TEST = "test_server_crash_mid_run_still_cleans_up"  # its run: tests/conftest.py
 QUICK_DEMO_TEST = "test_quick_demo_runs_both_points_and_pdd_hands_off"  # its run: tests/conftest.py
 DEMO_TESTS = ("test_demo.py",)
@@ -223,6 +248,7 @@ FAULT_SUITE = ("test_fault_suite.py",)
 NO_ROLE = ("test_no_role.py",)
 LAST = ("test_shutdown.py",)  # stops the live cluster's servers
 FAULT_SUITE_STARTS_AT = (1,)  # the quick demo's result
+PAGE1_GROUP = (4, 1)
 
 
 def _page_size(item) -> int:
@@ -239,9 +265,9 @@ def _order(item) -> tuple:
     if name in DEMO_TESTS:  # the demo's other runs; then the quick one's result
         return (1,) if item.originalname == QUICK_DEMO_TEST else (0, 3)
     if name in FAULT_SUITE:
-        return (4, 1, 1)
+        return (*PAGE1_GROUP, 1)
     if name in NO_ROLE:
-        return (4, 1, 2)
+        return (4, 16, 1)
     if name in LAST:
         return (5,)
     if folder == "integration":
@@ -251,11 +277,20 @@ def _order(item) -> tuple:
     return (0, 0)
 
 
+def _collected(session, names: tuple) -> bool:
+    return any(item.path.name in names for item in session.items)
+
+
 @pytest.fixture(autouse=True)
-def _fault_suite_in_the_background(request, start_background):
-    if _order(request.node) >= FAULT_SUITE_STARTS_AT and any(
-            item.path.name in FAULT_SUITE for item in request.session.items):
+def _background_and_ahead(request, start_background, still_running):
+    order = _order(request.node)
+    if order >= FAULT_SUITE_STARTS_AT and _collected(request.session, FAULT_SUITE):
         start_background("fault_suite")  # once; later calls find it running
+    if order[:2] == PAGE1_GROUP and not still_running("fault_suite") and any(
+            _order(item)[:2] == (4, 16) for item in request.session.items):
+        clusters = request.getfixturevalue("shared_clusters")
+        if clusters.page_size == 1:
+            clusters.start_ahead(16)
 
 
 @pytest.hookimpl(trylast=True)  # after pytest's own reordering by fixture

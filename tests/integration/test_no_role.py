@@ -3,7 +3,7 @@
 A plain PD pair of the patched venv (the case where PDD used to start its WAN workers anyway) has
 no PDD thread and no ``pdd`` state, and its greedy outputs equal those of the session's reference,
 a single server of the pristine wheel (a scratch copy reverted by apply_patches, never the shared
-venv; ``conftest.py``). The pair's two servers start beside the page-1 cluster.
+venv; ``conftest.py``). The pair's two servers start beside the page-16 cluster.
 
 Every thread PDD starts carries a ``pdd-`` name in the kernel (``/proc/PID/task/TID/comm``), so
 the test sees them from outside the server process.
@@ -30,14 +30,14 @@ def prompts(count: int = 3) -> list[list[int]]:
     return [[rng.randrange(10, 1000) for _ in range(rng.randrange(20, 120))] for _ in range(count)]
 
 
-def test_a_patched_server_without_a_role_is_plain_sglang(page1_cluster, tmp_path):
-    pristine = page1_cluster["plain"]
+def test_a_patched_server_without_a_role_is_plain_sglang(page16_cluster, tmp_path):
+    pristine = page16_cluster["plain"]  # the session's reference, at SGLang's default page size
     assert "pdd" not in internal_state(pristine)
     bootstrap_port = free_port()
-    prefill = SGLangServer("prefill", page1_cluster.model_path, tmp_path, extra_args=(
+    prefill = SGLangServer("prefill", page16_cluster.model_path, tmp_path, extra_args=(
         "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port",
         str(bootstrap_port), *TRANSPORT))
-    decode = SGLangServer("decode", page1_cluster.model_path, tmp_path, extra_args=(
+    decode = SGLangServer("decode", page16_cluster.model_path, tmp_path, extra_args=(
         "--disaggregation-mode", "decode", *TRANSPORT, *RELAY_CPU_ARGS))
     with Cluster([prefill, decode]) as cluster:
         for prompt in prompts():

@@ -251,9 +251,21 @@ class Cluster:
         return self.servers[name]
 
     def __enter__(self) -> "Cluster":
+        self.start()
+        return self.wait_ready()
+
+    def start(self) -> None:
+        """Start every server and return at once (``wait_ready`` waits)."""
         try:
             for server in self.servers.values():
                 server.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def wait_ready(self) -> "Cluster":
+        """Until every started server answers; on any failure all of them are stopped."""
+        try:
             for server in self.servers.values():
                 for attempt in range(3):
                     try:
