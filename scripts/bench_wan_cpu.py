@@ -53,8 +53,7 @@ def run_mode(mode: str, out: Path, args) -> dict:
     line.start(log_path=str(out / f"{mode}-wan.log"))
     model = ensure_tiny_model(WAN_DEMO_MODEL)
     bootstrap_port = free_port()
-    common = dict(model_path=model, log_dir=out / mode, max_total_tokens=16384,
-                  env={"OMP_NUM_THREADS": "1"})
+    common = dict(model_path=model, log_dir=out / mode, max_total_tokens=16384)
     debug = ("--pdd-debug-wan-blocking-wait",) if mode == "blocking" else ()
     prefill = NetnsServer("prefill", host=line.address("a"), netns=line.namespace("a"),
                           exec_prefix=tuple(line.exec_prefix("a")),

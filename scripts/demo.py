@@ -235,8 +235,8 @@ def main(argv: list[str] | None = None) -> int:
         line.start(log_path=str(log_dir / "wan.log"))
         ns_a, ns_b = line.namespace("a"), line.namespace("b")
         bootstrap_port = free_port()
-        common = dict(model_path=model, log_dir=log_dir, max_total_tokens=MAX_TOTAL_TOKENS,
-                      env={"OMP_NUM_THREADS": "1"})
+        # One torch thread per server, as every dev-tool server (cluster.CPU_SERVER_ENV).
+        common = dict(model_path=model, log_dir=log_dir, max_total_tokens=MAX_TOTAL_TOKENS)
 
         def where(side: str, name: str) -> tuple:
             return (*groups[name].exec_prefix(), *line.exec_prefix(side))

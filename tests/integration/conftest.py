@@ -12,9 +12,10 @@ check runs where its layout matters:
 - ``page16``: page size 16 with chunked prefill of 64 tokens, so a prompt's KV reaches each
   destination in several chunks that do not fall on its prefix.
 
-Only one cluster is alive at a time (``SharedClusters``: a CPU server holds about 2.7 GB, and
-both clusters at once ran this 24 GiB machine out of memory), and the collection order below
-runs every page-1 test, then every page-16 test, so each starts once. A server start costs about
+Only one cluster serves at a time (``SharedClusters``: a CPU server holds about 2 GB, and both
+clusters with their old plain servers and the fault suite once ran this 24 GiB machine out of
+memory; the next one's servers may start ahead, beside the live one's last tests), and the
+collection order below runs every page-1 test, then every page-16 test, so each starts once. A server start costs about
 50 CPU-seconds here (SGLang's three processes each import torch, transformers and sglang), so
 one reference for both page sizes, and for the no-role test, saves two of them; greedy tokens
 do not depend on the page size (float32, torch-native attention).
@@ -92,7 +93,7 @@ def _pdd_cluster(page_size: int, model_path, log_dir) -> Cluster:
 
 
 class SharedClusters:
-    """At most one shared cluster alive at a time, started when a test first asks for it, and the
+    """At most one shared cluster serving at a time, started when a test first asks for it, and the
     session's greedy reference (``plain``) beside whichever is alive.
 
     A CPU SGLang server holds about 2.7 GB (launcher, scheduler, detokenizer), so the two
@@ -109,8 +110,7 @@ class SharedClusters:
         self.page_size: int | None = None
         self.cluster: Cluster | None = None
         self.reference: SGLangServer | None = None
-        self.ahead: tuple[int, Cluster] | None = None  # (page size, started, not yet waited for)
-        self.started: list[int] = []  # page sizes, in the order their clusters started
+        self.ahead: Cluster | None = None  # started, not yet waited for
 
     def start_ahead(self, page_size: int) -> None:
         """Start the servers of the next page size now, beside the live cluster, so that their
@@ -120,13 +120,13 @@ class SharedClusters:
             cluster = _pdd_cluster(page_size, self._model_path,
                                    self._tmp.mktemp(f"page{page_size}-logs"))
             cluster.start()
-            self.ahead = (page_size, cluster)
+            self.ahead = cluster
 
     def get(self, page_size: int) -> Cluster:
         if self.page_size != page_size:
             self.close()
-            if self.ahead is not None and self.ahead[0] == page_size:
-                cluster, self.ahead = self.ahead[1], None
+            if self.ahead is not None and self.ahead.page_size == page_size:
+                cluster, self.ahead = self.ahead, None
             else:
                 self._stop_ahead()
                 cluster = _pdd_cluster(page_size, self._model_path,
@@ -143,13 +143,12 @@ class SharedClusters:
             self.cluster.servers["plain"] = self.reference
             self.cluster.router = None
             self.page_size = page_size
-            self.started.append(page_size)
         return self.cluster
 
     def _stop_ahead(self) -> None:
         ahead, self.ahead = self.ahead, None
         if ahead is not None:
-            ahead[1].stop()
+            ahead.stop()
 
     def with_router(self) -> Cluster:
         """The page-1 cluster's P, RLD and MD behind the PDD router."""

@@ -65,7 +65,7 @@ class FaultCluster:
         line.start(log_path=str(log_dir / "wan.log"))
         model = ensure_tiny_model(WAN_DEMO_MODEL)
         common = dict(model_path=model, log_dir=log_dir, max_total_tokens=MAX_TOTAL_TOKENS,
-                      env={**SGLANG_TIMEOUT_ENV, "OMP_NUM_THREADS": "1"})
+                      env=dict(SGLANG_TIMEOUT_ENV))
         bootstrap_port, control_port = free_port(), free_port()
 
         def server(name: str, side: str, host: str, *args: str) -> NetnsServer:
