@@ -159,27 +159,33 @@ def test_jitter_stays_within_bounds_and_nothing_is_reordered():
     low, high = RTT_MS / 2 - jitter_ms / 2, RTT_MS / 2 + jitter_ms / 2
     for probes in (sparse, bursts):
         assert probes["received"] == probes["sent"], probes["received"]
+        assert probes["kernel_sent"] == probes["sent"], probes["kernel_sent"]
         assert probes["reordered"] == 0
-        delays = sorted(probes["delays_ms"])
-        assert delays[0] >= low - 0.2, delays[0]  # never early: a hard bound
-        # Arrival is kernel-stamped, but the send stamp is taken in Python just before
-        # sendto(), and one deschedule of the sender or the forwarder (other work shares the
-        # 2 cores) holds a whole burst of 30, 5 % of these probes: a CI run saw 30 at 28.55 ms
-        # against a 25 ms bound. The upper bound is therefore checked on the 90th percentile
-        # here, and exactly below through the forwarder's own lateness account.
-        assert delays[int(len(delays) * 0.90)] <= high + 1.5, delays[-40:]
+        assert min(probes["delays_ms"]) >= low - 0.2, min(probes["delays_ms"])  # never early
+    # Both ends are kernel stamps, so what lies above the window is the forwarder's own
+    # lateness. This VM wakes a sleeping forwarder (real-time priority or not) over 1 ms late
+    # in about 10 % of its release rounds, most of all when the machine is idle (measured:
+    # 25-41 of about 300 rounds, up to 28 ms), and one late round delays a whole burst of 30:
+    # FIFO order packs a burst's departures near the window's top, so a burst's 90th
+    # percentile sits on the bound itself (measured 25.6-26.8 ms against 25 on an idle
+    # machine). Hence the 90th percentile of the sparse probes, the median of the bursts, and
+    # the forwarder's own account of its rounds below.
+    sparse_delays, burst_delays = sorted(sparse["delays_ms"]), sorted(bursts["delays_ms"])
+    assert sparse_delays[int(len(sparse_delays) * 0.90)] <= high + 1.5, sparse_delays[-40:]
+    assert burst_delays[len(burst_delays) // 2] <= high + 1.5, burst_delays[-40:]
     # The jitter must really be there: sparse probes spread over most of the window.
-    spread = max(sparse["delays_ms"]) - min(sparse["delays_ms"])
+    spread = sparse_delays[-1] - sparse_delays[0]
     assert spread >= 0.6 * jitter_ms, spread
     rtt_stats = measure.summarize(rtts)
     assert rtt_stats["min"] >= RTT_MS - jitter_ms - 0.2, rtt_stats
     assert abs(rtt_stats["p50"] - RTT_MS) <= jitter_ms, rtt_stats
-    # The forwarder's own account of packets that left over 1 ms after their due time. Not
-    # the maximum: on this shared VM even a real-time task is now and then held off the CPU
-    # for tens of ms (measured: a SCHED_RR 1 ms sleep loop overshot by up to 33 ms).
+    # The forwarder's account, per release round (one wake-up that releases packets), by how
+    # late the round's oldest packet left. Not the maximum, for the reason above.
     for direction in ("a_to_b", "b_to_a"):
         counts = line.last_stats[direction]
-        assert counts["late_over_1ms"] <= 0.05 * counts["packets"], line.last_stats
+        assert counts["release_rounds"] > 0, line.last_stats
+        assert counts["rounds_late_over_1ms"] <= 0.25 * counts["release_rounds"], line.last_stats
+        assert counts["rounds_late_over_5ms"] <= 0.05 * counts["release_rounds"], line.last_stats
 
 
 # (d) cleanup ------------------------------------------------------------------------------------

@@ -101,7 +101,7 @@ def run_checks(line: WanLine, bulk_seconds: float = 4.0, rtt_count: int = 50) ->
     probes = measure.one_way_probes(line)
     report = {"line": line.describe(), "rtt_ms": measure.summarize(rtts),
               "one_way_ms": measure.summarize(probes["delays_ms"]),
-              "probes": {k: probes[k] for k in ("sent", "received", "reordered")}}
+              "probes": {k: probes[k] for k in ("sent", "received", "reordered", "kernel_sent")}}
     if line.rate_mbit > 0 or bulk_seconds > 0:
         report["bulk_a_to_b"] = measure.bulk_rate(line, seconds=bulk_seconds, src="a", dst="b")
     return report

@@ -17,6 +17,16 @@ PORT_BULK = 5201
 PORT_ECHO = 5202
 PORT_PROBE = 5203
 SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)  # Linux value; absent from some builds
+# Linux's TX timestamps (Documentation/networking/timestamping.rst): a software stamp when the
+# datagram reaches the device, numbered (OPT_ID), without the payload (OPT_TSONLY).
+SO_TIMESTAMPING = getattr(socket, "SO_TIMESTAMPING", 37)
+SOF_TIMESTAMPING_TX_SOFTWARE, SOF_TIMESTAMPING_SOFTWARE = 1 << 1, 1 << 4
+SOF_TIMESTAMPING_OPT_ID, SOF_TIMESTAMPING_OPT_TSONLY = 1 << 7, 1 << 11
+TX_STAMP_FLAGS = (SOF_TIMESTAMPING_TX_SOFTWARE | SOF_TIMESTAMPING_SOFTWARE
+                  | SOF_TIMESTAMPING_OPT_ID | SOF_TIMESTAMPING_OPT_TSONLY)
+IP_RECVERR = getattr(socket, "IP_RECVERR", 11)
+# struct sock_extended_err: errno, origin, type, code, pad, info, data (the stamp's id)
+SOCK_EXTENDED_ERR = struct.Struct("=IBBBBII")
 
 
 def _listen(line, side: str, port: int) -> socket.socket:
@@ -143,15 +153,21 @@ def one_way_probes(line, count: int = 400, burst: int = 20, gap_s: float = 0.005
     """Send numbered UDP datagrams in bursts; return one-way delays (ms) in arrival order and
     how many arrived out of order or not at all.
 
-    Arrival is the kernel's receive timestamp (SO_TIMESTAMPNS), not the moment a Python
-    thread got round to reading: the sender thread can hold the GIL for a switch interval
-    (5 ms), which would otherwise show up as fake jitter."""
+    Both ends are the kernel's timestamps: departure when the datagram enters the line's device
+    (SO_TIMESTAMPING, software TX), arrival at the receiving socket (SO_TIMESTAMPNS). Neither is
+    the moment a Python thread got round to it: on a busy machine a thread can wait for the GIL
+    or the CPU for milliseconds between taking a stamp and the system call, which would show up
+    as delay the line did not add. ``kernel_sent``: datagrams dated so (the rest, if the kernel
+    dropped a stamp, are dated by the sender just before sending)."""
     receiver = line.socket(dst, type=socket.SOCK_DGRAM)
     receiver.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
     receiver.bind((line.address(dst), PORT_PROBE))
     receiver.settimeout(2.0)
     sender = line.socket(src, type=socket.SOCK_DGRAM)
-    arrivals: list[tuple[int, float]] = []
+    # OPT_ID numbers the stamps 0, 1, ... in send order: the probes' own sequence numbers.
+    sender.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPING, TX_STAMP_FLAGS)
+    arrivals: list[tuple[int, float, float]] = []  # (seq, arrival, sender's own stamp)
+    departures: dict[int, float] = {}
 
     def receive():
         while len(arrivals) < count:
@@ -162,23 +178,43 @@ def one_way_probes(line, count: int = 400, burst: int = 20, gap_s: float = 0.005
             seq, sent = struct.unpack("!Id", data[:12])
             arrived = next(_kernel_time(c) for c in ancillary
                            if c[0] == socket.SOL_SOCKET and c[1] == SO_TIMESTAMPNS)
-            arrivals.append((seq, (arrived - sent) * 1000))
+            arrivals.append((seq, arrived, sent))
 
     thread = threading.Thread(target=receive, daemon=True)
     thread.start()
     for seq in range(count):
-        # CLOCK_REALTIME, to match the kernel's receive stamp; a clock step within one
-        # probe run would show up as an outlier, and none is expected on a test machine.
+        # CLOCK_REALTIME, like the kernel's stamps; a clock step within one probe run would
+        # show up as an outlier, and none is expected on a test machine.
         sender.sendto(struct.pack("!Id", seq, time.time()), (line.address(dst), PORT_PROBE))
         if (seq + 1) % burst == 0:
+            _read_departures(sender, departures)  # the error queue holds a few hundred
             time.sleep(gap_s)
     thread.join(10)
+    _read_departures(sender, departures)
     sender.close()
     receiver.close()
-    seqs = [s for s, _ in arrivals]
+    seqs = [s for s, _, _ in arrivals]
     reordered = sum(1 for prev, cur in zip(seqs, seqs[1:]) if cur < prev)
-    return {"delays_ms": [d for _, d in arrivals], "sent": count, "received": len(arrivals),
-            "reordered": reordered}
+    delays = [(arrived - departures.get(seq, sent)) * 1000 for seq, arrived, sent in arrivals]
+    return {"delays_ms": delays, "sent": count, "received": len(arrivals),
+            "reordered": reordered, "kernel_sent": sum(seq in departures for seq in seqs)}
+
+
+def _read_departures(sock: socket.socket, into: dict[int, float]) -> None:
+    """Drain the socket's error queue of TX timestamps: ``into[stamp id] = departure time``."""
+    while True:
+        try:
+            _, ancillary, _, _ = sock.recvmsg(1, 512, socket.MSG_ERRQUEUE | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return
+        stamp = stamp_id = None
+        for level, kind, payload in ancillary:
+            if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPING:
+                stamp = _kernel_time((level, kind, payload))  # [0]: the software stamp
+            elif (level, kind) == (socket.IPPROTO_IP, IP_RECVERR):
+                stamp_id = SOCK_EXTENDED_ERR.unpack(payload[:SOCK_EXTENDED_ERR.size])[-1]
+        if stamp is not None and stamp_id is not None:
+            into[stamp_id] = stamp
 
 
 def _kernel_time(cmsg) -> float:
