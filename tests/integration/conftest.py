@@ -92,6 +92,25 @@ def _pdd_cluster(page_size: int, model_path, log_dir) -> Cluster:
     return cluster
 
 
+def _no_role_pair(model_path, log_dir) -> Cluster:
+    """A plain PD pair of the patched venv, without ``--pdd-role`` (``test_no_role.py``)."""
+    bootstrap_port = free_port()
+    transport = ("--disaggregation-transfer-backend", "mooncake_tcp")
+    cluster = Cluster([
+        SGLangServer("prefill", model_path, log_dir, extra_args=(
+            "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port",
+            str(bootstrap_port), *transport)),
+        SGLangServer("decode", model_path, log_dir, extra_args=(
+            "--disaggregation-mode", "decode", *transport, *RELAY_CPU_ARGS)),
+    ])
+    cluster.bootstrap_port = bootstrap_port
+    return cluster
+
+
+# name -> how to build it: servers a single test owns, started early by ``start_beside``
+BESIDE = {"no_role": _no_role_pair}
+
+
 class SharedClusters:
     """At most one shared cluster serving at a time, started when a test first asks for it, and the
     session's greedy reference (``plain``) beside whichever is alive.
@@ -111,6 +130,7 @@ class SharedClusters:
         self.cluster: Cluster | None = None
         self.reference: SGLangServer | None = None
         self.ahead: Cluster | None = None  # started, not yet waited for
+        self.beside: dict[str, Cluster] = {}  # started for one test, not yet taken by it
 
     def start_ahead(self, page_size: int) -> None:
         """Start the servers of the next page size now, beside the live cluster, so that their
@@ -144,6 +164,20 @@ class SharedClusters:
             self.cluster.router = None
             self.page_size = page_size
         return self.cluster
+
+    def start_beside(self, name: str) -> None:
+        """Start the servers of the one test ``name`` (see ``BESIDE``) now, beside whatever
+        serves, so that their start-up overlaps other tests that mostly wait."""
+        if name not in self.beside:
+            cluster = BESIDE[name](self._model_path, self._tmp.mktemp(f"{name}-logs"))
+            cluster.start()
+            self.beside[name] = cluster
+
+    def take_beside(self, name: str) -> Cluster:
+        """The test's own servers, started early or now, once ready; the test stops them
+        (``with``), and a failed start has stopped them already."""
+        self.start_beside(name)
+        return self.beside.pop(name).wait_ready()
 
     def _stop_ahead(self) -> None:
         ahead, self.ahead = self.ahead, None
@@ -182,6 +216,8 @@ class SharedClusters:
     def close_all(self) -> None:
         try:
             self._stop_ahead()
+            while self.beside:  # a session that ended before their test
+                self.beside.popitem()[1].stop()
             self.close()
         finally:
             if self.reference is not None:
@@ -240,6 +276,8 @@ def router_cluster(shared_clusters):
 #   servers fit in memory beside the demo's four or the page-1 cluster's five.
 # - Once it has ended, the page-16 servers start ahead, beside the page-1 cluster's last tests
 #   (eight servers: they fit where the fault suite's three were).
+# - The no-role pair starts beside the page-16 tests (from the second on), which mostly wait on
+#   their WAN delay: the CPU was 47-62 % busy there, and the pair's start-up then took 60 s alone.
 CRASH_TEST = "test_server_crash_mid_run_still_cleans_up"  # its run: tests/conftest.py
 QUICK_DEMO_TEST = "test_quick_demo_runs_both_points_and_pdd_hands_off"  # its run: tests/conftest.py
 DEMO_TESTS = ("test_demo.py",)
@@ -248,6 +286,7 @@ NO_ROLE = ("test_no_role.py",)
 LAST = ("test_shutdown.py",)  # stops the live cluster's servers
 FAULT_SUITE_STARTS_AT = (1,)  # the quick demo's result
 PAGE1_GROUP = (4, 1)
+PAGE16_TESTS = (4, 16, 0)  # the no-role pair starts beside them
 
 
 def _page_size(item) -> int:
@@ -290,6 +329,10 @@ def _background_and_ahead(request, start_background, still_running):
         clusters = request.getfixturevalue("shared_clusters")
         if clusters.page_size == 1:
             clusters.start_ahead(16)
+    if order == PAGE16_TESTS and _collected(request.session, NO_ROLE):
+        clusters = request.getfixturevalue("shared_clusters")
+        if clusters.page_size == 16:  # from the second page-16 test on: its servers are up
+            clusters.start_beside("no_role")
 
 
 @pytest.hookimpl(trylast=True)  # after pytest's own reordering by fixture
