@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import compileall
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -250,6 +251,13 @@ class Installation:
             out[path] = copy
         return out
 
+    def refresh_bytecode(self, paths) -> None:
+        """Compile the given files' ``.pyc`` where it no longer matches the source, as pip did at
+        install time: otherwise, under ``PYTHONDONTWRITEBYTECODE`` (set on CI machines), every
+        SGLang process compiles the patched modules again (about 0.2 CPU-s each)."""
+        for path in paths:
+            compileall.compile_file(str(self.site_packages / path), quiet=2)
+
     def install(self, built: dict[str, Path]) -> None:
         manifest = self.manifest()
         for path, copy in built.items():
@@ -305,10 +313,12 @@ def main(argv: list[str] | None = None) -> int:
             if args.revert:
                 built = inst.transform(workdir, states, reverse=True)
                 inst.install(built)
+                inst.refresh_bytecode(states)
                 print(f"reverted {len(built)} file(s); {inst.package} is as the wheel installed it")
                 return 0
             built = inst.transform(workdir, states, reverse=False)
             inst.install(built)
+            inst.refresh_bytecode(states)
             print(
                 f"applied {len(inst.series)} patch(es) to {inst.package} "
                 f"{inst.upstream['version']} at {inst.site_packages} "

@@ -15,6 +15,7 @@ printf 'torch==2.14.1\ntorchvision==0.29.1\n' > "$scratch/constraints.txt"
 {
   echo "# Exact CPU-profile environment (pip freeze of a working venv, sglang excluded: see sglang.txt)."
   echo "# Regenerate: make lock (after editing requirements/cpu.in)."
-  "$scratch/venv/bin/python" -m pip freeze --exclude sglang
+  # --all keeps pip itself (cpu.in pins it); setuptools stays the venv's own.
+  "$scratch/venv/bin/python" -m pip freeze --all --exclude sglang --exclude setuptools
 } > "$repo/requirements/cpu.lock"
 echo "wrote requirements/cpu.lock"
