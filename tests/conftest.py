@@ -4,11 +4,12 @@ Some checks spend most of their time waiting, not computing, or run servers that
 others: the quick demo waits on its servers' CPU quotas, its crash run on its two servers, the GPU
 lock's resolution on the package index, the fault suite on its faults' hold times and restarts.
 Each runs as a subprocess beside the tests in the foreground; its test takes the result later.
-The demo's two runs and the lock start as soon as the session has collected their tests, beside
-the pure-logic tests (``tests/integration/conftest.py`` orders them first); the fault suite
-starts on demand (the ``start_background`` fixture), where the machine has CPU and memory to
-spare: from the quick demo's result on (``tests/integration/conftest.py``). A session that ends early stops what is still running (Ctrl-C to the demo and the fault
-suite, which stop their servers, line and cgroups themselves).
+The quick demo starts as soon as the session has collected its test, beside the pure-logic tests
+(``tests/integration/conftest.py`` orders them first); the others start on demand (the
+``start_background`` fixture), where the machine has CPU and memory to spare
+(``tests/integration/conftest.py`` says where), or when their test asks for the result. A
+session that ends early stops what is still running (Ctrl-C to the demo and the fault suite,
+which stop their servers, line and cgroups themselves).
 """
 
 from __future__ import annotations
@@ -106,13 +107,14 @@ def _gpu_lock_resolution(out: Path) -> BackgroundRun:
 
 
 # test name -> how to start its run; these start once the session has collected the test
-BACKGROUND = {
-    "test_quick_demo_runs_both_points_and_pdd_hands_off": _quick_demo,
+BACKGROUND = {"test_quick_demo_runs_both_points_and_pdd_hands_off": _quick_demo}
+# name -> how to start it; these start when start_background() is first called for them, or, for
+# a test's own run (its name), when the test itself asks for it (the ``background`` fixture)
+ON_DEMAND = {
+    "fault_suite": _fault_suite,
     "test_server_crash_mid_run_still_cleans_up": _crash_demo,
     "test_the_lock_resolves_against_the_index_with_hashes_required": _gpu_lock_resolution,
 }
-# name -> how to start it; these start when start_background() is first called for them
-ON_DEMAND = {"fault_suite": _fault_suite}
 
 
 def _start(config, name: str, starter) -> BackgroundRun | None:
@@ -132,8 +134,11 @@ def start_background(request):
 def pytest_collection_finish(session):
     if session.config.option.collectonly:
         return
-    for name in sorted({item.originalname for item in session.items} & set(BACKGROUND)):
-        _start(session.config, name, BACKGROUND[name])
+    starters = dict(BACKGROUND)
+    if not any(item.get_closest_marker("integration") for item in session.items):
+        starters.update(ON_DEMAND)  # no servers for them to wait for: a test's own run starts now
+    for name in sorted({item.originalname for item in session.items} & set(starters)):
+        _start(session.config, name, starters[name])
 
 
 def pytest_sessionfinish(session):
@@ -153,9 +158,12 @@ def still_running(request):
 
 @pytest.fixture
 def background(request):
-    """This test's background run (started at collection; ``result()`` waits for it). Its
-    output folder is removed when the test passes and kept when it fails."""
-    run = request.config.stash.get(_RUNS, {}).get(request.node.originalname)
+    """This test's background run (started at collection or on demand, else now; ``result()``
+    waits for it). Its output folder is removed when the test passes and kept when it fails."""
+    name = request.node.originalname
+    run = request.config.stash.get(_RUNS, {}).get(name)
+    if run is None and name in ON_DEMAND:
+        run = _start(request.config, name, ON_DEMAND[name])
     if run is None:
         pytest.skip("its background run could not start here (see the module's prerequisites)")
     failed_before = request.session.testsfailed

@@ -265,20 +265,27 @@ def router_cluster(shared_clusters):
 
 
 # ---- the order ------------------------------------------------------------------------------
-# Pure-logic tests first, beside the background runs (tests/conftest.py: the quick demo and its
-# crash run); then the crash run's result; the Ctrl-C and refusal runs of the demo; the tests that
-# start servers of their own (the WAN line's); the quick demo's result; then every page-1 test,
-# the fault suite's result, and the page-16 tests with the no-role pair (two servers of its own):
-# the machine never serves from two shared clusters at once, and each starts once.
+# Pure-logic tests first, beside the quick demo (started at collection: tests/conftest.py); the
+# demo's refusal run; the tests that start servers of their own (the WAN line's); the quick demo's
+# result; then every page-1 test, the fault suite's result, the page-16 tests with the no-role pair
+# (two servers of its own) and the shutdown test; last the tail: the demo's Ctrl-C run, the crash
+# run's result and the GPU lock's. The machine never serves from two shared clusters at once, and
+# each starts once. Where the other runs start (all measured on fresh clones, CPU per 5 s):
 # - The fault suite starts in the background when the foreground reaches the quick demo's result:
 #   from there on the machine has CPU to spare (the demo waits on its line and its quotas, the
-#   page-1 tests on their WAN delays and timeouts: CPU 30-50 % busy there, measured), and its three
-#   servers fit in memory beside the demo's four or the page-1 cluster's five.
+#   page-1 tests on their WAN delays and timeouts: CPU 30-50 % busy there), and its three servers
+#   fit in memory beside the demo's four or the page-1 cluster's five.
 # - Once it has ended, the page-16 servers start ahead, beside the page-1 cluster's last tests
-#   (eight servers: they fit where the fault suite's three were).
-# - The no-role pair starts beside the page-16 tests (from the second on), which mostly wait on
-#   their WAN delay: the CPU was 47-62 % busy there, and the pair's start-up then took 60 s alone.
+#   (eight servers: they fit where the fault suite's three were), and the GPU lock's resolution
+#   (pip, no server) with them.
+# - The no-role pair and the demo's crash run (two servers each) start beside the page-16 tests
+#   (from the second on), which mostly wait on their WAN delay: the CPU was 47-62 % busy there,
+#   against 100 % over the first minutes, where the crash run and the lock used to start.
+# - The Ctrl-C run (four servers cut short in start-up) runs in the tail, beside the crash run.
 CRASH_TEST = "test_server_crash_mid_run_still_cleans_up"  # its run: tests/conftest.py
+CTRL_C_TEST = "test_ctrl_c_during_start_up_leaves_nothing_behind"
+GPU_LOCK_TEST = "test_the_lock_resolves_against_the_index_with_hashes_required"  # its run too
+TAIL = {CTRL_C_TEST: (6, 0), CRASH_TEST: (6, 1), GPU_LOCK_TEST: (6, 2)}  # after LAST
 QUICK_DEMO_TEST = "test_quick_demo_runs_both_points_and_pdd_hands_off"  # its run: tests/conftest.py
 DEMO_TESTS = ("test_demo.py",)
 FAULT_SUITE = ("test_fault_suite.py",)
@@ -298,9 +305,9 @@ def _page_size(item) -> int:
 
 def _order(item) -> tuple:
     name, folder = item.path.name, item.path.parent.name
-    if item.originalname == CRASH_TEST:
-        return (0, 1)
-    if name in DEMO_TESTS:  # the demo's other runs; then the quick one's result
+    if item.originalname in TAIL:
+        return TAIL[item.originalname]
+    if name in DEMO_TESTS:  # the demo's refusal run; then the quick one's result
         return (1,) if item.originalname == QUICK_DEMO_TEST else (0, 3)
     if name in FAULT_SUITE:
         return (*PAGE1_GROUP, 1)
@@ -319,20 +326,29 @@ def _collected(session, names: tuple) -> bool:
     return any(item.path.name in names for item in session.items)
 
 
+def _named(session, test: str) -> bool:
+    return any(item.originalname == test for item in session.items)
+
+
 @pytest.fixture(autouse=True)
 def _background_and_ahead(request, start_background, still_running):
     order = _order(request.node)
     if order >= FAULT_SUITE_STARTS_AT and _collected(request.session, FAULT_SUITE):
         start_background("fault_suite")  # once; later calls find it running
-    if order[:2] == PAGE1_GROUP and not still_running("fault_suite") and any(
-            _order(item)[:2] == (4, 16) for item in request.session.items):
-        clusters = request.getfixturevalue("shared_clusters")
-        if clusters.page_size == 1:
-            clusters.start_ahead(16)
-    if order == PAGE16_TESTS and _collected(request.session, NO_ROLE):
+    if order[:2] == PAGE1_GROUP and not still_running("fault_suite"):
+        if _named(request.session, GPU_LOCK_TEST):
+            start_background(GPU_LOCK_TEST)
+        if any(_order(item)[:2] == (4, 16) for item in request.session.items):
+            clusters = request.getfixturevalue("shared_clusters")
+            if clusters.page_size == 1:
+                clusters.start_ahead(16)
+    if order == PAGE16_TESTS:
         clusters = request.getfixturevalue("shared_clusters")
         if clusters.page_size == 16:  # from the second page-16 test on: its servers are up
-            clusters.start_beside("no_role")
+            if _collected(request.session, NO_ROLE):
+                clusters.start_beside("no_role")
+            if _named(request.session, CRASH_TEST):
+                start_background(CRASH_TEST)
 
 
 @pytest.hookimpl(trylast=True)  # after pytest's own reordering by fixture

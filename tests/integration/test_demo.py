@@ -6,8 +6,9 @@ started in the background as soon as the session has collected its tests, beside
 tests (tests/conftest.py), and checks its JSON: both operating points and both placements ran, every
 request has an outcome and PDD handed off, nothing errored or leaked, per-server CPU and the
 stage split are there. Never timing: speed is what the demo prints, not what a test asserts.
-Other runs: a server killed mid-run (also in the background from the start), and Ctrl-C during
-start-up, leave no namespace, cgroup or process behind; a missing CPU controller is refused with its reason. Needs root and
+Other runs: a server killed mid-run (also in the background, started late in the session, where
+the CPU has room: tests/integration/conftest.py) and Ctrl-C during start-up leave no namespace,
+cgroup or process behind; a missing CPU controller is refused with its reason. Needs root and
 /dev/net/tun (CI has both); skips otherwise.
 """
 
@@ -127,7 +128,7 @@ def _assert_nothing_left(stderr: str) -> None:
 
 
 def test_server_crash_mid_run_still_cleans_up(background):
-    proc = background.result(timeout_s=900)  # --quick --inject-crash 1, started at collection
+    proc = background.result(timeout_s=900)  # --quick --inject-crash 1, started in the background
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "died during the run" in proc.stderr, proc.stderr[-4000:]
     _assert_nothing_left(proc.stderr)
