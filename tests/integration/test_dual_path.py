@@ -92,7 +92,8 @@ def test_relay_gets_full_prompt_main_gets_uncached_suffix(three_roles, tiny_mode
 
     # The same figures in SGLang's Prometheus /metrics and its log, by destination role.
     import urllib.request
-    metrics = urllib.request.urlopen(three_roles["prefill"].url + "/metrics", timeout=30).read().decode()
+    with urllib.request.urlopen(three_roles["prefill"].url + "/metrics", timeout=30) as resp:
+        metrics = resp.read().decode()
     exported = {role: sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                           if line.startswith(f'pdd_kv_transfer_bytes_total{{role="{role}"}}'))
                 for role in ("relay", "main")}

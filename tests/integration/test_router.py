@@ -37,7 +37,8 @@ def post(url: str, path: str, body, timeout_s: float = 300.0) -> tuple[int, dict
         with urllib.request.urlopen(request, timeout=timeout_s) as resp:
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
+        with err:
+            return err.code, json.loads(err.read())
 
 
 def post_stream(url: str, path: str, body: dict, timeout_s: float = 300.0) -> list[dict]:

@@ -131,6 +131,8 @@ class SGLangServer:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
                     if resp.status == 200:
                         return
+            except urllib.error.HTTPError as err:  # 503 while it starts; the error holds the body
+                err.close()
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 pass
             time.sleep(1.0)

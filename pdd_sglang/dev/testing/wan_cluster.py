@@ -57,7 +57,8 @@ class NetnsServer(SGLangServer):
                 with urllib.request.urlopen(request, timeout=timeout_s) as resp:
                     return resp.status
             except urllib.error.HTTPError as err:
-                return err.code
+                with err:
+                    return err.code
 
 
 class RouterProcess:
@@ -109,6 +110,8 @@ class RouterProcess:
                     with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
                         if resp.status == 200:
                             return
+            except urllib.error.HTTPError as err:  # the error holds the response: close it
+                err.close()
             except OSError:
                 pass
             time.sleep(0.5)

@@ -99,16 +99,20 @@ def round_trips(line, count: int = 50, size: int = 64, interval_s: float = 0.01,
     server = _listen(line, server_side, PORT_ECHO)
 
     def echo():
-        conn, _ = server.accept()
-        with conn:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            while True:
-                data = _recv_exact(conn, size)
-                if not data:
-                    return
-                conn.sendall(data)
+        try:
+            conn, _ = server.accept()
+            with conn:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                while True:
+                    data = _recv_exact(conn, size)
+                    if not data:
+                        return
+                    conn.sendall(data)
+        except OSError:  # the line went down under it (the join below timed out)
+            return
 
-    threading.Thread(target=echo, daemon=True).start()
+    echoer = threading.Thread(target=echo, daemon=True)
+    echoer.start()
     client = line.socket(client_side)
     client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     # The reply is dated by the kernel on arrival, so a late wake-up of this thread does not
@@ -134,6 +138,9 @@ def round_trips(line, count: int = 50, size: int = 64, interval_s: float = 0.01,
             time.sleep(interval_s)
     finally:
         client.close()
+        # Until the echo side has read the close: a line stopped before the FIN crossed it
+        # would leave that thread in recv() until TCP gives up, about 15 minutes later.
+        echoer.join(5)
         server.close()
     return rtts
 
