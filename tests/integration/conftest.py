@@ -175,7 +175,8 @@ class SharedClusters:
 
     def take_beside(self, name: str) -> Cluster:
         """The test's own servers, started early or now, once ready; the test stops them
-        (``with``), and a failed start has stopped them already."""
+        (``stop()`` in a ``finally``: ``with`` would start them again), and a failed start has
+        stopped them already."""
         self.start_beside(name)
         return self.beside.pop(name).wait_ready()
 
