@@ -67,22 +67,23 @@ def _pdd_cluster(page_size: int, model_path, log_dir) -> Cluster:
     common = ("--disaggregation-transfer-backend", "mooncake_tcp", "--page-size", str(page_size),
               "--pdd-debug-kv-digest")
     chunking = ("--chunked-prefill-size", "64") if page_size > 1 else ()
+    forked = dict(fork_children=True)  # see the module docstring
     main_args = ("--pdd-role", "main", "--enable-metrics", "--pdd-enable-kv-digest",
                  "--pdd-debug-corrupt-wan-kv", *common)
     servers = [
         SGLangServer("prefill", model_path, log_dir, extra_args=(
             "--pdd-role", "prefill", "--disaggregation-bootstrap-port", str(bootstrap_port),
             "--pdd-relay-bootstrap-timeout", "2", "--enable-metrics",
-            "--pdd-debug-wan-delay-ms", str(WAN_DELAY_MS), *common, *chunking)),
+            "--pdd-debug-wan-delay-ms", str(WAN_DELAY_MS), *common, *chunking), **forked),
         SGLangServer("relay", model_path, log_dir, extra_args=(
             "--pdd-role", "relay", "--pdd-debug-handoff-hold", "--pdd-catch-up-chunk",
             str(CATCH_UP_CHUNK), "--enable-metrics", "--pdd-enable-kv-digest", *common,
-            *RELAY_CPU_ARGS)),
-        SGLangServer("main", model_path, log_dir, extra_args=main_args),
+            *RELAY_CPU_ARGS), **forked),
+        SGLangServer("main", model_path, log_dir, extra_args=main_args, **forked),
     ]
     if page_size == 1:  # its users (two mains, the slow relay) need no other page size
         servers.append(SGLangServer("main2", model_path, log_dir, extra_args=(
-            *main_args, "--pdd-handoff-timeout", repr(MAIN2_HANDOFF_TIMEOUT_S))))
+            *main_args, "--pdd-handoff-timeout", repr(MAIN2_HANDOFF_TIMEOUT_S)), **forked))
     cluster = Cluster(servers)
     cluster.bootstrap_port = bootstrap_port
     cluster.log_dir = log_dir

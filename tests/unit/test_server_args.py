@@ -69,10 +69,25 @@ def test_missing_mooncake_gets_one_clear_message():
         check_transfer_engine(absent)
 
 
-def test_transfer_engine_loads_in_this_environment():
-    from pdd_sglang.server_args import check_transfer_engine
+def test_transfer_engine_loads_in_this_environment_and_only_in_a_child():
+    import subprocess
+    import sys
 
-    check_transfer_engine()
+    # A fresh interpreter: this one may hold the engine from other tests. A launcher that loaded
+    # it would carry Mooncake's Go runtime (its threads) into the fork of SGLang's children.
+    proc = subprocess.run([sys.executable, "-c", (
+        "import sys; from pdd_sglang.server_args import check_transfer_engine; "
+        "check_transfer_engine(); assert 'mooncake.engine' not in sys.modules, 'loaded here'")],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_an_engine_that_fails_in_the_child_is_reported_with_its_error(monkeypatch):
+    from pdd_sglang import server_args
+
+    monkeypatch.setattr(server_args.sys, "executable", "/bin/false")
+    with pytest.raises(PddConfigError, match="could not be imported"):
+        server_args.check_transfer_engine()
 
 
 @pytest.mark.parametrize("role, expected", [("prefill", False), ("relay", True), ("main", True)])

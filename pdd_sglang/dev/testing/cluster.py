@@ -49,6 +49,9 @@ CPU_SERVER_ENV = {
     # ~250 model modules (any other model still loads them; see the package's docstring).
     "SGLANG_EXTERNAL_MODEL_PACKAGE": "pdd_sglang.dev.testing.sglang_models",
 }
+# Set to 1 in a run's environment (the suite's demo runs), its servers fork their children
+# (``fork_launch``): the default for SGLangServer.fork_children.
+FORK_CHILDREN_ENV = "PDD_TEST_FORK_SERVER_CHILDREN"
 _LIVE: set["SGLangServer"] = set()
 
 
@@ -78,6 +81,9 @@ class SGLangServer:
     # Command prefix to run the server elsewhere, e.g. inside a network namespace.
     exec_prefix: tuple = ()
     port: int = field(default_factory=free_port)
+    # Scheduler and detokenizer forked from the launcher, not spawned: test servers only, about
+    # 20 CPU-seconds and 0.9 GB less per server here (see fork_launch for what that gives up).
+    fork_children: bool = field(default_factory=lambda: os.environ.get(FORK_CHILDREN_ENV) == "1")
     process: Optional[subprocess.Popen] = None
 
     @property
@@ -91,7 +97,8 @@ class SGLangServer:
     def command(self) -> list[str]:
         return [
             *self.exec_prefix,
-            sys.executable, "-m", "sglang.launch_server",
+            sys.executable, "-m",
+            "pdd_sglang.dev.testing.fork_launch" if self.fork_children else "sglang.launch_server",
             "--model-path", str(self.model_path),
             "--host", self.host,
             "--port", str(self.port),
