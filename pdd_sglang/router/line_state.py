@@ -18,8 +18,10 @@ Life cycle of a copy the router placed:
 What this does not see: copies another router placed, and prefill's own queueing. Prefill sees
 both: its /server_info carries ``pdd.wan_line``, bytes queued and in flight per main Mooncake
 session and the throughput over its recent batches (pdd_sglang/prefill/wan_line.py). The router
-polls it (``report``, summed over prefills); a fresh report's bytes ahead count when larger than
-the router's own (a poll lags the copies placed since), and its rate replaces the router's.
+polls it (``report``, summed over prefills). A fresh report adds what it shows beyond the
+router's own open copies at the poll (other routers' copies, prefill's queue), so a copy the
+router saw land since the poll no longer counts, and one it placed since counts once; the
+report's rate replaces the router's.
 """
 
 from __future__ import annotations
@@ -50,12 +52,19 @@ class LineAccounting:
         self._clock = clock
         self._open: dict[str, list[Copy]] = {}
         self._recent: dict[str, deque] = {}
-        self._reported: dict[str, tuple[float, int, float | None]] = {}  # url -> (at, bytes, rate)
+        # url -> (at, bytes beyond the router's own open copies, rate)
+        self._reported: dict[str, tuple[float, int, float | None]] = {}
 
-    def report(self, main_url: str, bytes_ahead: int, bytes_per_s: float | None) -> None:
-        """What the prefills' WAN paths say about the line to ``main_url`` right now."""
+    def report(self, main_url: str, bytes_ahead: int, bytes_per_s: float | None,
+               own_bytes_at_poll: int | None = None) -> None:
+        """What the prefills' WAN paths said about the line to ``main_url`` when polled.
+
+        ``own_bytes_at_poll``: this router's open bytes to that main when the poll was sent
+        (default: now); what the report shows beyond them is somebody else's.
+        """
         rate = bytes_per_s if bytes_per_s and bytes_per_s > 0 else None
-        self._reported[main_url] = (self._clock(), max(0, int(bytes_ahead)), rate)
+        own = self.bytes_ahead(main_url) if own_bytes_at_poll is None else own_bytes_at_poll
+        self._reported[main_url] = (self._clock(), max(0, int(bytes_ahead) - own), rate)
 
     def begin(self, main_url: str, kv_bytes: int) -> Copy:
         copy = Copy(main_url, max(0, int(kv_bytes)), self._clock())
@@ -98,9 +107,9 @@ class LineAccounting:
 
     def state(self, main_url: str) -> policy.LineState:
         ahead, rate = self.bytes_ahead(main_url), self.measured_bytes_per_s(main_url)
-        at, reported_ahead, reported_rate = self._reported.get(main_url, (None, 0, None))
+        at, foreign_ahead, reported_rate = self._reported.get(main_url, (None, 0, None))
         if at is not None and self._clock() - at <= REPORT_FRESH_S:
-            ahead, rate = max(ahead, reported_ahead), reported_rate or rate
+            ahead, rate = ahead + foreign_ahead, reported_rate or rate
         return policy.LineState(bytes_ahead=ahead, measured_bytes_per_s=rate)
 
     def snapshot(self) -> dict:
@@ -119,6 +128,7 @@ async def poll_prefill_lines(lines: LineAccounting, prefills, mains, get_json,
     older build) or a failed poll just leaves the router's own accounting in charge. Several
     prefills' bytes add up; the line's rate is the lowest any of them measured."""
     while True:
+        own_at_poll = {main.url: lines.bytes_ahead(main.url) for main in mains}
         totals: dict[str, list] = {}
         for prefill in [p for p in prefills if p.healthy]:
             try:
@@ -135,5 +145,5 @@ async def poll_prefill_lines(lines: LineAccounting, prefills, mains, get_json,
                     if entry.get("recent_bytes_per_s"):
                         total[1].append(entry["recent_bytes_per_s"])
         for url, (ahead, rates) in totals.items():
-            lines.report(url, ahead, min(rates) if rates else None)
+            lines.report(url, ahead, min(rates) if rates else None, own_at_poll[url])
         await asyncio.sleep(interval_s)

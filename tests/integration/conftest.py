@@ -15,10 +15,14 @@ check runs where its layout matters:
 Only one cluster serves at a time (``SharedClusters``: a CPU server holds about 2 GB, and both
 clusters with their old plain servers and the fault suite once ran this 24 GiB machine out of
 memory; the next one's servers may start ahead, beside the live one's last tests), and the
-collection order below runs every page-1 test, then every page-16 test, so each starts once. A server start costs about
-50 CPU-seconds here (SGLang's three processes each import torch, transformers and sglang), so
-one reference for both page sizes, and for the no-role test, saves two of them; greedy tokens
-do not depend on the page size (float32, torch-native attention).
+collection order below runs every page-1 test, then every page-16 test, so each starts once. The
+clusters' servers fork their scheduler and detokenizer from the launcher
+(``pdd_sglang/dev/testing/fork_launch.py``): about 15 CPU-seconds and 1.3 GB each, against 35-50
+and 2.2 GB with SGLang's spawn, where each of the three processes imports torch, transformers
+and sglang. The reference, the no-role pair and the fault suite's servers keep spawn, so the
+suite still starts servers exactly as SGLang does. One reference for both page sizes, and for the
+no-role test, saves two server starts; greedy tokens do not depend on the page size (float32,
+torch-native attention).
 
 Per-request test controls travel in the route (forced handoff points, a damaged WAN copy); what
 is a server flag here is test-only and inert unless a route asks for it, except the WAN delay on
@@ -73,7 +77,7 @@ def _pdd_cluster(page_size: int, model_path, log_dir) -> Cluster:
     servers = [
         SGLangServer("prefill", model_path, log_dir, extra_args=(
             "--pdd-role", "prefill", "--disaggregation-bootstrap-port", str(bootstrap_port),
-            "--pdd-relay-bootstrap-timeout", "2", "--enable-metrics",
+            "--enable-metrics",
             "--pdd-debug-wan-delay-ms", str(WAN_DELAY_MS), *common, *chunking), **forked),
         SGLangServer("relay", model_path, log_dir, extra_args=(
             "--pdd-role", "relay", "--pdd-debug-handoff-hold", "--pdd-catch-up-chunk",
@@ -116,8 +120,9 @@ class SharedClusters:
     """At most one shared cluster serving at a time, started when a test first asks for it, and the
     session's greedy reference (``plain``) beside whichever is alive.
 
-    A CPU SGLang server holds about 2.7 GB (launcher, scheduler, detokenizer), so the two
-    clusters' nine servers would not fit in this machine's 24 GiB together: asking for the other
+    A CPU SGLang server holds 1.3 GB forked, 2.2-2.7 GB spawned (launcher, scheduler,
+    detokenizer), so the two clusters' nine servers beside the fault suite's and the demo's would
+    not fit in this machine's 24 GiB together: asking for the other
     page size stops the live cluster (and the router over it) first, never the reference. The
     collection order below runs every page-1 test before the page-16 ones, so each cluster
     starts once.

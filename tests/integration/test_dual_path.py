@@ -41,6 +41,17 @@ def agentic_session(cluster, conversations: int, turns: int, system_len: int, us
     return requests
 
 
+def not_handed_off(cluster, answers: dict) -> str:
+    """Why a request the route forced to hand off did not: what the relay answered, and what
+    each decode server's handoff counters say (a refusal's reason, a timeout)."""
+    relay = answers["relay"]
+    finish = relay.get("meta_info", {}).get("finish_reason") if isinstance(relay, dict) else relay
+    events = {n: cluster[n].pdd_state()["handoff"]["events"] for n in ("relay", "main")}
+    dropped = f"no relay registered for room {answers['room']} " in cluster["prefill"].log_path.read_text()
+    return (f"room {answers['room']}: the relay finished with {finish}; handoff events {events}; "
+            f"prefill dropped the relay for its late bootstrap: {dropped}")
+
+
 def pages(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
 
@@ -59,7 +70,7 @@ def test_relay_gets_full_prompt_main_gets_uncached_suffix(three_roles, tiny_mode
     for prompt, answers in requests:
         main = answers["main"]
         # The relay's tokens then main's, spliced, are the plain server's, token for token.
-        assert answers["handed_tokens"] == 2
+        assert answers["handed_tokens"] == 2, not_handed_off(three_roles, answers)
         assert answers["output_ids"] == answers["reference"]
         rows = rows_by_role(state, answers["room"])
         assert set(rows) == {"relay", "main"}, rows
@@ -137,7 +148,8 @@ def test_plain_pd_without_route_still_works(three_roles):
 
 def test_request_completes_via_main_when_the_relay_never_registers(three_roles):
     """The route says P->RLD->MD, but no relay ever hears of the request: after the prefill's
-    relay bootstrap deadline (2 s here) the main gets its KV alone and completes."""
+    relay bootstrap deadline (``--pdd-relay-bootstrap-timeout``, 5 s by default) the main gets
+    its KV alone and completes."""
     body = {"input_ids": words(99, 120),
             "sampling_params": {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0.0}}
     relay_control = relay_control_address(three_roles["relay"])

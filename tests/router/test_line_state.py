@@ -82,6 +82,21 @@ def test_a_fresh_prefill_report_counts_beside_the_routers_own_copies():
     assert lines.state("m") == policy.LineState(1_000_000, None)
 
 
+def test_a_copy_that_landed_after_the_poll_is_not_counted_again_from_the_report():
+    clock = FakeClock()
+    lines = LineAccounting(clock)
+    mine = lines.begin("m", 1_000_000)
+    lines.report("m", 1_500_000, 2e6)  # prefill holds the router's copy and 0.5 MB of others'
+    assert lines.state("m").bytes_ahead == 1_500_000
+    lines.land(mine)  # before the next poll: only the others' bytes remain ahead
+    assert lines.state("m").bytes_ahead == 500_000
+    lines.begin("m", 2_000_000)  # placed since the poll: counted once
+    assert lines.state("m").bytes_ahead == 2_500_000
+    # A poll sent before that copy: the router's own bytes as they were then, not as they are.
+    lines.report("m", 500_000, 2e6, own_bytes_at_poll=0)
+    assert lines.state("m").bytes_ahead == 2_500_000
+
+
 def test_the_poller_sums_prefills_per_main_by_mooncake_session():
     import asyncio
 

@@ -18,9 +18,12 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional
+
+from pdd_sglang.dev.testing.fork_launch import SPAWNED_INSTEAD
 
 # The CPU profile's serving settings: SGLang's CPU engine with the torch-native attention backend
 # and float32, so greedy tokens are reproducible across processes and batch shapes.
@@ -137,6 +140,7 @@ class SGLangServer:
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
                     if resp.status == 200:
+                        self._warn_if_spawned_instead()
                         return
             except urllib.error.HTTPError as err:  # 503 while it starts; the error holds the body
                 err.close()
@@ -146,6 +150,16 @@ class SGLangServer:
         raise ServerStartError(
             f"{self.name} not ready after {timeout_s:.0f} s; log {self.log_path}:\n{self.log_tail()}"
         )
+
+    def _warn_if_spawned_instead(self) -> None:
+        """A server meant to fork its children that spawned one still works, at spawn's cost:
+        say so in the test report, where a slow suite would otherwise go unexplained."""
+        if not self.fork_children:
+            return
+        with open(self.log_path, errors="replace") as log:
+            lines = [line.strip() for line in log if line.startswith(SPAWNED_INSTEAD)]
+        if lines:
+            warnings.warn(f"{self.name}: " + "; ".join(lines), RuntimeWarning, stacklevel=3)
 
     def _port_taken(self) -> bool:
         try:

@@ -28,6 +28,9 @@ import runpy
 import sys
 from multiprocessing import process
 
+# Starts the log line of a child spawned instead (SGLangServer.wait_ready warns of it).
+SPAWNED_INSTEAD = "fork_launch: spawned instead of forked:"
+
 _set_start_method = multiprocessing.set_start_method
 _start = process.BaseProcess.start
 
@@ -43,7 +46,7 @@ def _fork_instead_of_spawn(method, force=False):
 def _start_forked_while_single_threaded(self):
     if multiprocessing.get_start_method(allow_none=True) != "fork" or _threads() == 1:
         return _start(self)
-    print(f"fork_launch: {_threads()} threads in the launcher; spawning {self.name}",
+    print(f"{SPAWNED_INSTEAD} {self.name} ({_threads()} threads in the launcher)",
           file=sys.stderr, flush=True)
     _set_start_method("spawn", force=True)
     try:
