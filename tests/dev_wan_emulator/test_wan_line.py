@@ -71,14 +71,25 @@ def _assert_gone(line_namespaces: dict, pids: list[int]) -> None:
 # (a) rate -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("src,dst,seconds", [("a", "b", 4.0), ("b", "a", 3.0)])
 def test_bulk_tcp_copy_runs_at_the_set_rate(steady_line, src, dst, seconds):
-    result = measure.bulk_rate(steady_line, seconds=seconds, warmup_s=1.0, src=src, dst=dst)
-    ratio = result["steady_goodput_mbit"] / RATE_MBIT
     # Goodput excludes IP+TCP headers (~3.5% at MTU 1500), so about 0.965 is a perfect line;
-    # above 1.02 would mean the limiter leaks.
-    # If this fails low, the message says whether the forwarder was starved of CPU (its
-    # lateness) by other work on the machine: the line cannot keep its rate without a core.
-    assert 0.90 <= ratio <= 1.02, (f"{src}->{dst}: {result}; forwarder: {steady_line.stats()}; "
-                                   f"load average {os.getloadavg()}")
+    # above 1.02 would mean the limiter leaks. A copy during which the forwarder itself ran
+    # late by over 5 ms (starved of CPU by the suite's background servers: the line cannot
+    # keep its rate without a core) measured the machine, not the limiter: it is measured
+    # again, twice at most, and the last measurement decides.
+    for attempt in range(3):
+        before = _late_rounds(steady_line)
+        result = measure.bulk_rate(steady_line, seconds=seconds, warmup_s=1.0, src=src, dst=dst)
+        ratio = result["steady_goodput_mbit"] / RATE_MBIT
+        starved = _late_rounds(steady_line) > before
+        if 0.90 <= ratio or not starved:
+            break
+    assert 0.90 <= ratio <= 1.02, (f"{src}->{dst} (attempt {attempt + 1}): {result}; forwarder: "
+                                   f"{steady_line.stats()}; load average {os.getloadavg()}")
+
+
+def _late_rounds(line) -> int:
+    """Release rounds in which the forwarder ran over 5 ms late, both directions so far."""
+    return sum(side["rounds_late_over_5ms"] for side in line.stats().values())
 
 
 def test_forwarder_reports_its_own_counters(steady_line):
