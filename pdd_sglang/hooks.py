@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Iterable, Optional
 if TYPE_CHECKING:
     from sglang.srt.disaggregation.common.conn import CommonKVReceiver
     from sglang.srt.disaggregation.common.utils import TransferKVChunk
-    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager, TransferInfo
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
     from sglang.srt.managers.io_struct import AbortReq
     from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
     from sglang.srt.managers.scheduler import Scheduler
@@ -121,9 +121,9 @@ def receiver_metadata(receiver: CommonKVReceiver, decode_prefix_len: Optional[in
     return metadata(receiver, decode_prefix_len)
 
 
-# ---- prefill side: patches 0006 (offsets), 0007 (WAN path), 0008 (relay failure) -------------
+# ---- prefill side: patches 0006 (the fan-out owns its rooms), 0007 (WAN path) -----------------
 def start_prefill_fanout(kv_mgr: MooncakeKVManager) -> None:
-    """Start the WAN transfer path of a PDD prefill's KV manager."""
+    """Start the fan-out of a PDD prefill's KV manager: its owner, senders and WAN engine."""
     if pdd_role() != "prefill":
         return
     from pdd_sglang.prefill.wan_path import start_wan_path
@@ -131,54 +131,21 @@ def start_prefill_fanout(kv_mgr: MooncakeKVManager) -> None:
     start_wan_path(kv_mgr)
 
 
-def on_destination_registered(kv_mgr: MooncakeKVManager, room: int, session: str,
-                              frames: list) -> None:
-    if pdd_role() != "prefill":
-        return
-    kv_mgr.pdd_fanout.on_destination_registered(room, session, frames)
-
-
-def room_send_start(kv_mgr: MooncakeKVManager, room: int,
-                    transfer_infos: dict[str, TransferInfo]) -> int:
-    """Where sending a room's KV starts: SGLang's rule (one prefix for all) unless PDD's room."""
-    if pdd_role() != "prefill":
-        return next((i.decode_prefix_len for i in transfer_infos.values()
-                     if i.decode_prefix_len is not None), 0)
-    return kv_mgr.pdd_fanout.room_send_start(room, transfer_infos)
-
-
-def destinations_on_this_path(kv_mgr: MooncakeKVManager, kv_chunk: TransferKVChunk,
-                              reqs: list[TransferInfo], queue: object) -> list[TransferInfo]:
-    """The destinations this transfer worker sends ``kv_chunk`` to; ``queue`` is the worker's."""
-    if pdd_role() != "prefill":
-        return reqs
-    return kv_mgr.pdd_fanout.destinations_on_this_path(kv_chunk, list(reqs), queue)
-
-
-def chunk_for_destination(kv_mgr: MooncakeKVManager, room_chunk: TransferKVChunk,
-                          req: TransferInfo) -> TransferKVChunk:
-    if pdd_role() != "prefill":
-        return room_chunk
-    return kv_mgr.pdd_fanout.chunk_for_destination(room_chunk, req)
-
-
-def is_pdd_room(kv_mgr: MooncakeKVManager, room: int) -> bool:
+def claim_registration(kv_mgr: MooncakeKVManager, room: int, session: str,
+                       frames: list) -> bool:
+    """SGLang's bootstrap thread: True when a destination's registration is a PDD room's (it
+    carries a hello); the fan-out then owns it and SGLang's ``transfer_infos`` never holds it."""
     if pdd_role() != "prefill":
         return False
-    return kv_mgr.pdd_fanout.is_pdd_room(room)
+    return kv_mgr.pdd_fanout.claim_registration(room, session, frames)
 
 
-def destination_sent(kv_mgr: MooncakeKVManager, req: TransferInfo, ok: bool) -> None:
-    if pdd_role() != "prefill":
-        return
-    kv_mgr.pdd_fanout.destination_sent(req, ok)
-
-
-def destination_failed(kv_mgr: MooncakeKVManager, req: TransferInfo) -> bool:
-    """True when PDD takes a failed destination out of its room and the room goes on."""
+def take_transfer_request(kv_mgr: MooncakeKVManager, chunk: TransferKVChunk) -> bool:
+    """The scheduler's ``add_transfer_request``: True when the chunk is a PDD room's, which the
+    fan-out sends to each destination (SGLang's transfer queues never see it)."""
     if pdd_role() != "prefill":
         return False
-    return kv_mgr.pdd_fanout.destination_failed(req)
+    return kv_mgr.pdd_fanout.take_chunk(chunk)
 
 
 def engine_for_session(kv_mgr: MooncakeKVManager, session: str):

@@ -38,6 +38,12 @@ def wan_line_state(kv_mgr: Any) -> dict | None:
     return None if fanout is None else fanout.wan_line.snapshot()
 
 
+def fanout_state(kv_mgr: Any) -> dict | None:
+    """The prefill fan-out's counters, open rooms and mains out (its owner's published view)."""
+    fanout = getattr(kv_mgr, "pdd_fanout", None)
+    return None if fanout is None else fanout.published
+
+
 def add_pdd_state(scheduler: Any, state: dict) -> None:
     kv_mgr = kv_manager_of(scheduler)
     engine = getattr(kv_mgr, "engine", None)
@@ -48,6 +54,7 @@ def add_pdd_state(scheduler: Any, state: dict) -> None:
         # This server's Mooncake session: a main's is the key of prefill's wan_line entry for it.
         "mooncake_session": engine.get_session_id() if engine is not None else None,
         "wan_line": wan_line_state(kv_mgr),
+        "fanout": fanout_state(kv_mgr),
     }
     from pdd_sglang.decode import handoff_for
 

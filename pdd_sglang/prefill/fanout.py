@@ -1,397 +1,419 @@
-"""Prefill fans one request's KV out to two destinations, each past its own prefix.
+"""Prefill fans one request's KV out to two destinations, each past its own prefix: one owner.
 
 Life cycle of a request on a PDD prefill (P->RLD->MD):
 
-1. The relay and the main each register for the room with their transfer metadata, plus one
-   :class:`~pdd_sglang.protocol.messages.DestinationHello` frame: role, how many destinations the room has,
-   and the prefix that destination already holds (0 on the relay; on the main, what its decode
-   radix cache matched).
-2. Prefill starts computing as soon as the relay has registered (:meth:`PrefillFanout.
-   _start_on_relay`): the relay's time to first token must not wait for the main, whose
-   registration crosses the WAN. SGLang sends from the smallest prefix
-   (:meth:`PrefillFanout.room_send_start`: the relay's 0), chunk by chunk, as prefill computes
-   them. Chunks sent before the main registered are kept and replayed to it when it does.
-3. A local transfer worker takes each chunk. It sends the relay's part itself and hands the same
-   chunk to the WAN path (:meth:`PrefillFanout.destinations_on_this_path`), whose own workers
-   send the main's part, so a multi-second WAN copy never holds up a relay transfer behind it.
-4. Each destination gets only the pages past its own prefix (:meth:`chunk_for_destination`).
-5. Each destination is told "transfer done" as soon as its own last chunk lands
-   (:meth:`destination_sent`): the relay starts decoding while the WAN copy is in flight. The room
-   concludes (and prefill frees its KV) when every destination is done.
+1. The relay and the main each register for the room: SGLang's bootstrap thread hands the
+   registration, with its :class:`~pdd_sglang.protocol.messages.DestinationHello` frame, to
+   :meth:`PrefillFanout.claim_registration` (patch 0006) instead of writing SGLang's
+   ``transfer_infos``: a PDD room never appears in that table.
+2. Prefill computes as soon as the relay is in (the main's registration crosses the WAN and must
+   not hold the relay's first token): the owner sets where sending starts
+   (``req_to_decode_prefix_len``, the smallest prefix) and the room's WaitingForInput.
+3. Each chunk prefill computes comes to :meth:`PrefillFanout.take_chunk` (patch 0006, in
+   ``add_transfer_request``) and from there to the owner, which cuts it to each destination's own
+   pages and puts it on that destination's sender: a local sender for the relay, a WAN sender for
+   the main (:mod:`pdd_sglang.prefill.senders`). A room's chunks for one destination go to one
+   sender queue, in prefill's order. Chunks made before the main registered are replayed to it,
+   in order, when it does.
+4. Each sender reports every chunk back. A destination whose last chunk and every chunk before it
+   landed is told Success at once (the relay decodes while the WAN copy is in flight); the room is
+   concluded when every destination is done, and only then may SGLang free prefill's KV.
 
-Rooms without hellos (plain SGLang PD, or P->MD) take SGLang's own path unchanged.
+Rooms without a hello (plain SGLang PD on this server) take SGLang's own path unchanged.
+
+Ownership (the one rule): every :class:`~pdd_sglang.prefill.room.Room`, and every change PDD
+makes to SGLang's per-room tables (``request_status`` through ``update_status`` /
+``conclude_transfer``, ``req_to_decode_prefix_len``), happens on the owner thread
+(``pdd-fanout``). Other threads only post events to it: the bootstrap thread (registrations),
+the scheduler (chunks), the senders (chunk reports), the peer thread (probe answers). The owner
+never blocks on a peer: status messages and WAN probes go to the ``pdd-peer-io`` thread, which
+touches no table. The senders read SGLang's ``request_status`` (to skip a room that ended) and
+``decode_kv_args_table`` (the destination's buffers), and write nothing of SGLang's. The owner
+publishes :attr:`PrefillFanout.published` (an immutable dict it replaces whole) for
+``/server_info``; ``pdd_rooms`` and ``main_sessions`` are sets only the owner writes and the
+scheduler / senders only test.
 
 Faults: a relay that has not registered ``--pdd-relay-bootstrap-timeout`` seconds after the main
-did is dropped, and the room proceeds to the main alone (a late relay is refused with a Failed
-status, so it frees its slots). A main that has not registered ``--pdd-main-bootstrap-timeout``
-seconds after its relay, once the relay has all its KV, is dropped the same way. A prefix claim
-beyond the prompt fails the room; malformed, mismatched and repeated hellos are refused.
+did is dropped, and the room proceeds to the main alone; a main that has not registered
+``--pdd-main-bootstrap-timeout`` seconds after the room's first hello, once the relay has its KV,
+is dropped and the relay answers alone. A late registration is refused (told Failed, so it frees
+its slots). A chunk that fails to a relay drops the relay and the room goes on to main; one that
+fails to a main fails the room and takes that main *out* until a probe over the WAN engine
+answers. A room whose chunk has been in a sender for ``stuck_after_s`` fails, so its KV is freed.
+A prefix claim beyond the prompt fails the room; malformed and repeated hellos are refused.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
+import queue
 import time
 from collections import OrderedDict
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
-from pdd_sglang.prefill.destination_chunks import (bytes_past_prefixes, skip_prefix_pages,
-                                                   uncounted_copy)
-from pdd_sglang.protocol.messages import DestinationHello, MessageError, decode
+from pdd_sglang.prefill.destination_chunks import skip_prefix_pages
+from pdd_sglang.prefill.events import ChunkReady, ChunkSent, ProbeAnswered, Registered
 from pdd_sglang.prefill.ledger import LEDGER
+from pdd_sglang.prefill.room import Destination, DestinationState, Room, RoomPhase, Work
 from pdd_sglang.prefill.wan_line import WanLine
+from pdd_sglang.protocol.messages import DestinationHello, MessageError, decode
 
 logger = logging.getLogger(__name__)
 
 # Mooncake's metadata message has 10 positional frames; a PDD destination appends its hello.
 HELLO_FRAME_INDEX = 10
-MAX_TRACKED_ROOMS = 65536
+CONCLUDED_ROOMS_KEPT = 65536  # to refuse a registration that comes after its room ended
 STALE_ROOM_S = 600.0
-
-
-@dataclasses.dataclass
-class RoomFanout:
-    hellos: dict = dataclasses.field(default_factory=dict)  # session -> DestinationHello
-    done: dict = dataclasses.field(default_factory=dict)  # session -> ok
-    first_hello_at: float = dataclasses.field(default_factory=time.monotonic)
-    relay_dropped: bool = False
-    main_dropped: bool = False
-    started_on_relay: bool = False
-    # Chunks sent while the room's main had not registered yet: replayed to it when it does.
-    unsent_to_main: list = dataclasses.field(default_factory=list)
-
-    @property
-    def expected(self) -> int:
-        declared = max((h.destinations for h in self.hellos.values()), default=1)
-        return declared - (1 if self.relay_dropped else 0) - (1 if self.main_dropped else 0)
-
-    def has(self, role: str) -> bool:
-        return any(h.role == role for h in self.hellos.values())
-
-    def awaits_main(self) -> bool:
-        """A P->RLD->MD room that started on its relay's registration, main not yet here."""
-        return self.started_on_relay and not self.has("main") and not self.main_dropped
+PROBE_INTERVAL_S = 2.0
 
 
 class PrefillFanout:
-    """Per-KV-manager state of the fan-out; created by :func:`start_prefill_fanout`."""
+    """The owner of every PDD room of one prefill KV manager (see the module docstring)."""
 
-    def __init__(self, kv_mgr: Any):
+    def __init__(self, kv_mgr: Any, clock: Callable[[], float] = time.monotonic):
         self.kv_mgr = kv_mgr
-        self._lock = threading.Lock()
-        self._rooms: OrderedDict[int, RoomFanout] = OrderedDict()
-        self.refused_hellos = 0
-        self.relays_dropped = 0
+        self.clock = clock
+        self.events: queue.SimpleQueue = queue.SimpleQueue()
+        # Set by WanPath: where work and peer jobs go. Tests plug lists in.
+        self.local_queues: list = []
+        self.wan_queues: list = []  # ChargedQueue, one per WAN sender
+        self.peer_jobs: Callable[[Callable[[], None]], None] = lambda job: job()
+        self.wan_engine = None  # WanTransferEngine, set at start
+        self.wan_line = WanLine()
         self.relay_bootstrap_timeout_s = 5.0
         self.main_bootstrap_timeout_s = 30.0
-        self.mains_dropped = 0
-        self.wan_queues: list = []  # pdd_sglang.prefill.wan_line.ChargedQueue, one per WAN worker
-        self.wan_engine = None  # pdd_sglang.prefill.wan_engine.WanTransferEngine, set at start
-        self.wan_line = WanLine()  # bytes queued and in flight per main, recent throughput
-        self._main_sessions: set[str] = set()  # Mooncake sessions of mains: the WAN engine's
-        self.defer = None  # runs a job off SGLang's locks (WanPath's housekeeping); None: inline
+        self.stuck_after_s = 150.0
+        # Owner-only state.
+        self._rooms: dict[int, Room] = {}
+        self._concluded: OrderedDict[int, float] = OrderedDict()
+        self.mains_out: dict[str, float] = {}  # main session -> when it is next probed
+        self.counters = dict.fromkeys((
+            "refused_hellos", "refused_late", "relays_dropped", "mains_dropped", "relays_failed",
+            "mains_failed", "rooms_stuck", "rooms_succeeded", "rooms_failed"), 0)
+        # Written by the owner only; tested by other threads.
+        self.pdd_rooms: set[int] = set()
+        self.main_sessions: set[str] = set()
+        self.published: dict = self._snapshot()
 
-    def engine_for(self, session: str) -> Any:
-        """The engine that carries batches to ``session``: the WAN engine for mains."""
-        if self.wan_engine is not None and session in self._main_sessions:
-            return self.wan_engine
-        return self.kv_mgr.engine
-
-    # ---- 1. registration (bootstrap thread) --------------------------------------------
-    def on_destination_registered(self, room: int, session: str, frames: list) -> None:
+    # ---- entry points on other threads: they post, and never touch a Room ---------------------
+    def claim_registration(self, room: int, session: str, frames: list) -> bool:
+        """Bootstrap thread: True when the registration is PDD's (SGLang then skips it)."""
         if len(frames) <= HELLO_FRAME_INDEX:
-            return
-        info = self.kv_mgr.transfer_infos.get(room, {}).get(session)
+            return False
+        from sglang.srt.disaggregation.mooncake.conn import TransferInfo
+
+        info = TransferInfo.from_zmq(frames)
+        hello, refusal = None, None
         try:
             hello = decode(frames[HELLO_FRAME_INDEX], expect=DestinationHello)
             if hello.room != room:
                 raise MessageError("room_mismatch", f"hello for {hello.room} on room {room}")
-            if info is not None and (info.decode_prefix_len or 0) != hello.prefix_tokens:
-                raise MessageError(
-                    "prefix_mismatch",
-                    f"hello claims {hello.prefix_tokens}, metadata {info.decode_prefix_len}",
-                )
+            if (info.decode_prefix_len or 0) != hello.prefix_tokens:
+                raise MessageError("prefix_mismatch", f"hello claims {hello.prefix_tokens}, "
+                                   f"metadata {info.decode_prefix_len}")
         except MessageError as err:
-            self.refused_hellos += 1
-            logger.warning("PDD: refused destination hello from %s for room %s: %s", session, room, err)
-            return
-        replay: list = []
-        with self._lock:
-            fanout = self._room(room)
-            late = (fanout.relay_dropped and hello.role == "relay") or (
-                fanout.main_dropped and hello.role == "main")
-            if not late and session in fanout.hellos:
-                logger.warning("PDD: %s registered twice for room %s; keeping the first", session, room)
-                return
-            if not late:
-                # The role first: the engine for a replayed chunk is chosen by it.
-                if hello.role == "main":
-                    self._main_sessions.add(session)
-                LEDGER.set_role(session, hello.role)  # labels the figures only
-                fanout.hellos[session] = hello
-                start_now = hello.role == "relay" and fanout.expected == 2 and not fanout.has("main")
-                if hello.role == "main":
-                    replay, fanout.unsent_to_main = fanout.unsent_to_main, []
-        if late:
-            self._refuse_late(room, session, info, hello.role)
-            return
-        logger.debug("PDD room %s: %s %s registered (prefill starts now: %s)", room, hello.role,
-                     session, hello.role == "relay" and start_now)
-        if hello.role == "relay" and start_now:
-            with self._lock:
-                fanout.started_on_relay = True
-            self._start_on_relay(room)
-        for chunk in replay:
-            self._to_wan_path(chunk)
-
-    def _start_on_relay(self, room: int) -> None:
-        """Let prefill compute now; SGLang itself would wait for every destination."""
-        from sglang.srt.disaggregation.base.conn import KVPoll
-
-        infos = self.kv_mgr.transfer_infos.get(room)
-        if not infos:
-            return
-        self.kv_mgr.req_to_decode_prefix_len[room] = self.room_send_start(room, infos)
-        self.kv_mgr.update_status(room, KVPoll.WaitingForInput)
-
-    def _refuse_late(self, room: int, session: str, info: Any, role: str) -> None:
-        from sglang.srt.disaggregation.base.conn import KVPoll
-
-        # Out of SGLang's table before its bootstrap thread counts destinations again.
-        self.kv_mgr.transfer_infos.get(room, {}).pop(session, None)
-        logger.warning(
-            "PDD: %s %s registered for room %s after prefill went on without it; refused",
-            role, session, room,
-        )
-        if info is not None:
-            self.kv_mgr.send_kv_status_message(
-                targets=[(info.endpoint, info.dst_port)], bootstrap_room=room,
-                status=KVPoll.Failed,
-                failure_reason=f"PDD: the {role} registered after the bootstrap deadline",
-            )
-
-    def drop_silent_relays(self, now: float | None = None) -> list[int]:
-        """Rooms whose main registered but whose relay did not, in time: go on without it."""
-        from sglang.srt.disaggregation.base.conn import KVPoll
-
-        now = time.monotonic() if now is None else now
-        dropped = []
-        with self._lock:
-            # Rooms SGLang has forgotten (failed or aborted before completing) go too.
-            for room in [
-                room for room, fanout in self._rooms.items()
-                if room not in self.kv_mgr.transfer_infos and now - fanout.first_hello_at > STALE_ROOM_S
-            ]:
-                self._rooms.pop(room)
-            for room, fanout in self._rooms.items():
-                roles = {h.role for h in fanout.hellos.values()}
-                if (
-                    not fanout.relay_dropped
-                    and roles == {"main"}
-                    and fanout.expected == 2
-                    and now - fanout.first_hello_at > self.relay_bootstrap_timeout_s
-                ):
-                    fanout.relay_dropped = True
-                    dropped.append(room)
-        for room in dropped:
-            infos = self.kv_mgr.transfer_infos.get(room)
-            if not infos:
-                continue
-            self.relays_dropped += 1
-            logger.warning(
-                "PDD: no relay registered for room %s within %.1f s of its main; sending to the "
-                "main alone", room, self.relay_bootstrap_timeout_s,
-            )
-            self.kv_mgr.req_to_decode_prefix_len[room] = self.room_send_start(room, infos)
-            self.kv_mgr.update_status(room, KVPoll.WaitingForInput)
-        return dropped
-
-    def drop_silent_mains(self, now: float | None = None) -> list[int]:
-        """Rooms whose relay has all its KV but whose main never registered: conclude them.
-
-        Prefill holds a room's KV until every destination has its part; a main that never comes
-        (dead, or its request never reached it) must not pin that KV. The relay answers alone.
-        """
-        from sglang.srt.disaggregation.base.conn import KVPoll
-
-        now = time.monotonic() if now is None else now
-        dropped = []
-        with self._lock:
-            for room, fanout in self._rooms.items():
-                relay_done = any(
-                    ok and fanout.hellos.get(session) is not None
-                    and fanout.hellos[session].role == "relay"
-                    for session, ok in fanout.done.items()
-                )
-                if ((relay_done or fanout.relay_dropped) and fanout.awaits_main()
-                        and now - fanout.first_hello_at > self.main_bootstrap_timeout_s):
-                    fanout.main_dropped = True
-                    fanout.unsent_to_main = []
-                    dropped.append((room, fanout.relay_dropped))
-        for room, relay_lost in dropped:
-            self.mains_dropped += 1
-            logger.warning(
-                "PDD: no main registered for room %s within %.1f s of its relay; the relay "
-                "answers alone and prefill frees the room's KV", room, self.main_bootstrap_timeout_s,
-            )
-            # The relay has had its Success (or is gone); nobody else is waiting on this room.
-            self.kv_mgr.conclude_transfer(
-                bootstrap_room=room, status=KVPoll.Failed if relay_lost else KVPoll.Success,
-                targets=[], failure_reason="PDD: the relay died and no main registered" if relay_lost else None)
-            if self.kv_mgr._staging_outstanding.get(room, 0) <= 0:
-                self.kv_mgr.transfer_infos.pop(room, None)
-                self.kv_mgr.req_to_decode_prefix_len.pop(room, None)
-        return [room for room, _ in dropped]
-
-    def destination_failed(self, req: Any) -> bool:
-        """A transfer to ``req``'s destination failed: a relay drops out and its room goes on to
-        main (which decodes from the first token); any other failure is SGLang's (the room fails)."""
-        from sglang.srt.disaggregation.base.conn import KVPoll
-
-        room, session = req.room, req.mooncake_session_id
-        with self._lock:
-            fanout = self._rooms.get(room)
-            hello = fanout.hellos.get(session) if fanout is not None else None
-            if (hello is None or hello.role != "relay" or fanout.main_dropped
-                    or fanout.relay_dropped or session in fanout.done):
-                return False
-            # The hello stays (the room's shape); SGLang's table loses the relay, so no later
-            # chunk is sent to it.
-            fanout.relay_dropped = True
-            complete = fanout.has("main") and len(fanout.done) >= fanout.expected
-            all_ok = complete and all(fanout.done.values())
-            if complete:
-                self._rooms.pop(room, None)
-        self.relays_dropped += 1
-        relay = self.kv_mgr.transfer_infos.get(room, {}).pop(session, None)
-        logger.warning("PDD: the transfer to relay %s of room %s failed; the room goes on to its "
-                       "main alone", session, room)
-        main = next(iter(self.kv_mgr.transfer_infos.get(room, {}).values()), None)
-
-        def tell() -> None:
-            if relay is not None:
-                # A relay that is still up frees the request's slots now rather than at its
-                # waiting timeout (a dead one never reads this; the send gives up after 1 s).
-                self.kv_mgr.send_kv_status_message(
-                    targets=[(relay.endpoint, relay.dst_port)], bootstrap_room=room,
-                    status=KVPoll.Failed, failure_reason="PDD: the KV transfer to this relay failed")
-            if complete:  # main had all its KV already: the room is done
-                self.kv_mgr.conclude_transfer(
-                    bootstrap_room=room, status=KVPoll.Success if all_ok else KVPoll.Failed,
-                    targets=[] if main is None else [(main.endpoint, main.dst_port)])
-
-        # SGLang calls this holding its session_lock: the sends (up to 1 s to a dead relay) go
-        # out on the WAN path's housekeeping thread, never under that lock.
-        (self.defer or (lambda job: job()))(tell)
+            refusal = str(err)
+        self.events.put(Registered(room, session, info, hello, refusal))
         return True
 
-    def is_pdd_room(self, room: int) -> bool:
-        with self._lock:
-            return room in self._rooms and bool(self._rooms[room].hellos)
+    def take_chunk(self, chunk: Any) -> bool:
+        """Scheduler thread (``add_transfer_request``): True when the chunk is a PDD room's."""
+        if chunk.room not in self.pdd_rooms:
+            return False
+        self.events.put(ChunkReady(chunk))
+        return True
 
-    # ---- 2. where sending starts -------------------------------------------------------
-    def room_send_start(self, room: int, transfer_infos: dict) -> int:
-        prefixes = [info.decode_prefix_len for info in transfer_infos.values()]
-        if not self.is_pdd_room(room):
-            # SGLang's own rule: every destination of a room holds the same prefix.
-            return next((p for p in prefixes if p is not None), 0)
-        return min(p or 0 for p in prefixes)
+    def engine_for(self, session: str) -> Any:
+        """Sender threads: the engine that carries batches to ``session``."""
+        if self.wan_engine is not None and session in self.main_sessions:
+            return self.wan_engine
+        return self.kv_mgr.engine
 
-    # ---- 3. which destinations this worker sends to -------------------------------------
-    def destinations_on_this_path(self, kv_chunk: Any, reqs: Any, queue: Any) -> list:
-        """``queue`` is the one the chunk came from: a WAN queue's chunk goes to mains only."""
-        reqs = list(reqs)  # a live view of SGLang's table, which registrations change
-        wan_worker = any(queue is q for q in self.wan_queues)
-        with self._lock:
-            fanout = self._rooms.get(kv_chunk.room)
-            hellos = dict(fanout.hellos) if fanout else {}
-            if hellos and not wan_worker and fanout.awaits_main():
-                # Decided under the same lock as the main's registration: each chunk reaches
-                # main exactly once, either replayed at registration or forwarded below.
-                fanout.unsent_to_main.append(uncounted_copy(kv_chunk))
-        if not hellos or not self.wan_queues:
-            return reqs
-        # Only destinations whose hello this chunk's decision saw: a main registering meanwhile
-        # gets the chunk from its replay, not from here as well.
-        known = [r for r in reqs if r.mooncake_session_id in hellos]
-        wan = [r for r in known if _is_wan(hellos[r.mooncake_session_id])]
-        if wan_worker:
-            return wan
-        if wan:
-            self._to_wan_path(kv_chunk)
-        return [r for r in known if r not in wan]
+    # ---- the owner thread ---------------------------------------------------------------------
+    def handle(self, event: Any) -> None:
+        """Apply one event; the owner thread's loop (:class:`~pdd_sglang.prefill.wan_path.
+        WanPath`) calls this and :meth:`tick`, nothing else does outside tests."""
+        if isinstance(event, Registered):
+            self._on_registered(event)
+        elif isinstance(event, ChunkReady):
+            self._on_chunk(event.chunk)
+        elif isinstance(event, ChunkSent):
+            self._on_sent(event)
+        elif isinstance(event, ProbeAnswered):
+            self._on_probe(event)
+        else:
+            raise TypeError(f"unknown fan-out event {event!r}")
+        self.published = self._snapshot()
 
-    def _to_wan_path(self, kv_chunk: Any) -> None:
-        if self.wan_queues:
-            self.wan_queues[kv_chunk.room % len(self.wan_queues)].put(
-                uncounted_copy(kv_chunk), self._wan_charges(kv_chunk))
+    def _on_registered(self, ev: Registered) -> None:
+        if ev.refusal is not None:
+            self.counters["refused_hellos"] += 1
+            logger.warning("PDD: refused destination hello from %s for room %s: %s",
+                           ev.session, ev.room, ev.refusal)
+            self._tell([ev.info], ev.room, "Failed", f"PDD: hello refused: {ev.refusal}")
+            return
+        role = ev.hello.role
+        room = self._rooms.get(ev.room)
+        if room is None and ev.room in self._concluded:
+            room = None
+            late = True
+        else:
+            late = room is not None and room.is_late(role)
+        if late:
+            self.counters["refused_late"] += 1
+            logger.warning("PDD: %s %s registered for room %s after prefill went on without it; "
+                           "refused", role, ev.session, ev.room)
+            self._tell([ev.info], ev.room, "Failed",
+                       f"PDD: the {role} registered after the bootstrap deadline")
+            return
+        if room is None:
+            room = self._rooms[ev.room] = Room(ev.room, ev.hello.destinations, self.clock())
+        if ev.session in room.destinations or room.of_role(role) is not None:
+            logger.warning("PDD: a second %s (%s) registered for room %s; refused", role,
+                           ev.session, ev.room)
+            self._tell([ev.info], ev.room, "Failed", "PDD: a second destination of one role")
+            return
+        dest = room.destinations[ev.session] = Destination(role, ev.info, ev.hello.prefix_tokens)
+        if role == "main":
+            self.main_sessions.add(ev.session)  # before any chunk picks its engine
+        LEDGER.set_role(ev.session, role)  # labels the figures only
+        logger.debug("PDD room %s: %s %s registered (%s)", ev.room, role, ev.session, room.phase)
+        if room.ready_to_start():
+            self._start(room)
+        elif room.phase is RoomPhase.SENDING:
+            if dest.prefix_tokens < room.send_start:
+                self._fail_destination(room, dest, f"PDD: {role} holds {dest.prefix_tokens} "
+                                       f"tokens, prefill already sends from {room.send_start}")
+                return
+            for chunk in room.chunks:  # the late main: every chunk so far, in order
+                self._route(room, dest, chunk)
 
-    def _wan_charges(self, kv_chunk: Any) -> list:
-        """``(main session, bytes)`` this chunk will put on the line: pages past main's prefix."""
-        with self._lock:
-            fanout = self._rooms.get(kv_chunk.room)
-            mains = [s for s, h in (fanout.hellos.items() if fanout else ()) if _is_wan(h)]
-        return bytes_past_prefixes(self.kv_mgr, kv_chunk, mains)
-
-    # ---- 4. pages past each destination's own prefix -----------------------------------
-    def chunk_for_destination(self, room_chunk: Any, req: Any) -> Any:
-        infos = self.kv_mgr.transfer_infos.get(room_chunk.room)
-        if not infos or not self.is_pdd_room(room_chunk.room):
-            return room_chunk
-        page_size = self.kv_mgr.kv_args.page_size
-        start = min(info.decode_prefix_len or 0 for info in infos.values())
-        skip = (req.decode_prefix_len or 0) - start
-        if room_chunk.is_last_chunk and skip > room_chunk.index_slice.stop * page_size:
-            # Raising here would kill SGLang's transfer thread: fail the room instead.
-            reason = (
-                f"PDD: destination {req.mooncake_session_id} claims a {req.decode_prefix_len}-token "
-                f"prefix, beyond the {start + room_chunk.index_slice.stop * page_size} tokens of "
-                f"room {room_chunk.room}'s prompt"
-            )
-            logger.error(reason)
-            self.kv_mgr.conclude_failure(bootstrap_room=room_chunk.room, failure_reason=reason)
-            return dataclasses.replace(room_chunk, prefill_kv_indices=room_chunk.prefill_kv_indices[:0])
-        return skip_prefix_pages(room_chunk, skip, page_size)
-
-    # ---- 5. per-destination completion --------------------------------------------------
-    def destination_sent(self, req: Any, ok: bool) -> None:
+    def _start(self, room: Room) -> None:
         from sglang.srt.disaggregation.base.conn import KVPoll
 
-        room = req.room
-        with self._lock:
-            fanout = self._room(room)
-            fanout.done[req.mooncake_session_id] = ok
-            complete = len(fanout.done) >= fanout.expected
-            all_ok = all(fanout.done.values())
-            if complete:
-                self._rooms.pop(room, None)
-        if not ok:
-            return  # SGLang's failure path has already concluded the room as Failed
-        if not complete:
-            # This destination has all its KV: let it start (the relay decodes eagerly) while
-            # the others' copies are still in flight. Prefill keeps its KV until all are done.
-            self.kv_mgr.send_kv_status_message(
-                targets=[(req.endpoint, req.dst_port)], bootstrap_room=room, status=KVPoll.Success
-            )
+        room.phase = RoomPhase.SENDING
+        room.send_start = room.start_tokens()
+        self.pdd_rooms.add(room.room)  # before WaitingForInput: no chunk can come earlier
+        self.kv_mgr.req_to_decode_prefix_len[room.room] = room.send_start
+        self.kv_mgr.update_status(room.room, KVPoll.WaitingForInput)
+
+    def _on_chunk(self, chunk: Any) -> None:
+        room = self._rooms.get(chunk.room)
+        if room is None or room.phase is not RoomPhase.SENDING:
+            logger.debug("PDD: chunk of room %s after it ended; dropped", chunk.room)
             return
-        logger.info("PDD room %s sent: %s", room, LEDGER.request_summary(room))
-        self.kv_mgr.conclude_transfer(
-            bootstrap_room=room,
-            status=KVPoll.Success if all_ok else KVPoll.Failed,
-            targets=[(req.endpoint, req.dst_port)],
-            failure_reason=None if all_ok else f"PDD fan-out of room {room} failed",
-        )
+        if room.awaits_main():
+            room.chunks.append(chunk)
+        for dest in room.active():
+            self._route(room, dest, chunk)
 
-    def _room(self, room: int) -> RoomFanout:
-        fanout = self._rooms.get(room)
-        if fanout is None:
-            fanout = self._rooms[room] = RoomFanout()
-            while len(self._rooms) > MAX_TRACKED_ROOMS:
-                self._rooms.popitem(last=False)
-        return fanout
+    def _route(self, room: Room, dest, chunk: Any) -> None:
+        page_size = self.kv_mgr.kv_args.page_size
+        skip = dest.prefix_tokens - room.send_start
+        if chunk.is_last_chunk and skip > chunk.index_slice.stop * page_size:
+            reason = (f"PDD: destination {dest.info.mooncake_session_id} claims a "
+                      f"{dest.prefix_tokens}-token prefix, beyond the "
+                      f"{room.send_start + chunk.index_slice.stop * page_size} tokens of room "
+                      f"{room.room}'s prompt")
+            logger.error(reason)
+            self._conclude(room, "Failed", reason)
+            return
+        # Each destination its own copy: a sender converts and waits on its chunk's fields.
+        view = dataclasses.replace(skip_prefix_pages(chunk, skip, page_size))
+        if len(view.prefill_kv_indices) == 0 and not chunk.is_last_chunk:
+            return  # all of it under this destination's prefix
+        dest.routed += 1
+        dest.last_routed = dest.last_routed or chunk.is_last_chunk
+        work = Work(room.room, dest.info.mooncake_session_id, dest.role, dest.info, view)
+        room.in_flight.append(work)
+        if dest.role == "main" and self.wan_queues:
+            nbytes = len(view.prefill_kv_indices) * sum(self.kv_mgr.kv_args.kv_item_lens)
+            self.wan_queues[room.room % len(self.wan_queues)].put(work, ((work.session, nbytes),))
+        else:
+            self.local_queues[room.room % len(self.local_queues)].put(work)
 
+    def _on_sent(self, ev: ChunkSent) -> None:
+        work = ev.work
+        room = self._rooms.get(work.room)
+        if room is None:
+            return
+        if work in room.in_flight:
+            room.in_flight.remove(work)
+        dest = room.destinations.get(work.session)
+        if dest is not None and dest.state is DestinationState.REGISTERED and ev.ok is not None:
+            dest.completed += 1
+            if not ev.ok:
+                self._fail_destination(room, dest, ev.reason or "PDD: a KV transfer failed",
+                                       wan=dest.role == "main")
+            elif dest.all_landed():
+                dest.state = DestinationState.DONE
+                # It starts decoding now (the relay eagerly) while the other copy flies.
+                self._tell_destination(room, dest, "Success")
+        if room.phase is RoomPhase.CONCLUDED:
+            return
+        if room.pending is not None and not room.in_flight:
+            self._conclude(room, *room.pending)
+        elif room.finished():
+            self._conclude(room, "Success")
 
-def _is_wan(hello: Optional[DestinationHello]) -> bool:
-    return hello is not None and hello.role == "main"
+    def _fail_destination(self, room: Room, dest, reason: str, wan: bool = False) -> None:
+        """One destination out of the room: the room goes on to the other if it can."""
+        dest.state = DestinationState.FAILED
+        for work in room.in_flight:
+            if work.session == dest.info.mooncake_session_id:
+                work.cancelled = True
+        logger.warning("PDD room %s: %s", room.room, reason)
+        self.counters["relays_failed" if dest.role == "relay" else "mains_failed"] += 1
+        if dest.role == "main" and wan:
+            self.mains_out.setdefault(dest.info.mooncake_session_id,
+                                      self.clock() + PROBE_INTERVAL_S)
+            logger.warning("PDD: main %s is out after a failed WAN transfer; probing it over the "
+                           "WAN engine every %.0f s", dest.info.mooncake_session_id,
+                           PROBE_INTERVAL_S)
+        self._tell_destination(room, dest, "Failed", reason)
+        if room.finished():
+            self._conclude(room, "Success")
+        elif not room.active() and not room.awaits_main() and not room.awaits_relay():
+            self._conclude(room, "Failed", reason)
+
+    def _conclude(self, room: Room, status_name: str, reason: Optional[str] = None,
+                  force: bool = False) -> None:
+        """The room is over: SGLang's status (prefill frees the KV), and every destination told.
+
+        Not while a chunk of it is still in a sender (it reads prefill's KV): the queued ones are
+        cancelled and the conclusion waits for the last report, unless ``force`` (stuck)."""
+        from sglang.srt.disaggregation.base.conn import KVPoll
+
+        if room.phase is RoomPhase.CONCLUDED:
+            return
+        for work in room.in_flight:
+            work.cancelled = True
+        if room.in_flight and not force:
+            room.pending = room.pending or (status_name, reason)
+            return
+        room.phase = RoomPhase.CONCLUDED
+        room.chunks = []
+        status = KVPoll.Success if status_name == "Success" else KVPoll.Failed
+        emitted = self.kv_mgr.conclude_transfer(bootstrap_room=room.room, status=status,
+                                                targets=[], failure_reason=reason)
+        # None: SGLang had already cleared the room (aborted): its destinations must let go.
+        final = "Success" if emitted == KVPoll.Success else "Failed"
+        self.counters["rooms_succeeded" if final == "Success" else "rooms_failed"] += 1
+        for dest in room.destinations.values():
+            if dest.state is not DestinationState.FAILED:
+                self._tell_destination(room, dest, final,
+                                       reason or f"PDD fan-out of room {room.room} failed")
+        self._concluded[room.room] = self.clock()
+        while len(self._concluded) > CONCLUDED_ROOMS_KEPT:
+            self._concluded.popitem(last=False)
+        if final == "Success":
+            logger.info("PDD room %s sent: %s", room.room, LEDGER.request_summary(room.room))
+
+    def _tell_destination(self, room: Room, dest, status_name: str, reason: Optional[str] = None) -> None:
+        if dest.told is not None and (dest.told == status_name or dest.told == "Failed"):
+            return
+        dest.told = status_name
+        self._tell([dest.info], room.room, status_name, reason)
+
+    def _tell(self, infos: list, room: int, status_name: str, reason: Optional[str]) -> None:
+        from sglang.srt.disaggregation.base.conn import KVPoll
+
+        targets = [(info.endpoint, info.dst_port) for info in infos]
+        status = KVPoll.Success if status_name == "Success" else KVPoll.Failed
+        send = self.kv_mgr.send_kv_status_message
+        self.peer_jobs(lambda: send(targets=targets, bootstrap_room=room, status=status,
+                                    failure_reason=None if status_name == "Success" else reason))
+
+    # ---- timers (owner thread) ----------------------------------------------------------------
+    def tick(self, now: Optional[float] = None) -> None:
+        """Deadlines, SGLang's own ending of a room, forgetting, and probes of mains out."""
+        from sglang.srt.disaggregation.base.conn import KVPoll
+
+        now = self.clock() if now is None else now
+        status_table = self.kv_mgr.request_status
+        for room in list(self._rooms.values()):
+            status = status_table.get(room.room)
+            room.status_seen = room.status_seen or status is not None
+            age = now - room.first_hello_at
+            if room.phase is RoomPhase.CONCLUDED:
+                if status is None or age > STALE_ROOM_S:
+                    self._forget(room)
+                continue
+            if (status == KVPoll.Failed or (status is None and room.status_seen)):
+                # SGLang ended it (abort, its bootstrap timeout): free every destination too.
+                self._conclude(room, "Failed", "PDD: prefill ended the request")
+                continue
+            if room.phase is RoomPhase.WAITING:
+                if room.awaits_relay() and age > self.relay_bootstrap_timeout_s:
+                    room.relay_dropped = True
+                    self.counters["relays_dropped"] += 1
+                    logger.warning("PDD: no relay registered for room %s within %.1f s of its "
+                                   "main; sending to the main alone", room.room,
+                                   self.relay_bootstrap_timeout_s)
+                    self._start(room)
+                elif age > STALE_ROOM_S:
+                    self._forget(room)
+                continue
+            if (room.awaits_main() and room.relay_finished_or_gone()
+                    and age > self.main_bootstrap_timeout_s):
+                room.main_dropped = True
+                room.chunks = []
+                self.counters["mains_dropped"] += 1
+                logger.warning("PDD: no main registered for room %s within %.1f s; the relay "
+                               "answers alone and prefill frees the room's KV", room.room,
+                               self.main_bootstrap_timeout_s)
+                if room.any_done():
+                    self._conclude(room, "Success")
+                else:
+                    self._conclude(room, "Failed", "PDD: the relay is gone and no main registered")
+                continue
+            oldest = room.oldest_in_flight()
+            if oldest is not None and now - oldest > self.stuck_after_s:
+                self.counters["rooms_stuck"] += 1
+                stuck = next(w for w in room.in_flight if w.started_at == oldest)
+                logger.error("PDD: a KV transfer of room %s to %s has made no progress for %.0f s",
+                             room.room, stuck.session, now - oldest)
+                dest = room.destinations[stuck.session]
+                if dest.state is DestinationState.REGISTERED:
+                    self._fail_destination(room, dest, "PDD: the KV transfer stopped making "
+                                           "progress", wan=dest.role == "main")
+                room.in_flight.remove(stuck)  # its sender may never report: not waited for
+                if room.pending is not None and not room.in_flight:
+                    self._conclude(room, *room.pending)
+        self._probe_mains_out(now)
+        self.published = self._snapshot()
+
+    def _forget(self, room: Room) -> None:
+        self._rooms.pop(room.room, None)
+        self.pdd_rooms.discard(room.room)
+
+    def _probe_mains_out(self, now: float) -> None:
+        engine = self.wan_engine
+        for session, due in list(self.mains_out.items()):
+            if due > now or engine is None:
+                continue
+            self.mains_out[session] = now + PROBE_INTERVAL_S * 10  # one probe at a time
+
+            def probe(session=session) -> None:
+                self.events.put(ProbeAnswered(session, engine.probe(session)))
+
+            self.peer_jobs(probe)
+
+    def _on_probe(self, ev: ProbeAnswered) -> None:
+        if ev.session not in self.mains_out:
+            return
+        if ev.ok:
+            del self.mains_out[ev.session]
+            logger.warning("PDD: main %s answers a WAN probe again; back in", ev.session)
+        else:
+            self.mains_out[ev.session] = self.clock() + PROBE_INTERVAL_S
+
+    def _snapshot(self) -> dict:
+        phases = [room.phase.value for room in self._rooms.values()]
+        return {
+            **self.counters,
+            "rooms_open": sum(p != RoomPhase.CONCLUDED.value for p in phases),
+            "rooms_tracked": len(phases),
+            "mains_out": sorted(self.mains_out),
+        }

@@ -127,6 +127,15 @@ class WanTransferEngine:
         self._reap_abandoned()
         return True
 
+    def probe(self, session_id: str) -> bool:
+        """Whether ``session_id`` answers over this engine (Mooncake's own probe): a main taken
+        out after a failed WAN copy comes back only once the WAN path itself reaches it."""
+        try:
+            return self.engine.send_probe(session_id) == 0
+        except Exception as err:
+            logger.warning("PDD: WAN probe of %s raised: %s", session_id, err)
+            return False
+
     def _abandon(self, batches: list) -> None:
         with self._lock:
             self._abandoned.extend(batches)

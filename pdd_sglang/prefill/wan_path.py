@@ -1,17 +1,24 @@
-"""Prefill's WAN path: its own Mooncake engine and transfer workers, and the relay/main watchdog.
+"""Prefill's PDD threads: the fan-out's owner, its senders, the peer thread, and the WAN engine.
 
 Started once per PDD prefill KV manager (patch 0007 calls :func:`start_wan_path` through
-``pdd_sglang.hooks``, only with ``--pdd-role prefill``). The workers run SGLang's own transfer
-loop, fed by this path's queues, so there is one implementation of sending;
-:class:`~pdd_sglang.prefill.fanout.PrefillFanout` decides which chunk goes where.
+``pdd_sglang.hooks``, only with ``--pdd-role prefill``). Threads, all named ``pdd-...``:
 
-:class:`WanPath` owns every thread and the engine it starts, and :meth:`WanPath.close` (called on
-SGLang's scheduler shutdown, :mod:`pdd_sglang.lifecycle`) stops them: a sentinel to each WAN
-queue, a stop job to the housekeeping thread, joins with a timeout, then the engine.
+- ``pdd-fanout``: the owner (:class:`~pdd_sglang.prefill.fanout.PrefillFanout`): applies the
+  events other threads post, and every ``OWNER_TICK_S`` its deadlines;
+- ``pdd-local-xfer-N``: local senders (relays, SGLang's engine), one per SGLang transfer queue,
+  each on SGLang's own executor of that index;
+- ``pdd-wan-xfer-N``: WAN senders (mains, the WAN engine), each with a one-thread executor;
+- ``pdd-peer-io``: status messages to destinations and WAN probes, which may wait on a dead peer
+  and so never run on the owner.
+
+:class:`WanPath` owns every thread and the engine, and :meth:`WanPath.close` (called on
+SGLang's scheduler shutdown, :mod:`pdd_sglang.lifecycle`) stops them: a sentinel to each queue,
+joins with a timeout, then the engine.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import queue
 import threading
 import time
@@ -19,32 +26,51 @@ from typing import Any, Optional
 
 from pdd_sglang.lifecycle import name_os_thread
 from pdd_sglang.prefill.fanout import PrefillFanout, logger
+from pdd_sglang.prefill.senders import run_sender
 from pdd_sglang.prefill.wan_line import ChargedQueue
 
 WAN_WORKERS = 4
-WATCHDOG_PERIOD_S = 0.25
+OWNER_TICK_S = 0.25
 JOIN_TIMEOUT_S = 2.0
+STUCK_MARGIN_S = 10.0
 _STOP = object()
 
 
 class WanPath:
-    """The WAN workers, the watchdog and the WAN engine of one prefill KV manager."""
+    """Every PDD thread of one prefill KV manager, and its WAN engine."""
 
     def __init__(self, fanout: PrefillFanout):
         self.fanout = fanout
         self.threads: list[threading.Thread] = []
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        fanout.defer = self._jobs.put
+        self._peer_jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._executors: list = []
+        fanout.peer_jobs = self._peer_jobs.put
 
-    def start(self, kv_mgr: Any, workers: int, delay_s: float) -> None:
+    def start(self, kv_mgr: Any, workers: int, delay_s: float, local_workers: int = 2) -> None:
         from sglang.srt.disaggregation.common.utils import FastQueue
 
-        self._spawn("pdd-keeper", self._housekeeping)
+        report = self.fanout.events.put
+        self._spawn("pdd-fanout", self._own)
+        self._spawn("pdd-peer-io", self._peer_io)
+        sglang_executors = list(getattr(kv_mgr, "executors", None) or [])
+        for index in range(local_workers):
+            local_queue = FastQueue()
+            self.fanout.local_queues.append(local_queue)
+            executor = (sglang_executors[index % len(sglang_executors)] if sglang_executors
+                        else self._executor(2, f"pdd-local-layers-{index}"))
+            self._spawn(f"pdd-local-xfer-{index}", run_sender, kv_mgr, local_queue, executor,
+                        report)
+        pause = _delay(delay_s) if delay_s > 0 else None
         for index in range(workers):
-            inner = FastQueue() if delay_s <= 0 else _DelayedQueue(FastQueue(), delay_s)
-            wan_queue = ChargedQueue(inner, self.fanout.wan_line)
+            wan_queue = ChargedQueue(FastQueue(), self.fanout.wan_line)
             self.fanout.wan_queues.append(wan_queue)
-            self._spawn(f"pdd-wan-xfer-{index}", _run_wan_worker, kv_mgr, wan_queue, index)
+            self._spawn(f"pdd-wan-xfer-{index}", run_sender, kv_mgr, wan_queue,
+                        self._executor(1, f"pdd-wan-layers-{index}"), report, pause)
+
+    def _executor(self, threads: int, prefix: str):
+        executor = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix=prefix)
+        self._executors.append(executor)
+        return executor
 
     def _spawn(self, name: str, target, *args) -> None:
         def run() -> None:
@@ -55,46 +81,66 @@ class WanPath:
         thread.start()
         self.threads.append(thread)
 
-    def _housekeeping(self) -> None:
-        """Deferred jobs (sends that must not run under SGLang's locks) as they come, and the
-        relay/main watchdog every WATCHDOG_PERIOD_S."""
-        next_watch = time.monotonic() + WATCHDOG_PERIOD_S
+    def _own(self) -> None:
+        """The owner's loop: events as they come, deadlines every OWNER_TICK_S."""
+        fanout = self.fanout
+        next_tick = time.monotonic() + OWNER_TICK_S
         while True:
             try:
-                job = self._jobs.get(timeout=max(next_watch - time.monotonic(), 0))
+                event = fanout.events.get(timeout=max(next_tick - time.monotonic(), 0))
             except queue.Empty:
-                job = None
+                event = None
+            if event is _STOP:
+                return
+            try:
+                if event is not None:
+                    fanout.handle(event)
+                if time.monotonic() >= next_tick:
+                    next_tick = time.monotonic() + OWNER_TICK_S
+                    fanout.tick()
+            except Exception:  # the owner must outlive one bad room
+                logger.exception("PDD: the prefill fan-out failed on %r", event)
+
+    def _peer_io(self) -> None:
+        while True:
+            job = self._peer_jobs.get()
             if job is _STOP:
                 return
             try:
-                if job is not None:
-                    job()
-                if time.monotonic() >= next_watch:
-                    next_watch = time.monotonic() + WATCHDOG_PERIOD_S
-                    self.fanout.drop_silent_relays()
-                    self.fanout.drop_silent_mains()
-            except Exception:  # housekeeping must outlive one bad room
-                logger.exception("PDD: prefill housekeeping failed")
+                job()
+            except Exception:
+                logger.exception("PDD: a message to a destination failed")
 
     def close(self, timeout_s: float = JOIN_TIMEOUT_S) -> list[str]:
         """Stop every thread and close the engine; the names of threads still alive after it."""
-        self._jobs.put(_STOP)
+        self.fanout.events.put(_STOP)
+        self._peer_jobs.put(_STOP)
         if self.fanout.wan_engine is not None:
             self.fanout.wan_engine.stop_waiting()
+        for sender_queue in self.fanout.local_queues:
+            sender_queue.put(None)
         for wan_queue in self.fanout.wan_queues:
             wan_queue.stop()
         deadline = time.monotonic() + timeout_s
         for thread in self.threads:
             thread.join(max(deadline - time.monotonic(), 0))
         left = [t.name for t in self.threads if t.is_alive()]
+        for executor in self._executors:
+            executor.shutdown(wait=False)
         if self.fanout.wan_engine is not None:
             self.fanout.wan_engine.close()
         if left:
-            logger.warning("PDD: prefill WAN path closed; still running after %.1f s: %s",
+            logger.warning("PDD: prefill threads closed; still running after %.1f s: %s",
                            timeout_s, ", ".join(left))
         else:
-            logger.info("PDD: prefill WAN path closed (workers, watchdog and engine)")
+            logger.info("PDD: prefill closed (owner, senders, peer thread and WAN engine)")
         return left
+
+
+def _delay(delay_s: float):
+    """Test-only (--pdd-debug-wan-delay-ms): every WAN chunk waits before it is sent, so the
+    relay reliably runs ahead of main (forced handoff points, the singular filter)."""
+    return lambda work: time.sleep(delay_s)
 
 
 def start_wan_path(kv_mgr: Any, args: Optional[Any] = None) -> WanPath:
@@ -107,6 +153,9 @@ def start_wan_path(kv_mgr: Any, args: Optional[Any] = None) -> WanPath:
     fanout = PrefillFanout(kv_mgr)
     fanout.relay_bootstrap_timeout_s = float(args.pdd_relay_bootstrap_timeout)
     fanout.main_bootstrap_timeout_s = float(args.pdd_main_bootstrap_timeout)
+    # Every batch of a WAN chunk fails at --pdd-wan-transfer-timeout; a chunk still in a sender
+    # well past it is stuck in the transport, and its room must not hold prefill's KV for ever.
+    fanout.stuck_after_s = 2 * float(args.pdd_wan_transfer_timeout) + STUCK_MARGIN_S
     fanout.wan_engine = open_wan_engine(
         kv_mgr, args.pdd_wan_transfer_protocol, args.pdd_wan_ib_device,
         timeout_s=float(args.pdd_wan_transfer_timeout), line=fanout.wan_line,
@@ -114,32 +163,8 @@ def start_wan_path(kv_mgr: Any, args: Optional[Any] = None) -> WanPath:
     path = WanPath(fanout)
     kv_mgr.pdd_fanout = fanout
     kv_mgr.pdd_wan_path = path
-    path.start(kv_mgr, WAN_WORKERS, float(args.pdd_debug_wan_delay_ms or 0) / 1e3)
+    path.start(kv_mgr, WAN_WORKERS, float(args.pdd_debug_wan_delay_ms or 0) / 1e3,
+               local_workers=max(len(getattr(kv_mgr, "transfer_queues", ()) or ()), 1))
     return path
 
 
-class _DelayedQueue:
-    """Test-only (--pdd-debug-wan-delay-ms): every WAN chunk waits before it is sent, so the
-    relay reliably runs ahead of main (forced handoff points, the singular filter)."""
-
-    def __init__(self, inner: Any, delay_s: float):
-        self.inner = inner
-        self.delay_s = delay_s
-
-    def put(self, item: Any) -> None:
-        self.inner.put(item)
-
-    def get(self) -> Any:
-        item = self.inner.get()
-        if item is not None:
-            time.sleep(self.delay_s)
-        return item
-
-
-def _run_wan_worker(kv_mgr: Any, wan_queue: ChargedQueue, index: int) -> None:
-    import concurrent.futures
-
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"pdd-wan-layers-{index}") as executor:
-        # SGLang's own transfer loop, fed by this path's queue: one implementation of sending.
-        # It returns on the None sentinel that WanPath.close puts on the queue.
-        kv_mgr.transfer_worker(wan_queue, executor, None, 1000 + index)

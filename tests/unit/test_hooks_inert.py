@@ -16,7 +16,6 @@ engine = object()
 kv_mgr = SimpleNamespace(engine=engine)
 receiver = SimpleNamespace(required_dst_info_num=1)
 chunk, reqs, batch, queue = object(), [object()], object(), object()
-info = SimpleNamespace(decode_prefix_len=16)
 answers = {
     "begin_kv_transfer": hooks.begin_kv_transfer(1, "s", 2),
     "begin_aux_transfer": hooks.begin_aux_transfer(1, "s"),
@@ -25,13 +24,8 @@ answers = {
     "attach_route": hooks.attach_route(receiver, object()),
     "receiver_metadata": hooks.receiver_metadata(receiver, 0) == (1, []),
     "start_prefill_fanout": hooks.start_prefill_fanout(kv_mgr),
-    "on_destination_registered": hooks.on_destination_registered(kv_mgr, 1, "s", []),
-    "room_send_start": hooks.room_send_start(kv_mgr, 1, {"s": info}) == 16,
-    "destinations_on_this_path": hooks.destinations_on_this_path(kv_mgr, chunk, reqs, queue) is reqs,
-    "chunk_for_destination": hooks.chunk_for_destination(kv_mgr, chunk, object()) is chunk,
-    "is_pdd_room": hooks.is_pdd_room(kv_mgr, 1) is False,
-    "destination_sent": hooks.destination_sent(kv_mgr, object(), True),
-    "destination_failed": hooks.destination_failed(kv_mgr, object()) is False,
+    "claim_registration": hooks.claim_registration(kv_mgr, 1, "s", []) is False,
+    "take_transfer_request": hooks.take_transfer_request(kv_mgr, chunk) is False,
     "engine_for_session": hooks.engine_for_session(kv_mgr, "s") is engine,
     "on_prompt_kv_complete": hooks.on_prompt_kv_complete(object(), object()),
     "handoff_hold": hooks.handoff_hold(object(), reqs) is reqs,

@@ -136,11 +136,11 @@ def test_a_changed_series_replaces_an_earlier_one_without_a_reinstall(site_copy,
     # An earlier version of the series: one added line of one patch worded differently.
     earlier = tmp_path / "earlier-patches"
     shutil.copytree(REPO / "patches", earlier)
-    name = next(n for n in apply_patches.read_series() if "relay-failure" in n)
+    name = next(n for n in apply_patches.read_series() if "wan-path" in n)
     text = (earlier / name).read_text()
-    assert "# PDD: a dead relay drops out; main's part goes on." in text
-    (earlier / name).write_text(text.replace("PDD: a dead relay drops out; main's part goes on.",
-                                             "PDD: an earlier wording of this comment.", 1))
+    wording = "# PDD: a main across the WAN is reached by the WAN path's own engine."
+    assert wording in text
+    (earlier / name).write_text(text.replace(wording[2:], "PDD: an earlier wording of this comment.", 1))
     assert run(site_copy, "--patch-dir", str(earlier)).returncode == 0
     older = digest(site_copy)
     # The current series finds its file patched by the earlier one: not applied, not foreign.

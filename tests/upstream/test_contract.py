@@ -39,9 +39,13 @@ HOOKED_SYMBOLS = [
     ("disaggregation/mooncake/conn.py", "TransferInfo.room"),
     ("disaggregation/mooncake/conn.py", "TransferInfo.mooncake_session_id"),
     ("disaggregation/mooncake/conn.py", "TransferInfo.is_dummy"),
-    # 0008's failed-destination hook: SGLang's dead-session bookkeeping it sits beside
-    ("disaggregation/mooncake/conn.py", "MooncakeKVManager._poison_unsettled_send"),
-    ("disaggregation/common/conn.py", "CommonKVManager.conclude_failure"),
+    # 0006: the fan-out owns PDD rooms; its senders use SGLang's send primitives
+    ("disaggregation/mooncake/conn.py", "MooncakeKVManager.add_transfer_request"),
+    ("disaggregation/mooncake/conn.py", "MooncakeKVManager.start_prefill_thread"),
+    ("disaggregation/mooncake/conn.py", "MooncakeKVManager.send_kvcache"),
+    ("disaggregation/mooncake/conn.py", "MooncakeKVManager.send_kvcache_slice"),
+    ("disaggregation/mooncake/conn.py", "TransferInfo.from_zmq"),
+    ("disaggregation/common/conn.py", "CommonKVManager.conclude_transfer"),
     # 0004 and pdd_sglang.diagnostics.server_info: pool and tree state
     ("managers/scheduler_components/internal_state.py",
      "SchedulerInternalStateController.get_internal_state"),
@@ -194,13 +198,13 @@ def assigned_attributes(rel: str, cls: str) -> set[str]:
 
 MOONCAKE = "disaggregation/mooncake/conn.py"
 COMMON = "disaggregation/common/conn.py"
-KV_MANAGER_ATTRIBUTES = [  # read or written by pdd_sglang.prefill (fanout, wan_path, wan_engine)
-    "transfer_infos", "req_to_decode_prefix_len", "_staging_outstanding", "kv_args", "engine",
-    "local_ip", "failed_sessions", "session_lock", "request_status", "_worker_threads",
+KV_MANAGER_ATTRIBUTES = [  # read or written by pdd_sglang.prefill (fanout, senders, wan_path)
+    "req_to_decode_prefix_len", "kv_args", "engine", "local_ip", "request_status",
+    "decode_kv_args_table", "transfer_queues", "executors", "is_mla_backend", "attn_tp_size",
 ]
 KV_MANAGER_METHODS = [
-    "update_status", "send_kv_status_message", "conclude_transfer", "conclude_failure",
-    "check_status", "_registerable_regions", "transfer_worker", "_transfer_data",
+    "update_status", "send_kv_status_message", "conclude_transfer", "_registerable_regions",
+    "_transfer_data", "send_kvcache", "send_kvcache_slice", "send_aux",
     "build_receiver_metadata_message", "get_session_id",
 ]
 
@@ -218,17 +222,16 @@ def test_mooncake_kv_manager_keeps_the_methods_the_fanout_calls(method):
             or f"CommonKVManager.{method}" in definitions(COMMON)), method
 
 
-def test_the_transfer_loop_still_takes_a_queue_and_stops_on_none():
-    """WanPath runs SGLang's own transfer loop on its queues and stops it with a None sentinel;
-    patch 0007 hands the loop's ``queue`` to the fan-out."""
-    import inspect
+def test_a_decode_peers_registration_has_the_fields_the_senders_read():
+    """PDD's senders write with SGLang's send_kvcache / send_kvcache_slice from a peer's
+    registration (``decode_kv_args_table``), as SGLang's own transfer loop does."""
+    import dataclasses
 
-    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+    from sglang.srt.disaggregation.mooncake.conn import KVArgsRegisterInfo
 
-    parameters = list(inspect.signature(MooncakeKVManager.transfer_worker).parameters)
-    assert parameters[:5] == ["self", "queue", "executor", "staging_buffer", "worker_index"]
-    source = inspect.getsource(MooncakeKVManager.transfer_worker)
-    assert "kv_chunk = queue.get()" in source and "if kv_chunk is None:" in source
+    fields = {f.name for f in dataclasses.fields(KVArgsRegisterInfo)}
+    assert {"dst_kv_ptrs", "dst_aux_ptrs", "dst_tp_rank", "dst_attn_tp_size", "dst_kv_item_len",
+            "dst_kv_layer_ids"} <= fields
 
 
 def test_a_transfer_chunk_has_the_fields_the_per_destination_view_replaces():
@@ -238,7 +241,8 @@ def test_a_transfer_chunk_has_the_fields_the_per_destination_view_replaces():
 
     fields = {f.name for f in dataclasses.fields(TransferKVChunk)}
     assert {"room", "prefill_kv_indices", "index_slice", "is_last_chunk", "num_kv_tokens",
-            "staging_counted"} <= fields
+            "prefill_aux_index", "state_indices", "trace_ctx", "wait_event",
+            "indices_event"} <= fields
 
 
 def test_the_registration_frames_keep_the_layout_the_hello_is_appended_to():

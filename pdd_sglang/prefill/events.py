@@ -1,0 +1,41 @@
+"""What other threads tell the prefill fan-out's owner: one frozen dataclass per event.
+
+Posted on :attr:`PrefillFanout.events <pdd_sglang.prefill.fanout.PrefillFanout>` by SGLang's
+bootstrap thread (:class:`Registered`), the scheduler (:class:`ChunkReady`), the senders
+(:class:`ChunkSent`) and the peer thread (:class:`ProbeAnswered`); applied in order by the owner.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+from pdd_sglang.prefill.room import Work
+from pdd_sglang.protocol.messages import DestinationHello
+
+
+@dataclasses.dataclass(frozen=True)
+class Registered:
+    room: int
+    session: str
+    info: Any  # SGLang's TransferInfo, parsed on the bootstrap thread
+    hello: Optional[DestinationHello]
+    refusal: Optional[str] = None  # a hello the bootstrap thread could not accept
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkReady:
+    chunk: Any  # SGLang's TransferKVChunk
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkSent:
+    work: Work
+    ok: Optional[bool]  # None: skipped, the room had already ended at SGLang
+    reason: Optional[str] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeAnswered:
+    session: str
+    ok: bool

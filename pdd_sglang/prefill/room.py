@@ -1,0 +1,140 @@
+"""One PDD room at the prefill: its destinations, their progress, and the rules that move it.
+
+Pure state and decisions, no threads and no SGLang calls: :class:`~pdd_sglang.prefill.fanout.
+PrefillFanout` owns every :class:`Room` on its one thread and acts on what these methods decide.
+
+A room moves through :class:`RoomPhase` once, forwards only:
+
+    WAITING (a destination registered; prefill may not compute yet)
+      -> SENDING (prefill computes; each chunk goes to every active destination)
+      -> CONCLUDED (Success or Failed told to every destination; prefill's KV is SGLang's to free)
+
+A destination moves through :class:`DestinationState`:
+
+    REGISTERED -> DONE (its last chunk and the aux landed, every chunk before it too)
+               -> FAILED (a chunk to it failed, or it was refused)
+    and a destination that never registered in time is *dropped* (the room's flag, not a state).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from typing import Any, Optional
+
+
+class RoomPhase(enum.Enum):
+    WAITING = "waiting"
+    SENDING = "sending"
+    CONCLUDED = "concluded"
+
+
+class DestinationState(enum.Enum):
+    REGISTERED = "registered"
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclasses.dataclass(eq=False)
+class Work:
+    """One chunk for one destination, already cut to the pages past that destination's prefix.
+
+    The owner makes it and puts it on a sender's queue; the sender sets ``started_at`` when it
+    takes it (a float written by one thread and only compared by the owner's stuck check).
+    """
+
+    room: int
+    session: str
+    role: str
+    destination: Any  # SGLang's TransferInfo
+    chunk: Any  # SGLang's TransferKVChunk, this destination's own copy
+    started_at: Optional[float] = None
+    cancelled: bool = False  # set by the owner: the sender skips it (and still reports)
+
+
+@dataclasses.dataclass
+class Destination:
+    role: str  # "relay" or "main"
+    info: Any  # SGLang's TransferInfo
+    prefix_tokens: int
+    state: DestinationState = DestinationState.REGISTERED
+    routed: int = 0  # chunks put on its sender's queue
+    completed: int = 0  # of those, reported back
+    last_routed: bool = False  # the room's last chunk is among them
+    told: Optional[str] = None  # the status it was told ("Success" / "Failed"), once
+
+    @property
+    def target(self) -> tuple:
+        return (self.info.endpoint, self.info.dst_port)
+
+    def all_landed(self) -> bool:
+        return self.last_routed and self.completed == self.routed
+
+
+@dataclasses.dataclass
+class Room:
+    room: int
+    declared: int  # destinations the hellos announce: 2 on P->RLD->MD, 1 on P->MD
+    first_hello_at: float = dataclasses.field(default_factory=time.monotonic)
+    phase: RoomPhase = RoomPhase.WAITING
+    send_start: int = 0  # tokens: where prefill's chunks start (the smallest prefix)
+    destinations: dict = dataclasses.field(default_factory=dict)  # session -> Destination
+    relay_dropped: bool = False
+    main_dropped: bool = False
+    # Every chunk so far, in prefill's order: replayed to a main that registers late.
+    chunks: list = dataclasses.field(default_factory=list)
+    in_flight: list = dataclasses.field(default_factory=list)  # Work not reported back yet
+    status_seen: bool = False  # SGLang's request_status has had this room
+    pending: Optional[tuple] = None  # (status, reason) decided while chunks were in a sender
+
+    def of_role(self, role: str) -> Optional[Destination]:
+        return next((d for d in self.destinations.values() if d.role == role), None)
+
+    def active(self) -> list[Destination]:
+        """Destinations still receiving: registered, neither failed nor done."""
+        return [d for d in self.destinations.values() if d.state is DestinationState.REGISTERED]
+
+    def awaits_main(self) -> bool:
+        """A P->RLD->MD room whose main has neither registered nor been dropped."""
+        return self.declared >= 2 and self.of_role("main") is None and not self.main_dropped
+
+    def awaits_relay(self) -> bool:
+        return self.declared >= 2 and self.of_role("relay") is None and not self.relay_dropped
+
+    def is_late(self, role: str) -> bool:
+        """A registration the room went on without: refused."""
+        if self.phase is RoomPhase.CONCLUDED:
+            return True
+        return (role == "relay" and self.relay_dropped) or (role == "main" and self.main_dropped)
+
+    def ready_to_start(self) -> bool:
+        """Prefill computes once the relay is in (the main's registration crosses the WAN and
+        must not hold the relay's first token), or once the only destination is."""
+        if self.phase is not RoomPhase.WAITING or not self.destinations:
+            return False
+        if self.declared < 2:
+            return True
+        return self.of_role("relay") is not None or self.relay_dropped
+
+    def start_tokens(self) -> int:
+        return min(d.prefix_tokens for d in self.destinations.values())
+
+    def finished(self) -> bool:
+        """Every destination that will ever receive this room has all its KV."""
+        if self.awaits_main() or self.awaits_relay():
+            return False
+        states = [d.state for d in self.destinations.values()]
+        return (not self.in_flight and DestinationState.DONE in states
+                and all(s is not DestinationState.REGISTERED for s in states))
+
+    def any_done(self) -> bool:
+        return any(d.state is DestinationState.DONE for d in self.destinations.values())
+
+    def relay_finished_or_gone(self) -> bool:
+        relay = self.of_role("relay")
+        return self.relay_dropped or (relay is not None and relay.state is not DestinationState.REGISTERED)
+
+    def oldest_in_flight(self) -> Optional[float]:
+        started = [w.started_at for w in self.in_flight if w.started_at is not None]
+        return min(started, default=None)

@@ -1,0 +1,86 @@
+"""The prefill's PDD senders: threads that write one destination's part of one chunk.
+
+Each sender takes :class:`~pdd_sglang.prefill.room.Work` from its own queue (the owner puts a
+room's chunks for one destination on one queue, so they go out in prefill's order), writes it with
+SGLang's own primitives (``send_kvcache`` or, between different TP sizes, ``send_kvcache_slice``,
+then ``send_aux`` with the last chunk), and reports every item back to the owner, sent, failed or
+skipped. A local sender serves relays over SGLang's engine; a WAN sender serves mains, and
+``_transfer_data`` picks the WAN engine for a main's session (patch 0007).
+
+A sender writes nothing of SGLang's: it reads ``request_status`` (a room SGLang ended is skipped)
+and ``decode_kv_args_table`` (the destination's buffers, registered by SGLang's bootstrap thread
+before the room's hello). An exception is a failed item, never a dead thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Optional
+
+from pdd_sglang.prefill.ledger import LEDGER
+from pdd_sglang.prefill.room import Work
+
+logger = logging.getLogger(__name__)
+
+
+def run_sender(kv_mgr: Any, work_queue: Any, executor: Any, report: Callable[[Any], None],
+               pause: Optional[Callable[[Work], None]] = None) -> None:
+    """A sender's loop until the ``None`` sentinel. ``pause``: a debug hook (tests only)."""
+    from pdd_sglang.prefill.events import ChunkSent
+
+    while True:
+        work = work_queue.get()
+        if work is None:
+            return
+        work.started_at = time.monotonic()
+        if pause is not None:
+            pause(work)
+        try:
+            ok, reason = send_work(kv_mgr, work, executor)
+        except Exception as err:  # a bad chunk fails its destination, not the sender
+            logger.exception("PDD: sending room %s to %s raised", work.room, work.session)
+            ok, reason = False, f"PDD: sending to {work.session} raised {err!r}"
+        report(ChunkSent(work, ok, reason))
+
+
+def send_work(kv_mgr: Any, work: Work, executor: Any) -> tuple[Optional[bool], Optional[str]]:
+    """``(True, None)`` sent, ``(False, reason)`` failed, ``(None, None)`` skipped."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    status = kv_mgr.request_status.get(work.room)
+    if work.cancelled or status is None or status == KVPoll.Failed:
+        return None, None
+    chunk, info = work.chunk, work.destination
+    if chunk.wait_event is not None:  # overlap scheduling: the forward that wrote this KV
+        chunk.wait_event.synchronize()
+        chunk.wait_event = None
+    if chunk.indices_event is not None:
+        chunk.indices_event.synchronize()
+        chunk.indices_event = None
+    src = chunk.prefill_kv_indices
+    if hasattr(src, "numpy"):
+        src = src.numpy()
+    peer = kv_mgr.decode_kv_args_table.get(work.session)
+    if peer is None:
+        return False, f"PDD: {work.session} never registered its KV buffers"
+    dst = info.dst_kv_indices[chunk.index_slice]
+    src = src[: len(dst)]
+    LEDGER.begin(work.room, work.session, len(src))
+    ret = 0
+    if len(src) and kv_mgr.kv_args.kv_data_ptrs:
+        if (kv_mgr.is_mla_backend or kv_mgr.attn_tp_size == peer.dst_attn_tp_size):
+            ret = kv_mgr.send_kvcache(
+                work.session, src, peer.dst_kv_ptrs, dst, executor,
+                dst_layer_ids=peer.dst_kv_layer_ids, dst_kv_item_len=peer.dst_kv_item_len,
+                dst_attn_tp_size=peer.dst_attn_tp_size)
+        else:
+            ret = kv_mgr.send_kvcache_slice(
+                work.session, src, peer.dst_kv_ptrs, dst, peer.dst_tp_rank,
+                peer.dst_attn_tp_size, peer.dst_kv_item_len, executor, peer.dst_kv_layer_ids)
+    if ret != 0:
+        return False, f"PDD: a KV chunk of room {work.room} to {work.role} {work.session} failed"
+    if chunk.is_last_chunk:
+        if kv_mgr.send_aux(info, chunk.prefill_aux_index, peer.dst_aux_ptrs) != 0:
+            return False, f"PDD: the aux data of room {work.room} to {work.role} {work.session} failed"
+    return True, None
