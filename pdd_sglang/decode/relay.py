@@ -22,7 +22,8 @@ Life cycle of a P->RLD->MD request on a relay:
    ``HandoffRefused("finished_at_relay")`` so main frees its slots, and the router aborts main's
    and prefill's copies (cancelling a WAN transfer still running).
 5. If main refuses a chunk (bad input, disagreeing tokens, timeout, shutdown), or does not
-   acknowledge the last one within ``FINAL_ACK_WAIT_S``, the relay decodes on to the end; a request
+   acknowledge a chunk within ``FINAL_ACK_WAIT_S`` (a middle one or the last), the relay decodes
+   on to the end; a request
    that left the batch for the handoff goes back through SGLang's waiting queue (as a retracted
    request does) and resumes from its last token. A handoff gone wrong never costs the client
    its answer while the relay has the request.
@@ -165,6 +166,18 @@ class RelayHandoff(DebugHold):
                 del self.active[room]
                 self._refuse(active.peer, room, "final_ack_timeout")
                 self._resume(active.req, "main did not acknowledge the last chunk")
+            elif active.state is Handing.AWAITING_ACK and (
+                    active.req.finished() or now - active.last_sent_at > FINAL_ACK_WAIT_S):
+                # Mid Catch-Up the request never left the batch: the relay simply stops
+                # handing it over (main died, or it finished here meanwhile).
+                del self.active[room]
+                finished = active.req.finished()
+                self._refuse(active.peer, room, "finished_at_relay" if finished else "ack_timeout")
+                if not finished:
+                    self.stats.event("ack_timeout")
+                    logger.warning("PDD relay: main did not acknowledge a Catch-Up chunk of room %s "
+                                   "within %.0f s; the relay decodes it to the end", room,
+                                   FINAL_ACK_WAIT_S)
         # A request whose last chunk is out stops decoding here until main says it has it.
         leaving = [a.req for a in self.active.values() if a.state is Handing.AWAITING_FINAL_ACK]
         leaving = [req for req in leaving if any(req is r for r in running_batch.reqs)]

@@ -94,6 +94,35 @@ def test_relay_close_tells_every_waiting_main_and_frees_what_it_holds_out_of_the
     assert control_threads() == 0
 
 
+def test_relay_stops_waiting_for_a_catch_up_ack_that_never_comes():
+    """Issue #22 race 8: main dies mid Catch-Up. Before, the relay's AWAITING_ACK had no
+    deadline: the room stayed active and the relay never went idle. Now, past FINAL_ACK_WAIT_S,
+    main is told (``ack_timeout``) and the relay, which kept the request in its batch, decodes on."""
+    from pdd_sglang.decode import relay as relay_module
+    from pdd_sglang.decode.relay import Handing, RelayHandoff, _Active
+
+    relay = RelayHandoff(SimpleNamespace(), SimpleNamespace(**ARGS))
+    main = ControlLoop()
+    try:
+        main.send(relay.loop.address, HandoffReady(room=98))
+        peer, _ = relay.loop.wait_received(5)
+        sent_at = time.monotonic() - relay_module.FINAL_ACK_WAIT_S - 1
+        catch_up = policy.HandoffMode.CATCH_UP
+        relay.active[21] = _Active(request(21), peer, catch_up, state=Handing.AWAITING_ACK,
+                                   last_sent_at=sent_at)
+        relay.active[22] = _Active(request(22), peer, catch_up, state=Handing.AWAITING_ACK,
+                                   last_sent_at=time.monotonic())
+        batch = SimpleNamespace(reqs=[])
+        relay._leave_batch = lambda running_batch, reqs: running_batch
+        relay.step(batch)
+        assert refusals(main, 1) == {21: "ack_timeout"}
+        assert list(relay.active) == [22]  # still within its deadline
+    finally:
+        relay.close()
+        main.close()
+    assert control_threads() == 0
+
+
 def test_handoff_statistics_keep_the_latest_samples_in_order():
     from pdd_sglang.decode.handoff_channel import LATENCY_SAMPLES_KEPT, HandoffStats
 
