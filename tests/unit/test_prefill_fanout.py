@@ -50,3 +50,176 @@ def test_zero_offset_returns_the_chunk_itself():
 def test_misaligned_or_negative_offset_is_refused(skip_tokens):
     with pytest.raises(ValueError, match="page size"):
         skip_prefix_pages(next(chunks_of(4, 4)), skip_tokens, 16)
+
+
+# ---- the fan-out's owner: what it decides, driven event by event (tests/unit/fanout_harness.py)
+import pdd_sglang.hooks as hooks  # noqa: E402
+from fanout_harness import (MAIN, RELAY, Kv, chunk, drain, make_fanout, poll_name,  # noqa: E402
+                            register, send_all)
+
+
+@pytest.fixture(autouse=True)
+def prefill_role(monkeypatch):
+    monkeypatch.setattr(hooks, "_role", "prefill")
+
+
+def opened(kv, room):
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    kv.update_status(room, KVPoll.Bootstrapping)
+
+
+def test_a_main_that_registered_first_waits_for_its_relay_then_the_room_starts_at_the_smallest_prefix():
+    kv = Kv()
+    fanout = make_fanout(kv)
+    opened(kv, 8)
+    register(fanout, kv, 8, MAIN, "main", prefix=16)
+    assert poll_name(kv.request_status[8]) == "Bootstrapping"
+    register(fanout, kv, 8, RELAY, "relay")
+    assert poll_name(kv.request_status[8]) == "WaitingForInput"
+    assert kv.req_to_decode_prefix_len[8] == 0
+    fanout.take_chunk(chunk(8, 0, 24, last=True))
+    drain(fanout)
+    (relay_work,), (main_work,) = fanout.local_queues[0], fanout.wan_queues[0]
+    assert len(relay_work.chunk.prefill_kv_indices) == 24
+    assert main_work.chunk.prefill_kv_indices.tolist() == list(range(16, 24))  # past its prefix
+
+
+def test_silent_relay_is_dropped_and_a_late_one_refused():
+    kv = Kv()
+    fanout = make_fanout(kv)
+    fanout.relay_bootstrap_timeout_s = 2.0
+    opened(kv, 9)
+    register(fanout, kv, 9, MAIN, "main", prefix=32)
+    start = fanout._rooms[9].first_hello_at
+    fanout.tick(now=start + 1.0)
+    assert poll_name(kv.request_status[9]) == "Bootstrapping"
+    fanout.tick(now=start + 3.0)
+    assert poll_name(kv.request_status[9]) == "WaitingForInput"
+    assert kv.req_to_decode_prefix_len[9] == 32  # the main's own prefix: only it is served
+    register(fanout, kv, 9, RELAY, "relay")
+    assert kv.messages == [((("127.0.0.1", 1001),), 9, "Failed")]
+    assert fanout.published["relays_dropped"] == 1 and fanout.published["refused_late"] == 1
+
+
+def test_malformed_and_repeated_hellos_are_refused():
+    from fanout_harness import hello_frames
+
+    kv = Kv()
+    fanout = make_fanout(kv)
+    frames = hello_frames(kv, 5, MAIN, "main", prefix=16)
+    frames[8] = b"64"  # the metadata's prefix disagrees with the hello's
+    assert fanout.claim_registration(5, MAIN, frames)
+    drain(fanout)
+    assert fanout.published["refused_hellos"] == 1 and 5 not in fanout.pdd_rooms
+    register(fanout, kv, 6, MAIN, "main", destinations=1)
+    register(fanout, kv, 6, MAIN, "main", destinations=1)
+    assert kv.messages[-1] == ((("127.0.0.1", 2002),), 6, "Failed")
+    assert len(fanout._rooms[6].destinations) == 1
+
+
+def test_a_prefix_claim_beyond_the_prompt_fails_the_room_cleanly():
+    kv = Kv()
+    fanout = make_fanout(kv)
+    opened(kv, 3)
+    register(fanout, kv, 3, RELAY, "relay")
+    register(fanout, kv, 3, MAIN, "main", prefix=500)
+    fanout.take_chunk(chunk(3, 0, 100, last=True))
+    drain(fanout)
+    send_all(fanout, kv, fanout.local_queues[1])
+    assert poll_name(kv.request_status[3]) == "Failed"
+    assert "beyond the 100 tokens" in kv.failure_records[3]
+    assert {m[2] for m in kv.messages} == {"Failed"}
+
+
+def test_silent_main_is_dropped_after_the_relay_has_its_kv():
+    kv = Kv()
+    fanout = make_fanout(kv)
+    fanout.main_bootstrap_timeout_s = 3.0
+    opened(kv, 12)
+    register(fanout, kv, 12, RELAY, "relay")
+    fanout.take_chunk(chunk(12, 0, 4, last=True))
+    drain(fanout)
+    start = fanout._rooms[12].first_hello_at
+    fanout.tick(now=start + 10)  # past the deadline, but the relay's copy is not done: keep the KV
+    assert poll_name(kv.request_status[12]) == "WaitingForInput"
+    send_all(fanout, kv, fanout.local_queues[0])
+    assert kv.messages == [((("127.0.0.1", 1001),), 12, "Success")]  # the relay decodes now
+    fanout.tick(now=start + 2)
+    assert poll_name(kv.request_status[12]) == "WaitingForInput"
+    fanout.tick(now=start + 4)
+    assert poll_name(kv.request_status[12]) == "Success"  # prefill frees the room's KV
+    assert fanout.published["mains_dropped"] == 1
+
+
+def test_a_relay_whose_transfer_fails_drops_out_and_a_late_main_still_gets_every_chunk():
+    kv = Kv()
+    fanout = make_fanout(kv)
+    kv.fail_kv = {RELAY}
+    opened(kv, 21)
+    register(fanout, kv, 21, RELAY, "relay")
+    fanout.take_chunk(chunk(21, 0, 8))
+    drain(fanout)
+    send_all(fanout, kv, fanout.local_queues[1])
+    assert kv.messages == [((("127.0.0.1", 1001),), 21, "Failed")]
+    register(fanout, kv, 21, MAIN, "main")
+    fanout.take_chunk(chunk(21, 8, 12, last=True))
+    drain(fanout)
+    assert not fanout.local_queues[1]  # nothing more for the relay
+    send_all(fanout, kv, fanout.wan_queues[0])
+    assert [s for s in kv.sent_kv if s[0] == MAIN] == [(MAIN, 0, 8), (MAIN, 8, 4)]
+    assert poll_name(kv.request_status[21]) == "Success"
+
+
+def test_a_room_waits_for_its_chunks_in_flight_before_it_concludes_failed():
+    """A failed relay with main's chunk still queued: the room may not conclude (and prefill may
+    not free the KV the queued chunk reads) until that chunk has reported."""
+    kv = Kv()
+    fanout = make_fanout(kv)
+    kv.fail_kv = {MAIN}
+    opened(kv, 22)
+    register(fanout, kv, 22, MAIN, "main", destinations=1)
+    fanout.take_chunk(chunk(22, 0, 4))
+    fanout.take_chunk(chunk(22, 4, 8, last=True))
+    drain(fanout)
+    queue = fanout.wan_queues[0]
+    first = queue.pop(0)
+    from pdd_sglang.prefill.events import ChunkSent
+
+    fanout.handle(ChunkSent(first, False, "PDD: the line broke"))
+    assert poll_name(kv.request_status[22]) == "WaitingForInput"  # one chunk still queued
+    assert queue[0].cancelled
+    send_all(fanout, kv, queue)  # the sender skips it and reports
+    assert poll_name(kv.request_status[22]) == "Failed"
+    assert [s[0] for s in kv.sent_kv] == [] and kv.messages[-1][2] == "Failed"
+
+
+def test_a_chunk_stuck_in_a_sender_fails_its_destination_and_frees_the_room():
+    kv = Kv()
+    fanout = make_fanout(kv)
+    fanout.stuck_after_s = 30.0
+    opened(kv, 23)
+    register(fanout, kv, 23, MAIN, "main", destinations=1)
+    fanout.take_chunk(chunk(23, 0, 4, last=True))
+    drain(fanout)
+    work = fanout.wan_queues[0][0]
+    work.started_at = fanout.clock()  # a sender took it, and Mooncake never returns
+    fanout.tick(now=work.started_at + 10)
+    assert poll_name(kv.request_status[23]) == "WaitingForInput"
+    fanout.tick(now=work.started_at + 31)
+    assert poll_name(kv.request_status[23]) == "Failed"
+    assert fanout.published["rooms_stuck"] == 1 and fanout.published["rooms_open"] == 0
+
+
+def test_a_room_sglang_ended_frees_its_destinations_and_is_forgotten():
+    kv = Kv()
+    fanout = make_fanout(kv)
+    opened(kv, 24)
+    register(fanout, kv, 24, RELAY, "relay")
+    register(fanout, kv, 24, MAIN, "main")
+    fanout.tick()
+    kv.request_status.pop(24)  # the client aborted: SGLang's sender cleared the room
+    fanout.tick()
+    assert sorted(m[0][0][1] for m in kv.messages if m[2] == "Failed") == [1001, 2002]
+    fanout.tick()
+    assert fanout.published["rooms_tracked"] == 0 and 24 not in fanout.pdd_rooms
