@@ -59,6 +59,12 @@ class RouterConfig:
     retry_max_retries: int = 1
     # ... and one that fails after the client got part of it goes on from its last token.
     retry_after_first_token: bool = False
+    # After a relay was lost mid-answer and main's copy of the prompt has landed, how long main
+    # may stay silent before the router aborts its copy and continues the request from the
+    # client's last token on a fresh placement (router/relay_loss.py). Main that saw the relay
+    # go answers within a decode step; one that never connected to it waits for its
+    # --pdd-handoff-timeout.
+    relay_loss_main_grace_s: float = 1.0
     # How placement predicts main's WAN time: "congestion-aware" behind the bytes the line to
     # that main already carries, at its measured rate (router/line_state.py); "idle-line" as if
     # the line were idle.
@@ -139,6 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also retry a request that failed after the client got part of "
                              "its answer, as a continuation from the last token it got (greedy: "
                              "the same answer; sampled: a valid continuation, not the same draw)")
+    parser.add_argument("--relay-loss-main-grace-s", type=float, default=1.0,
+                        help="after a relay died mid-answer and main's copy of the prompt has "
+                             "landed, how long main may stay silent before the router aborts "
+                             "its copy and continues the request from the client's last token "
+                             "on a fresh placement (main that never connected to the relay "
+                             "would wait for its --pdd-handoff-timeout)")
     parser.add_argument("--incremental-streaming-output", action="store_true",
                         help="stream only new text and ids per /generate chunk (as SGLang's flag)")
     return parser
@@ -156,6 +168,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> RouterConfig:
         parser.error("--wan-gbps must be > 0")
     if args.retry_max_retries < 0:
         parser.error("--retry-max-retries must be >= 0")
+    if args.relay_loss_main_grace_s < 0:
+        parser.error("--relay-loss-main-grace-s must be >= 0")
     policy = PolicyConfig(hide_wan_below_s=args.hide_wan_below_s,
                           main_load_penalty_tokens=args.main_load_penalty_tokens,
                           singular_predictive=args.singular_predictive,
@@ -174,5 +188,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> RouterConfig:
         main_wait_for_landing_s=args.main_wait_for_landing_s,
         retry_max_retries=args.retry_max_retries,
         retry_after_first_token=args.retry_after_first_token,
+        relay_loss_main_grace_s=args.relay_loss_main_grace_s,
         placement=args.placement,
     )

@@ -8,7 +8,6 @@ gave it, on top of closing the HTTP stream (which SGLang also treats as an abort
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import secrets
 import time
@@ -25,13 +24,31 @@ from pdd_sglang.router.prefix_mirror import PrefixMirror
 from pdd_sglang.router.request_parsing import GenerateJob
 from pdd_sglang.router.resume import Resumed, continuation
 from pdd_sglang.router.errors import RequestRejected
-from pdd_sglang.router.servers import HealthMonitor, NoHealthyServer, ServerPool, Upstream
-from pdd_sglang.router.splice import SplicedUpdate, SpliceError, StreamSplicer
+from pdd_sglang.router.finish_record import FinishRecorder
+from pdd_sglang.router.pumps import END, PREFILL_ANSWERED, Pumps
+from pdd_sglang.router.relay_loss import (MAX_RELAY_LOSS_REPLACEMENTS, CachingCopies,
+                                          MainSilence, RelayLost)
+from pdd_sglang.router.servers import RELAY, HealthMonitor, NoHealthyServer, ServerPool, Upstream
+from pdd_sglang.router.splice import SplicedUpdate, SpliceError, StreamSplicer, UpstreamChunk
 from pdd_sglang.router.upstream import UpstreamClient, UpstreamError
 
 logger = logging.getLogger("pdd_sglang.router")
 
-_END = object()
+
+def _gone(err: BaseException) -> bool:
+    """A failure that means the server is gone (or hung), not that it refused the request."""
+    return isinstance(err, StreamEndedEarly) or (isinstance(err, UpstreamError) and err.cause in (
+        "upstream_connection", "upstream_timeout"))
+
+
+async def _next_item(queue: asyncio.Queue, timeout_s: float | None):
+    """The queue's next item; asyncio.TimeoutError after ``timeout_s`` without one."""
+    if timeout_s is None:
+        return await queue.get()
+    try:
+        return queue.get_nowait()  # what is there already counts, however short the timeout
+    except asyncio.QueueEmpty:
+        return await asyncio.wait_for(queue.get(), timeout_s)
 
 
 def _from(item, upstream: Upstream) -> bool:
@@ -56,8 +73,11 @@ class Dispatcher:
                  client: UpstreamClient, health: HealthMonitor, metrics: RouterMetrics,
                  model: ModelInfo, landing: LandingCopies | None = None,
                  main_wait_for_landing_s: float = 20.0, retry_max_retries: int = 0,
-                 retry_after_first_token: bool = False):
+                 retry_after_first_token: bool = False, relay_loss_main_grace_s: float = 1.0):
         self.pool = pool
+        self.relay_loss_main_grace_s = relay_loss_main_grace_s
+        self.caching = CachingCopies()  # main copies kept only to cache a prompt, by relay
+        health.on_removed.append(self._server_left)  # a relay gone: drop the copies kept for it
         self.landing = landing if landing is not None else placer.landing
         self.main_wait_for_landing_s = main_wait_for_landing_s
         self.retry_max_retries = retry_max_retries
@@ -68,6 +88,9 @@ class Dispatcher:
         self.health = health
         self.metrics = metrics
         self.model = model
+        self.pumps = Pumps(client, metrics, placer.lines, model.kv_bytes_per_token,
+                           main_wait_for_landing_s)
+        self.finish = FinishRecorder(metrics, mirrors, model.kv_bytes_per_token, placer.cfg)
         self._background: set[asyncio.Task] = set()
 
     def _spawn(self, coro) -> asyncio.Task:
@@ -81,16 +104,19 @@ class Dispatcher:
         if self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
 
-    def place(self, job: GenerateJob) -> Placement:
-        return self.placer.place(job.prompt_ids, job.max_new_tokens)
+    def place(self, job: GenerateJob, avoid: frozenset = frozenset()) -> Placement:
+        return self.placer.place(job.prompt_ids, job.max_new_tokens, avoid)
 
     async def serve(self, job: GenerateJob, placement: Placement, api: str,
                     started: float) -> AsyncIterator[SplicedUpdate]:
         """:meth:`run`, again on a fresh placement (new rid, new room) if a server fails it: from
         scratch if the client has none of the answer yet; with ``retry_after_first_token``, as a
-        continuation from the last token the client has (:mod:`pdd_sglang.router.resume`)."""
-        retries = 0
+        continuation from the last token the client has (:mod:`pdd_sglang.router.resume`).
+        A lost relay is no failure: the request goes on without it (:mod:`relay_loss`), whatever
+        the retry settings say."""
+        retries = relay_losses = 0
         attempt_job, resumed, last = job, None, None
+        avoid: set = set()  # relays that failed this request
         while True:
             attempt = self.run(attempt_job, placement, api, started)
             answered = False
@@ -98,8 +124,26 @@ class Dispatcher:
                 async for update in attempt:
                     answered = True
                     last = update if resumed is None else resumed.update(update)
+                    if last.finished and relay_losses:
+                        # Main answered after the relay was lost: a relay_lost outcome, whatever
+                        # pipeline the last attempt took.
+                        last.meta.setdefault("pdd", {}).update(outcome="relay_lost",
+                                                               relay_lost_replacements=relay_losses)
                     yield last
                 return
+            except RelayLost as lost:
+                relay_losses += 1
+                avoid.add(lost.relay)
+                failure = lost.cause
+                if relay_losses > MAX_RELAY_LOSS_REPLACEMENTS:
+                    raise failure from None
+                if last is not None:
+                    following = continuation(job, last.output_ids)
+                    if following is None:
+                        raise failure from None
+                    attempt_job = following
+                    resumed = self._resumed(job, last)
+                cause = "relay_lost"
             except (UpstreamError, StreamEndedEarly, SpliceError) as err:
                 if retries >= self.retry_max_retries or not _retryable(err):
                     raise
@@ -112,24 +156,28 @@ class Dispatcher:
                                                  or isinstance(err, SpliceError)):
                         raise
                     attempt_job = following
-                    resumed = Resumed(len(job.prompt_ids), list(last.output_ids), last.text,
-                                      lambda ids: self.model.decode(ids, job.skip_special_tokens))
+                    resumed = self._resumed(job, last)
                 failure = err
+                retries += 1
+                cause = (err.cause if isinstance(err, UpstreamError)
+                         else "splice" if isinstance(err, SpliceError)
+                         else "upstream_stream_ended")
             finally:
                 await attempt.aclose()  # the attempt's own cleanup: aborts on every server
-            retries += 1
             try:
-                placement = self.place(attempt_job)  # without a server the failure took out
+                # Without a server the failure took out, nor a relay that failed this request.
+                placement = self.place(attempt_job, frozenset(avoid))
             except (NoHealthyServer, RequestRejected):
                 raise failure from None  # nowhere to go: the failure is the answer
-            cause = (failure.cause if isinstance(failure, UpstreamError)
-                     else "splice" if isinstance(failure, SpliceError)
-                     else "upstream_stream_ended")
             self.metrics.retries.labels(cause).inc()
-            logger.warning("retrying a request %s (%s), retry %d of %d",
+            logger.warning("re-placing a request %s (%s) on %s, retry %d of %d, relay losses %d",
                            "from scratch" if resumed is None else
-                           f"after its first {len(resumed.sent_ids)} tokens", failure, retries,
-                           self.retry_max_retries)
+                           f"after its first {len(resumed.sent_ids)} tokens", failure,
+                           placement.route_name, retries, self.retry_max_retries, relay_losses)
+
+    def _resumed(self, job: GenerateJob, last: SplicedUpdate) -> Resumed:
+        return Resumed(len(job.prompt_ids), list(last.output_ids), last.text,
+                       lambda ids: self.model.decode(ids, job.skip_special_tokens))
 
     async def run(self, job: GenerateJob, placement: Placement, api: str,
                   started: float) -> AsyncIterator[SplicedUpdate]:
@@ -157,20 +205,34 @@ class Dispatcher:
             decode=lambda ids: self.model.decode(ids, job.skip_special_tokens))
         queues = {u.role: asyncio.Queue() for u in placement.decoders}
         main_after = self._main_waits_for(job, placement)
-        tasks = {u.role: self._spawn(self._pump(u, body, queues[u.role], splicer,
-                                                main_after if u is placement.main else None,
-                                                placement, job, marks, copies))
+        tasks = {u.role: self._spawn(self.pumps.decoder(
+                     u, body, queues[u.role], splicer, main_after if u is placement.main else None,
+                     placement, job, marks, copies))
                  for u in placement.decoders}
-        prefill_task = self._spawn(self._prefill(placement.prefill, body, list(queues.values()),
-                                                 marks))
+        prefill_task = self._spawn(self.pumps.prefill(placement.prefill, body,
+                                                      list(queues.values()), marks))
         clean = False
+        silence = MainSilence(self.relay_loss_main_grace_s)
+        relay_failure = None  # the relay's failure, once it was lost
+        clock_now = asyncio.get_running_loop().time
         with self.pool.holding(placement.upstreams):
             try:
                 while not splicer.finished:
                     source = splicer.phase
                     if source not in queues:
                         raise SpliceError(f"{pipeline}: the relay handed off but there is no main")
-                    item = await queues[source].get()
+                    try:
+                        item = await _next_item(queues[source], silence.remaining(clock_now())
+                                                if source == "main" else None)
+                    except asyncio.TimeoutError:
+                        raise await self._main_never_noticed(
+                            placement, rid, splicer, relay_failure, job.prompt_ids) from None
+                    if item is PREFILL_ANSWERED:
+                        if silence.copy_landed_at is None:
+                            silence.copy_landed_at = clock_now()
+                        continue
+                    if source == "main" and isinstance(item, UpstreamChunk):
+                        silence.main_spoke = True
                     if (source == "relay" and "main" in queues and splicer.emitted
                             and _from(item, placement.prefill)):
                         # Prefill failed after the relay had its KV (e.g. main's WAN copy
@@ -180,22 +242,37 @@ class Dispatcher:
                                        "relay goes on", rid, item)
                         continue
                     if source == "relay" and "main" in queues and (
-                            item is _END or _from(item, placement.relay)):
+                            item is END or _from(item, placement.relay)):
+                        relay_failure = (StreamEndedEarly(placement.relay) if item is END
+                                         else item)
+                        self.metrics.errors.labels("relay_lost").inc()
+                        self._report(relay_failure)
+                        if _gone(relay_failure) and not splicer.emitted:
+                            # Nothing sent yet: a fresh placement without this relay beats
+                            # prefill waiting for its registration and main for its handoff.
+                            raise RelayLost(placement.relay, relay_failure, 0,
+                                            "gone before its first token")
                         # The relay died before any handoff: main decodes from the first
                         # token; the client sees a pause, not an error.
                         logger.warning("%s: relay %s lost (%s); going on with main %s", rid,
-                                       placement.relay.url, item if item is not _END
-                                       else "stream ended", placement.main.url)
-                        self.metrics.errors.labels("relay_lost").inc()
-                        if isinstance(item, UpstreamError) and item.cause in (
-                                "upstream_connection", "upstream_timeout"):
-                            self.health.report_failure(placement.relay)
+                                       placement.relay.url, relay_failure, placement.main.url)
                         splicer.relay_lost()
+                        silence.relay_lost_at = clock_now()
                         self._abort([placement.relay], rid)
                         continue
+                    if relay_failure is not None and (item is END or (
+                            isinstance(item, UpstreamError) and _retryable(item))):
+                        # Main or prefill failed the request after its relay was lost (prefill
+                        # fails a whole room when one of its copies fails): the relay's loss
+                        # is the cause, and the request goes on without it.
+                        if isinstance(item, UpstreamError):
+                            self._report(item)
+                        raise RelayLost(placement.relay, relay_failure, len(splicer.emitted),
+                                        f"{source} failed after it: "
+                                        f"{item if item is not END else 'stream ended'}")
                     if isinstance(item, BaseException):
                         raise item
-                    if item is _END:
+                    if item is END:
                         raise StreamEndedEarly(placement.relay if source == "relay"
                                                else placement.main)
                     update = (splicer.relay_chunk(item) if source == "relay"
@@ -208,14 +285,13 @@ class Dispatcher:
                     update.meta["id"] = rid
                     if update.finished:
                         update.meta["e2e_latency"] = time.perf_counter() - started
-                        update.meta["pdd"] = self._summary(placement, splicer, clock, marks)
-                        self._record_finish(job, placement, splicer, update)
+                        update.meta["pdd"] = self.finish.summary(placement, splicer, clock, marks)
+                        self.finish.record(job, placement, splicer, update)
                         clean = True
                     yield update
             except UpstreamError as err:
                 self.metrics.errors.labels(err.cause).inc()
-                if err.cause in ("upstream_connection", "upstream_timeout"):
-                    self.health.report_failure(err.upstream)
+                self._report(err)
                 raise
             except StreamEndedEarly:
                 self.metrics.errors.labels("upstream_stream_ended").inc()
@@ -229,8 +305,8 @@ class Dispatcher:
                 raise
             finally:
                 keep_main = (clean and splicer.outcome == "relay_finished"
-                             and placement.main is not None
-                             and not self._cancels_wan_copy(job, placement, splicer))
+                             and placement.main is not None and placement.relay.healthy
+                             and not self.finish.cancels_wan_copy(job, placement, splicer))
                 for role, task in tasks.items():
                     if not (keep_main and role == "main"):
                         task.cancel()
@@ -249,19 +325,56 @@ class Dispatcher:
                         tasks["main"].add_done_callback(
                             lambda _, url=placement.main.url, landing=landing:
                             self.landing.landed(url, landing))
+                        self.caching.keep(placement.relay, rid, tasks["main"],
+                                          lambda tasks=(tasks["main"], prefill_task):
+                                          self._drop_copy(tasks, placement, rid))
                     else:
                         # Singular traffic: drop main's copy and the WAN transfer feeding it.
                         prefill_task.cancel()
                         self._abort([placement.main, placement.prefill], rid)
 
-    def _cancels_wan_copy(self, job: GenerateJob, placement: Placement,
-                          splicer: StreamSplicer) -> bool:
-        uncached = max(len(job.prompt_ids) - placement.main_cached_tokens, 0)
-        return policy.cancel_wan_copy(uncached, len(splicer.emitted), self.placer.cfg)
-
     def _abort(self, upstreams: list[Upstream], rid: str) -> None:
         for upstream in upstreams:
             self._spawn(self.client.abort(upstream, rid))
+
+    def _drop_copy(self, tasks: tuple, placement: Placement, rid: str) -> None:
+        """Main's copy of a request the client has: its stream, and the transfer feeding it."""
+        for task in tasks:  # main's stream and prefill's answer
+            task.cancel()
+        self._abort([placement.main, placement.prefill], rid)
+
+    def _report(self, err: BaseException) -> None:
+        """Tell the health monitor what a request learnt about a server."""
+        if not isinstance(err, UpstreamError):
+            if isinstance(err, StreamEndedEarly) and err.upstream.role == RELAY:
+                self.health.probe(err.upstream)
+            return
+        if err.refused:
+            self.health.report_unreachable(err.upstream)
+        elif err.cause in ("upstream_connection", "upstream_timeout"):
+            self.health.report_failure(err.upstream)
+            if err.upstream.role == RELAY:
+                self.health.probe(err.upstream)  # dead or not: ask it now, not at its next poll
+
+    def _server_left(self, upstream: Upstream) -> None:
+        if upstream.role == RELAY:
+            dropped = self.caching.drop_for(upstream)
+            if dropped:
+                logger.warning("relay %s left rotation: dropped %d main copies kept only to "
+                               "cache prompts it answered", upstream.url, len(dropped))
+
+    async def _main_never_noticed(self, placement: Placement, rid: str, splicer: StreamSplicer,
+                                  relay_failure: BaseException, job_prompt: list) -> RelayLost:
+        logger.warning("%s: main %s silent %.1f s after its copy landed and relay %s was lost; "
+                       "going on from token %d on a fresh placement", rid, placement.main.url,
+                       self.relay_loss_main_grace_s, placement.relay.url, len(splicer.emitted))
+        # Abort main's copy before the continuation reaches main: main then has the prompt in
+        # its radix cache (an aborted held request keeps its landed KV there), and only the
+        # emitted tokens' KV crosses the line.
+        await self.client.abort(placement.main, rid)
+        self.mirrors[placement.main.url].insert(list(job_prompt))
+        return RelayLost(placement.relay, relay_failure, len(splicer.emitted),
+                         "main never noticed")
 
     def _main_waits_for(self, job: GenerateJob, placement: Placement) -> asyncio.Event | None:
         """On P->RLD->MD: the landing copy of the turn this one extends, if any."""
@@ -270,112 +383,3 @@ class Dispatcher:
             return None
         landing = self.landing.predecessor(placement.main.url, job.prompt_ids)
         return None if landing is None else landing.done
-
-    async def _pump(self, upstream: Upstream, body: dict, queue: asyncio.Queue,
-                    splicer: StreamSplicer, after: asyncio.Event | None = None,
-                    placement: Placement | None = None, job: GenerateJob | None = None,
-                    marks: dict | None = None, copies: dict | None = None) -> None:
-        copy = None
-        try:
-            if after is not None and not after.is_set():
-                # The relay streams meanwhile; prefill holds main's KV until main registers.
-                try:
-                    await asyncio.wait_for(after.wait(), self.main_wait_for_landing_s)
-                    self.metrics.main_waits.labels("landed").inc()
-                except asyncio.TimeoutError:
-                    self.metrics.main_waits.labels("timed_out").inc()
-            if upstream.role == "main" and placement is not None and job is not None:
-                uncached = max(len(job.prompt_ids) - placement.main_cached_tokens, 0)
-                copy = self.placer.lines.begin(upstream.url,
-                                               uncached * self.model.kv_bytes_per_token)
-                if copies is not None:
-                    copies["main"] = copy
-            async for chunk in self.client.generate_stream(upstream, body):
-                if upstream.role == "main" and splicer.main_cached_tokens is None:
-                    splicer.main_cached_tokens = chunk.meta.get("cached_tokens")
-                if copy is not None and copy.open:
-                    self.placer.lines.land(copy)  # main ran a forward on the landed KV
-                if marks is not None and f"{upstream.role}_first_chunk_ts" not in marks:
-                    marks[f"{upstream.role}_first_chunk_ts"] = time.time()
-                    if upstream.role == "relay" and copies is not None:
-                        # Prefill's forward is done: main's copy is on the line from here.
-                        self.placer.lines.on_wire(copies.get("main"))
-                queue.put_nowait(chunk)
-            queue.put_nowait(_END)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as err:  # handed to the splice loop, which owns error handling
-            queue.put_nowait(err)
-        finally:
-            if copy is not None:
-                self.placer.lines.drop(copy)  # no-op once landed
-
-    async def _prefill(self, upstream: Upstream, body: dict, queues: list[asyncio.Queue],
-                       marks: dict) -> None:
-        """The prefill's answer carries nothing for the client; only its failure matters (and
-        its time stats, logged for the stage split)."""
-        try:
-            marks["prefill_sent_ts"] = time.time()
-            answer = await self.client.generate_final(upstream, body)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as err:
-            for queue in queues:
-                queue.put_nowait(err)
-            return
-        meta = (answer or {}).get("meta_info") or {}
-        stats = {k: v for k, v in meta.items() if isinstance(v, (int, float)) and (
-            k.endswith(("_ts", "_time", "_latency")) or k == "queue_time")}
-        logger.info("pdd-prefill-stats %s", json.dumps({"rid": body["rid"], **stats}))
-
-    def _summary(self, placement: Placement, splicer: StreamSplicer, clock: TokenClock,
-                 marks: dict) -> dict:
-        """What the router adds to meta_info["pdd"]: its decisions and its measurements."""
-        return {
-            "pipeline": placement.route_name,
-            "outcome": splicer.outcome,
-            "prefill": placement.prefill.url,
-            "relay": placement.relay.url if placement.relay else None,
-            "main": placement.main.url if placement.main else None,
-            "predicted_main_cached_tokens": placement.main_cached_tokens,
-            "predicted_wan_s": placement.predicted_wan_s,
-            "relay_fallback": placement.relay_fallback,
-            "main_fallback": placement.main_fallback,
-            "handed_tokens": splicer.handed_tokens,
-            "relay_lost_at": splicer.relay_lost_at,
-            "diverged": splicer.diverged,
-            "ttft_s": clock.ttft_s,
-            "handoff_gap_s": clock.handoff_gap_s,
-            "handoff_mode": (splicer.handoff_info or {}).get("mode"),
-            "line_bytes_ahead": placement.line_bytes_ahead,
-            "marks": dict(marks),
-        }
-
-    def _record_finish(self, job: GenerateJob, placement: Placement, splicer: StreamSplicer,
-                       update: SplicedUpdate) -> None:
-        outcome = splicer.outcome
-        mode = "none"
-        if outcome == "handoff":
-            mode = str((splicer.handoff_info or {}).get("mode", "unknown"))
-        label = "main_only" if outcome == "main" else outcome
-        self.metrics.outcomes.labels(label, mode).inc()
-        main = placement.main
-        if main is None:
-            return
-        if outcome == "relay_finished":
-            if not self._cancels_wan_copy(job, placement, splicer):
-                self.mirrors[main.url].insert(list(job.prompt_ids))  # main caches the prompt
-            return
-        mirror = self.mirrors[main.url]
-        actual = splicer.main_cached_tokens
-        prompt = job.prompt_ids
-        predicted_uncached = len(prompt) - placement.main_cached_tokens
-        self.metrics.wan_bytes_predicted.labels(main.url).inc(
-            max(predicted_uncached, 0) * self.model.kv_bytes_per_token)
-        if isinstance(actual, int):
-            self.metrics.wan_bytes.labels(main.url).inc(
-                max(len(prompt) - actual, 0) * self.model.kv_bytes_per_token)
-            self.metrics.mirror_error_tokens.observe(placement.main_cached_tokens - actual)
-            mirror.observe_hit(prompt, actual)
-        # Main keeps the prompt and the output's KV, all but the last token (never computed).
-        mirror.insert(list(prompt) + update.output_ids[:-1])

@@ -27,6 +27,7 @@ report's rate replaces the router's.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -37,6 +38,8 @@ from pdd_sglang import policy
 RECENT_COPIES = 16
 REPORT_FRESH_S = 3.0  # a prefill report older than this (a missed poll) no longer counts
 MIN_SAMPLE_BYTES = 1 << 20  # in smaller copies prefill's forward and round trips dominate
+
+logger = logging.getLogger("pdd_sglang.router")
 
 
 @dataclass(eq=False)
@@ -130,13 +133,16 @@ async def poll_prefill_lines(lines: LineAccounting, prefills, mains, get_json,
     while True:
         own_at_poll = {main.url: lines.bytes_ahead(main.url) for main in mains}
         totals: dict[str, list] = {}
+        out: set[str] = set()
         for prefill in [p for p in prefills if p.healthy]:
             try:
                 info = await get_json(prefill, "/server_info")
             except Exception:  # noqa: BLE001 - a missed poll ages out (REPORT_FRESH_S)
                 continue
             states = info.get("internal_states") or [{}]
-            wan_line = (states[0].get("pdd") or {}).get("wan_line") or {}
+            pdd = states[0].get("pdd") or {}
+            out.update((pdd.get("fanout") or {}).get("mains_out") or ())
+            wan_line = pdd.get("wan_line") or {}
             for main in mains:
                 entry = wan_line.get(main.mooncake_session) if main.mooncake_session else None
                 if entry is not None:
@@ -146,4 +152,16 @@ async def poll_prefill_lines(lines: LineAccounting, prefills, mains, get_json,
                         total[1].append(entry["recent_bytes_per_s"])
         for url, (ahead, rates) in totals.items():
             lines.report(url, ahead, min(rates) if rates else None, own_at_poll[url])
+        mark_mains_out(mains, out)
         await asyncio.sleep(interval_s)
+
+
+def mark_mains_out(mains, sessions_out) -> None:
+    """Take a main out of placement while a prefill lists its Mooncake session as out after a
+    failed WAN copy, and back in once none does (their probes over the WAN engine reached it)."""
+    for main in mains:
+        was = main.wan_out
+        main.wan_out = bool(main.mooncake_session) and main.mooncake_session in sessions_out
+        if main.wan_out != was:
+            logger.warning("PDD router: main %s %s", main.url, "is out: a prefill's WAN copy to it "
+                           "failed" if main.wan_out else "is back: a prefill's WAN probe reached it")

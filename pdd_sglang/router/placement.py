@@ -79,13 +79,16 @@ class Placer:
         index = policy.choose_main(candidates, self.cfg)
         return mains[index], matches[index]
 
-    def place(self, prompt_ids: Sequence[int], max_new_tokens: int) -> Placement:
+    def place(self, prompt_ids: Sequence[int], max_new_tokens: int,
+              avoid: frozenset = frozenset()) -> Placement:
+        """``avoid``: relays this request must not use (one that just failed it, before the
+        health monitor has its verdict)."""
         try:
             main, cached = self.choose_main(prompt_ids)
         except NoHealthyServer:
             # Main is unreachable: the relay, beside prefill, answers alone (P->RLD, as for
             # singular traffic) instead of the client getting an error. No relay: the error.
-            relay = self._relay_or(NoHealthyServer(MAIN))
+            relay = self._relay_or(NoHealthyServer(MAIN), avoid)
             return Placement(policy.Pipeline.RELAY_SINGULAR, self.pool.least_loaded(PREFILL),
                              relay, None, 0, 0.0, main_fallback=True)
         # SGLang never reuses the KV of the prompt's last token (it recomputes it to sample).
@@ -101,7 +104,7 @@ class Placer:
         if pipeline is policy.Pipeline.PREFILL_MAIN:
             return Placement(pipeline, prefill, None, main, cached, wan_s, line.bytes_ahead)
         try:
-            relay = self._relay()
+            relay = self._relay(avoid)
         except NoHealthyServer:
             if pipeline is policy.Pipeline.RELAY_SINGULAR:
                 raise
@@ -112,11 +115,12 @@ class Placer:
             return Placement(pipeline, prefill, relay, None, cached, wan_s, line.bytes_ahead)
         return Placement(pipeline, prefill, relay, main, cached, wan_s, line.bytes_ahead)
 
-    def _relay(self) -> Upstream:
-        return self.pool.least_loaded(RELAY, usable=lambda u: u.control_address is not None)
+    def _relay(self, avoid: frozenset = frozenset()) -> Upstream:
+        return self.pool.least_loaded(
+            RELAY, usable=lambda u: u.control_address is not None and u not in avoid)
 
-    def _relay_or(self, error: NoHealthyServer) -> Upstream:
+    def _relay_or(self, error: NoHealthyServer, avoid: frozenset = frozenset()) -> Upstream:
         try:
-            return self._relay()
+            return self._relay(avoid)
         except NoHealthyServer:
             raise error from None

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 from urllib.parse import urlparse
 
 logger = logging.getLogger("pdd_sglang.router")
@@ -31,6 +31,9 @@ class Upstream:
     incremental_streaming_output: bool = False
     control_address: Optional[str] = None  # relay only: its handoff control channel
     mooncake_session: Optional[str] = None  # a main's: the key of prefill's wan_line entry for it
+    # A main that a prefill took out after a failed WAN copy (``pdd.fanout.mains_out``), until
+    # that prefill's WAN probe reaches it again: healthy over HTTP, but no KV can reach it.
+    wan_out: bool = False
 
     @property
     def host(self) -> str:
@@ -69,7 +72,7 @@ class ServerPool:
         return [u for group in self.by_role.values() for u in group]
 
     def healthy(self, role: str) -> list[Upstream]:
-        return [u for u in self.by_role[role] if u.healthy]
+        return [u for u in self.by_role[role] if u.healthy and not u.wan_out]
 
     def least_loaded(self, role: str, usable=None) -> Upstream:
         """Fewest outstanding requests relative to capacity; ties to the first listed."""
@@ -92,11 +95,17 @@ class ServerPool:
 class HealthMonitor:
     """Polls /health; a server leaves after N failures in a row and returns on one success.
 
-    A stall (the server answers unhealthy or late) never takes out the last healthy prefill, which
-    nothing can replace; only an unreachable one (connection refused: the process is gone) does.
+    Each server is polled on its own cadence: SGLang answers /health with a one-token generation
+    (a second at least, up to the poll's timeout on a busy server), and one poll round waiting
+    for the slowest server once left a dead relay in rotation for that long on top of the
+    interval.
 
-    Request-path connection failures count too (``report_failure``), so a dead server stops
-    receiving traffic before the next poll.
+    A refused connection (nothing listens: the process is gone) takes a server out at once,
+    whatever N says; a stall (the server answers unhealthy or late) never takes out the last
+    healthy prefill, which nothing can replace.
+
+    Request-path failures count too (``report_failure``, ``report_unreachable``, ``probe``), so
+    a dead server stops receiving traffic before the next poll.
     """
 
     def __init__(self, pool: ServerPool, http, interval_s: float, failures_to_remove: int):
@@ -104,26 +113,41 @@ class HealthMonitor:
         self.http = http
         self.interval_s = interval_s
         self.failures_to_remove = max(1, failures_to_remove)
-        self._task: Optional[asyncio.Task] = None
+        self._tasks: list[asyncio.Task] = []
+        self._probes: dict[Upstream, asyncio.Task] = {}
         # Called (and awaited) when a server returns, to re-read its capacity.
         self.on_recovered = None
+        # Called with each server the moment it leaves rotation.
+        self.on_removed: list[Callable[[Upstream], None]] = []
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._loop())
+        self._tasks = [asyncio.create_task(self._watch(u)) for u in self.pool.all()]
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        tasks = self._tasks + list(self._probes.values())
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+                await task
+        self._tasks, self._probes = [], {}
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self._check(u) for u in self.pool.all()))
 
-    async def _loop(self) -> None:
+    async def _watch(self, upstream: Upstream) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
-            await self.check_all()
+            await self._check(upstream)
+
+    def probe(self, upstream: Upstream) -> None:
+        """Check ``upstream`` now, not at its next poll: its stream just broke, and a dead
+        server answers a connection with a refusal within a round trip."""
+        if upstream in self._probes:
+            return
+        task = asyncio.create_task(self._check(upstream))
+        self._probes[upstream] = task
+        task.add_done_callback(lambda _: self._probes.pop(upstream, None))
 
     async def _check(self, upstream: Upstream) -> None:
         status = await self.http.health(upstream)
@@ -132,7 +156,9 @@ class HealthMonitor:
                 if not await self.on_recovered(upstream):
                     return
             self.report_success(upstream)
-        elif status == HEALTH_STALLED and self._last_prefill(upstream):
+        elif status == HEALTH_UNREACHABLE:
+            self.report_unreachable(upstream)
+        elif self._last_prefill(upstream):
             # The process is there but busy past SGLang's own health deadline (e.g. a long
             # prefill behind its WAN copies). Without a prefill nothing can be served: taking the
             # only one out of rotation turns every queued and new request into a 503 and cures
@@ -155,7 +181,21 @@ class HealthMonitor:
 
     def report_failure(self, upstream: Upstream) -> None:
         upstream.consecutive_failures += 1
-        if upstream.healthy and upstream.consecutive_failures >= self.failures_to_remove:
-            upstream.healthy = False
-            logger.warning("%s %s failed %d health checks: out of rotation", upstream.role,
-                           upstream.url, upstream.consecutive_failures)
+        if upstream.consecutive_failures >= self.failures_to_remove:
+            self._remove(upstream, f"failed {upstream.consecutive_failures} times in a row "
+                                   "(health checks and requests)")
+
+    def report_unreachable(self, upstream: Upstream) -> None:
+        """Nothing accepted a connection: out of rotation now, not after N failures (waiting
+        for N polls only sent more requests to a closed port)."""
+        upstream.consecutive_failures = max(upstream.consecutive_failures + 1,
+                                            self.failures_to_remove)
+        self._remove(upstream, "refused a connection")
+
+    def _remove(self, upstream: Upstream, why: str) -> None:
+        if not upstream.healthy:
+            return
+        upstream.healthy = False
+        logger.warning("%s %s %s: out of rotation", upstream.role, upstream.url, why)
+        for callback in self.on_removed:
+            callback(upstream)

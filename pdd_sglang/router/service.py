@@ -60,7 +60,8 @@ class RouterService:
                                      self.metrics, self.model, landing,
                                      self.config.main_wait_for_landing_s,
                                      self.config.retry_max_retries,
-                                     self.config.retry_after_first_token)
+                                     self.config.retry_after_first_token,
+                                     self.config.relay_loss_main_grace_s)
         self.health.on_recovered = self._learn
         self.health.start()
         if self.config.placement == "congestion-aware":

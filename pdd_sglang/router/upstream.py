@@ -18,12 +18,16 @@ logger = logging.getLogger("pdd_sglang.router")
 class UpstreamError(RuntimeError):
     """A server refused or broke a request. ``cause`` labels the error metric."""
 
-    def __init__(self, upstream: Upstream, message: str, cause: str, status: Optional[int] = None):
+    def __init__(self, upstream: Upstream, message: str, cause: str, status: Optional[int] = None,
+                 refused: bool = False):
         super().__init__(f"{upstream.role} {upstream.url}: {message}")
         self.upstream = upstream
         self.cause = cause
         self.status = status
         self.message = message
+        # The connection itself was refused (or had no route): nothing listens there, so the
+        # server is gone, not slow; no byte of the request reached it.
+        self.refused = refused
 
 
 UPSTREAM_KEEPALIVE_S = 2.0
@@ -62,16 +66,20 @@ class UpstreamClient:
 
     async def health(self, upstream: Upstream, timeout_s: float = 10.0) -> str:
         """HEALTH_OK; HEALTH_STALLED when the server is there but did not say healthy (SGLang's
-        /health answers 503 while its scheduler is busy past its own deadline), or did not answer
-        in time; HEALTH_UNREACHABLE when nothing accepts the connection (the process is gone)."""
+        /health answers 503 while its scheduler is busy past its own deadline), did not answer in
+        time, or dropped the connection mid-answer (a pooled connection the server had just
+        closed fails that way too); HEALTH_UNREACHABLE when nothing accepts the connection (the
+        process is gone), which takes the server out of rotation at once."""
         try:
             async with self._session.get(upstream.url + "/health",
                                          timeout=self._timeout(timeout_s)) as resp:
                 return HEALTH_OK if resp.status == 200 else HEALTH_STALLED
         except asyncio.TimeoutError:
             return HEALTH_STALLED
-        except (aiohttp.ClientError, OSError):
+        except (aiohttp.ClientConnectorError, ConnectionRefusedError):
             return HEALTH_UNREACHABLE
+        except (aiohttp.ClientError, OSError):
+            return HEALTH_STALLED
 
     async def post_ok(self, upstream: Upstream, path: str, timeout_s: float = 60.0) -> bool:
         try:
@@ -102,7 +110,7 @@ class UpstreamClient:
                                         resp.status)
                 return orjson.loads(payload)
         except (aiohttp.ClientError, OSError) as err:
-            raise UpstreamError(upstream, repr(err), "upstream_connection") from err
+            raise _connection_error(upstream, err) from err
         except asyncio.TimeoutError as err:
             raise UpstreamError(upstream, "timed out", "upstream_timeout") from err
 
@@ -145,10 +153,15 @@ class UpstreamClient:
                         text = out.get("text")
                     yield UpstreamChunk(ids, text, meta, meta.get("finish_reason") is not None)
         except (aiohttp.ClientError, OSError) as err:
-            raise UpstreamError(upstream, repr(err), "upstream_connection") from err
+            raise _connection_error(upstream, err) from err
         except asyncio.TimeoutError as err:
             raise UpstreamError(upstream, "no data within the read timeout",
                                 "upstream_timeout") from err
+
+
+def _connection_error(upstream: Upstream, err: BaseException) -> UpstreamError:
+    refused = isinstance(err, (aiohttp.ClientConnectorError, ConnectionRefusedError))
+    return UpstreamError(upstream, repr(err), "upstream_connection", refused=refused)
 
 
 def _error_message(payload) -> str:

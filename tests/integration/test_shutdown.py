@@ -38,15 +38,17 @@ def test_every_role_closes_its_pdd_threads_on_shutdown(page16_cluster, tmp_path)
     rng = random.Random(14)
     body = {"input_ids": [rng.randrange(10, 1000) for _ in range(60)], "sampling_params": GREEDY}
     generate_pdd(prefill, relay, main, body, cluster.bootstrap_port, keep_main_copy=True)
-    # While it serves, the prefill's WAN path runs under PDD's names (the test can see them).
-    assert {"pdd-keeper", "pdd-wan-xfer-0"} <= set(pdd_thread_names(prefill.process.pid))
+    # While it serves, the prefill's fan-out runs under PDD's names (the test can see them; the
+    # kernel keeps 15 characters of a name: "pdd-local-xfer-0" shows as "pdd-local-xfer-").
+    assert {"pdd-fanout", "pdd-peer-io", "pdd-local-xfer-", "pdd-wan-xfer-0"} <= set(
+        pdd_thread_names(prefill.process.pid))
     seconds = {}
     for server in (relay, main, prefill):
         server.wait_idle(60)
         seconds[server.name] = stop_like_an_operator(server)
         log = server.log_path.read_text(errors="replace")
         assert "PDD: closed on scheduler exit; PDD threads left: none" in log, server.name
-    assert "PDD: prefill WAN path closed (workers, watchdog and engine)" in (
+    assert "PDD: prefill closed (owner, senders, peer thread and WAN engine)" in (
         prefill.log_path.read_text(errors="replace"))
     figures = {k: round(v, 2) for k, v in seconds.items()}
     print("shutdown seconds per role:", figures)

@@ -121,3 +121,21 @@ def test_the_poller_sums_prefills_per_main_by_mooncake_session():
         return lines.state("http://m")
 
     assert asyncio.run(one_round()) == policy.LineState(7, 2.0)
+
+
+def test_a_main_a_prefill_lists_as_out_takes_no_placement_until_it_is_back():
+    """#22 race 9: the prefill publishes the mains it took out after a failed WAN copy
+    (``pdd.fanout.mains_out``); the router keeps off them until the prefill's WAN probe succeeds."""
+    from pdd_sglang.router.line_state import mark_mains_out
+    from pdd_sglang.router.servers import MAIN, NoHealthyServer, ServerPool
+
+    pool = ServerPool([], [], ["http://m1", "http://m2"])
+    m1, m2 = pool.by_role[MAIN]
+    m1.mooncake_session, m2.mooncake_session = "10.0.0.1:1", "10.0.0.2:1"
+    mark_mains_out([m1, m2], {"10.0.0.1:1"})
+    assert pool.least_loaded(MAIN) is m2
+    mark_mains_out([m1, m2], {"10.0.0.1:1", "10.0.0.2:1"})
+    with pytest.raises(NoHealthyServer):
+        pool.least_loaded(MAIN)
+    mark_mains_out([m1, m2], set())
+    assert pool.healthy(MAIN) == [m1, m2]

@@ -161,3 +161,13 @@ def test_openai_parsing():
     assert rejected(parse_chat, {"messages": []}).message == "Messages cannot be empty."
     assert rejected(parse_chat, {"messages": [{"role": "user", "content": "w1"}],
                                  "n": 2}).cause == "unsupported_option"
+
+
+def test_a_relay_that_failed_the_request_is_avoided_when_it_is_placed_again():
+    pool, _, placer = make(relays=("http://r1", "http://r2"))
+    prompt = list(range(300))
+    r1, r2 = pool.by_role["relay"]
+    assert placer.place(prompt, 16).relay is r1
+    assert placer.place(prompt, 16, avoid=frozenset({r1})).relay is r2
+    neither = placer.place(prompt, 16, avoid=frozenset({r1, r2}))
+    assert neither.pipeline is policy.Pipeline.PREFILL_MAIN and neither.relay_fallback

@@ -1,0 +1,79 @@
+"""What the router records when a request finishes: its meta_info["pdd"] summary, the outcome
+metrics, the WAN bytes, and what main now caches (the prefix mirror)."""
+
+from __future__ import annotations
+
+from pdd_sglang import policy
+from pdd_sglang.router.metrics import RouterMetrics, TokenClock
+from pdd_sglang.router.placement import Placement
+from pdd_sglang.router.prefix_mirror import PrefixMirror
+from pdd_sglang.router.request_parsing import GenerateJob
+from pdd_sglang.router.splice import SplicedUpdate, StreamSplicer
+
+
+class FinishRecorder:
+    def __init__(self, metrics: RouterMetrics, mirrors: dict[str, PrefixMirror],
+                 kv_bytes_per_token: float, cfg: policy.PolicyConfig):
+        self.metrics = metrics
+        self.mirrors = mirrors
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.cfg = cfg
+
+    def cancels_wan_copy(self, job: GenerateJob, placement: Placement,
+                         splicer: StreamSplicer) -> bool:
+        """Whether main's WAN copy goes too when the relay answered alone (policy's call)."""
+        uncached = max(len(job.prompt_ids) - placement.main_cached_tokens, 0)
+        return policy.cancel_wan_copy(uncached, len(splicer.emitted), self.cfg)
+
+    @staticmethod
+    def summary(placement: Placement, splicer: StreamSplicer, clock: TokenClock,
+                marks: dict) -> dict:
+        """What the router adds to meta_info["pdd"]: its decisions and its measurements."""
+        return {
+            "pipeline": placement.route_name,
+            "outcome": splicer.outcome,
+            "prefill": placement.prefill.url,
+            "relay": placement.relay.url if placement.relay else None,
+            "main": placement.main.url if placement.main else None,
+            "predicted_main_cached_tokens": placement.main_cached_tokens,
+            "predicted_wan_s": placement.predicted_wan_s,
+            "relay_fallback": placement.relay_fallback,
+            "main_fallback": placement.main_fallback,
+            "handed_tokens": splicer.handed_tokens,
+            "relay_lost_at": splicer.relay_lost_at,
+            "diverged": splicer.diverged,
+            "ttft_s": clock.ttft_s,
+            "handoff_gap_s": clock.handoff_gap_s,
+            "handoff_mode": (splicer.handoff_info or {}).get("mode"),
+            "line_bytes_ahead": placement.line_bytes_ahead,
+            "marks": dict(marks),
+        }
+
+    def record(self, job: GenerateJob, placement: Placement, splicer: StreamSplicer,
+                       update: SplicedUpdate) -> None:
+        outcome = splicer.outcome
+        mode = "none"
+        if outcome == "handoff":
+            mode = str((splicer.handoff_info or {}).get("mode", "unknown"))
+        label = "main_only" if outcome == "main" else outcome
+        self.metrics.outcomes.labels(label, mode).inc()
+        main = placement.main
+        if main is None:
+            return
+        if outcome == "relay_finished":
+            if not self.cancels_wan_copy(job, placement, splicer):
+                self.mirrors[main.url].insert(list(job.prompt_ids))  # main caches the prompt
+            return
+        mirror = self.mirrors[main.url]
+        actual = splicer.main_cached_tokens
+        prompt = job.prompt_ids
+        predicted_uncached = len(prompt) - placement.main_cached_tokens
+        self.metrics.wan_bytes_predicted.labels(main.url).inc(
+            max(predicted_uncached, 0) * self.kv_bytes_per_token)
+        if isinstance(actual, int):
+            self.metrics.wan_bytes.labels(main.url).inc(
+                max(len(prompt) - actual, 0) * self.kv_bytes_per_token)
+            self.metrics.mirror_error_tokens.observe(placement.main_cached_tokens - actual)
+            mirror.observe_hit(prompt, actual)
+        # Main keeps the prompt and the output's KV, all but the last token (never computed).
+        mirror.insert(list(prompt) + update.output_ids[:-1])

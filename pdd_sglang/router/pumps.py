@@ -1,0 +1,97 @@
+"""The I/O side of one request: each decoder's stream and the prefill's answer, fed into the
+queues that the dispatcher's splice loop reads. Plumbing only: the loop owns every decision.
+
+A decoder's queue receives its chunks, then END (the stream ended) or the exception that broke
+it. Every decoder's queue also receives the prefill's failure, or PREFILL_ANSWERED: prefill
+answers once its last KV copy has landed, main's across the WAN included, which is how the
+router knows main has the prompt (dispatch.py's relay-loss handling relies on it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+from pdd_sglang.router.line_state import LineAccounting
+from pdd_sglang.router.metrics import RouterMetrics
+from pdd_sglang.router.placement import Placement
+from pdd_sglang.router.request_parsing import GenerateJob
+from pdd_sglang.router.servers import Upstream
+from pdd_sglang.router.splice import StreamSplicer
+from pdd_sglang.router.upstream import UpstreamClient
+
+logger = logging.getLogger("pdd_sglang.router")
+
+END = object()
+PREFILL_ANSWERED = object()
+
+
+class Pumps:
+    def __init__(self, client: UpstreamClient, metrics: RouterMetrics, lines: LineAccounting,
+                 kv_bytes_per_token: float, wait_for_landing_s: float):
+        self.client = client
+        self.metrics = metrics
+        self.lines = lines
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.wait_for_landing_s = wait_for_landing_s
+
+    async def decoder(self, upstream: Upstream, body: dict, queue: asyncio.Queue,
+                      splicer: StreamSplicer, after: asyncio.Event | None = None,
+                      placement: Placement | None = None, job: GenerateJob | None = None,
+                      marks: dict | None = None, copies: dict | None = None) -> None:
+        """A relay's or main's stream, chunk by chunk; main's also accounts its WAN copy."""
+        copy = None
+        try:
+            if after is not None and not after.is_set():
+                # The relay streams meanwhile; prefill holds main's KV until main registers.
+                try:
+                    await asyncio.wait_for(after.wait(), self.wait_for_landing_s)
+                    self.metrics.main_waits.labels("landed").inc()
+                except asyncio.TimeoutError:
+                    self.metrics.main_waits.labels("timed_out").inc()
+            if upstream.role == "main" and placement is not None and job is not None:
+                uncached = max(len(job.prompt_ids) - placement.main_cached_tokens, 0)
+                copy = self.lines.begin(upstream.url, uncached * self.kv_bytes_per_token)
+                if copies is not None:
+                    copies["main"] = copy
+            async for chunk in self.client.generate_stream(upstream, body):
+                if upstream.role == "main" and splicer.main_cached_tokens is None:
+                    splicer.main_cached_tokens = chunk.meta.get("cached_tokens")
+                if copy is not None and copy.open:
+                    self.lines.land(copy)  # main ran a forward on the landed KV
+                if marks is not None and f"{upstream.role}_first_chunk_ts" not in marks:
+                    marks[f"{upstream.role}_first_chunk_ts"] = time.time()
+                    if upstream.role == "relay" and copies is not None:
+                        # Prefill's forward is done: main's copy is on the line from here.
+                        self.lines.on_wire(copies.get("main"))
+                queue.put_nowait(chunk)
+            queue.put_nowait(END)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as err:  # handed to the splice loop, which owns error handling
+            queue.put_nowait(err)
+        finally:
+            if copy is not None:
+                self.lines.drop(copy)  # no-op once landed
+
+    async def prefill(self, upstream: Upstream, body: dict, queues: list[asyncio.Queue],
+                      marks: dict) -> None:
+        """The prefill's answer carries nothing for the client; only its failure matters (and
+        its time stats, logged for the stage split)."""
+        try:
+            marks["prefill_sent_ts"] = time.time()
+            answer = await self.client.generate_final(upstream, body)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as err:
+            for queue in queues:
+                queue.put_nowait(err)
+            return
+        for queue in queues:  # prefill answers once its last copy has landed, main's included
+            queue.put_nowait(PREFILL_ANSWERED)
+        meta = (answer or {}).get("meta_info") or {}
+        stats = {k: v for k, v in meta.items() if isinstance(v, (int, float)) and (
+            k.endswith(("_ts", "_time", "_latency")) or k == "queue_time")}
+        logger.info("pdd-prefill-stats %s", json.dumps({"rid": body["rid"], **stats}))

@@ -1,0 +1,328 @@
+"""A relay's death costs time to first token, never the answer (router/relay_loss.py).
+
+Pure logic: the dispatcher against a scripted in-memory client whose streams are driven by
+events (no sockets, no sleeps), so each test shows one ordering of a relay's death exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from pdd_sglang import policy
+from pdd_sglang.router.config import LinkParams, PrefillEndpoint
+from pdd_sglang.router.dispatch import Dispatcher
+from pdd_sglang.router.metrics import RouterMetrics
+from pdd_sglang.router.model import ModelInfo
+from pdd_sglang.router.placement import Placer
+from pdd_sglang.router.prefix_mirror import PrefixMirror
+from pdd_sglang.router.relay_loss import CachingCopies, MainSilence
+from pdd_sglang.router.request_parsing import GenerateJob
+from pdd_sglang.router.servers import (HEALTH_OK, HEALTH_UNREACHABLE, MAIN, PREFILL, RELAY,
+                                       HealthMonitor, ServerPool)
+from pdd_sglang.router.splice import UpstreamChunk
+from pdd_sglang.router.upstream import UpstreamError
+
+PROMPT = [5, 6, 7]
+LENGTH = {"type": "length", "length": 4}
+STOP = {"type": "stop", "matched": 2}
+
+
+class WordTokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(f"w{i}" for i in ids)
+
+
+async def forever():
+    await asyncio.Event().wait()
+
+
+def chunk(ids, finish=None, completion=None):
+    meta = {"finish_reason": finish, "cached_tokens": 0,
+            "completion_tokens": len(ids) if completion is None else completion}
+    return UpstreamChunk(list(ids), None, meta, finish is not None)
+
+
+class ScriptedClient:
+    """UpstreamClient's surface. ``streams[role]`` / ``answers`` hold one async function per
+    call, in call order; ``log`` records every generate and abort as it happens."""
+
+    def __init__(self, streams: dict, answers: list):
+        self.streams = {role: list(calls) for role, calls in streams.items()}
+        self.answers = list(answers)
+        self.log: list[tuple] = []
+        self.bodies: dict[str, list[dict]] = {RELAY: [], MAIN: [], PREFILL: []}
+        self.health_of: dict[str, str] = {}
+
+    async def generate_stream(self, upstream, body):
+        self.log.append(("generate", upstream.role, body["rid"]))
+        self.bodies[upstream.role].append(body)
+        async for item in self.streams[upstream.role].pop(0)(upstream):
+            yield item
+
+    async def generate_final(self, upstream, body):
+        self.log.append(("generate", upstream.role, body["rid"]))
+        self.bodies[PREFILL].append(body)
+        return await self.answers.pop(0)(upstream)
+
+    async def abort(self, upstream, rid):
+        self.log.append(("abort", upstream.role, rid))
+
+    async def health(self, upstream, timeout_s: float = 10.0):
+        return self.health_of.get(upstream.url, HEALTH_OK)
+
+    def aborted(self, role: str, rid: str) -> bool:
+        return ("abort", role, rid) in self.log
+
+
+def make_dispatcher(client: ScriptedClient, grace_s: float = 0.0) -> Dispatcher:
+    pool = ServerPool([PrefillEndpoint("http://p", 9000)], ["http://r"], ["http://m"])
+    for upstream in pool.all():
+        upstream.max_running_requests = 4
+    pool.by_role[RELAY][0].control_address = "tcp://127.0.0.1:7000"
+    mirrors = {"http://m": PrefixMirror(10**6)}
+    # 1 byte/s: every uncached prompt is worth hiding behind the relay (P->RLD->MD).
+    placer = Placer(pool, mirrors, LinkParams(1.0, 0.0), 1.0, policy.PolicyConfig())
+    health = HealthMonitor(pool, client, interval_s=5.0, failures_to_remove=2)
+    model = ModelInfo("m", "m", 4096, WordTokenizer(), 1.0)
+    return Dispatcher(pool, placer, mirrors, client, health, RouterMetrics(), model,
+                      retry_max_retries=0, relay_loss_main_grace_s=grace_s)
+
+
+async def answer(dispatcher: Dispatcher, max_new_tokens: int = 4) -> list:
+    job = GenerateJob(list(PROMPT), {"max_new_tokens": max_new_tokens}, stream=True)
+    updates = [u async for u in dispatcher.serve(job, dispatcher.place(job), "generate",
+                                                 time.perf_counter())]
+    await dispatcher.drain()  # the aborts the attempts left behind
+    return updates
+
+
+def run(coro):
+    # A guard, not a wait: every test finishes in milliseconds unless the router hangs.
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+def pipeline_of(body: dict) -> str:
+    return body["kv_hints"]["actions"][0]["payload"]["pipeline"]
+
+
+def test_a_relay_refusing_the_connection_is_out_at_once_and_the_request_goes_p_to_md():
+    async def refused(upstream):
+        raise UpstreamError(upstream, "Connect call failed", "upstream_connection",
+                            refused=True)
+        yield  # an async generator
+
+    async def waits_for_a_handoff(upstream):  # main's first attempt: nothing ever comes
+        await forever()
+        yield
+
+    async def decodes(upstream):
+        yield chunk([10])
+        yield chunk([10, 11], LENGTH)
+
+    async def waits_for_the_relay(upstream):  # prefill waiting for the relay to register
+        await forever()
+
+    async def answered(upstream):
+        return {}
+
+    async def test():
+        client = ScriptedClient({RELAY: [refused], MAIN: [waits_for_a_handoff, decodes]},
+                                [waits_for_the_relay, answered])
+        dispatcher = make_dispatcher(client)
+        updates = await answer(dispatcher, max_new_tokens=2)
+        assert updates[-1].output_ids == [10, 11] and updates[-1].finished
+        assert updates[-1].meta["pdd"]["outcome"] == "relay_lost"
+        (relay,) = dispatcher.pool.by_role[RELAY]
+        assert not relay.healthy  # one refusal, though two failures are asked of a poll
+        first, second = client.bodies[MAIN]
+        assert pipeline_of(first) == "prefill_relay_main"
+        assert pipeline_of(second) == "prefill_main"  # no wait for any relay timeout
+        assert second["input_ids"] == PROMPT  # from scratch: the client had nothing
+        assert client.aborted(MAIN, first["rid"]) and client.aborted(PREFILL, first["rid"])
+        assert len(client.bodies[RELAY]) == 1
+
+    run(test())
+
+
+def test_a_relay_dying_mid_answer_goes_on_at_main_from_the_clients_last_token():
+    """Main never connected to the relay, so it never notices: once its copy has landed (the
+    prefill answered) and main stays silent, the router continues the request on main."""
+    async def test():
+        died = asyncio.Event()
+
+        async def relay_then_reset(upstream):
+            yield chunk([10])
+            yield chunk([10, 11])
+            died.set()
+            raise UpstreamError(upstream, "ServerDisconnectedError", "upstream_connection")
+
+        async def waits_for_a_handoff(upstream):
+            await forever()
+            yield
+
+        async def continues(upstream):  # the continuation's own ids, from its first token
+            yield chunk([12], completion=1)
+            yield chunk([12, 13], LENGTH, completion=2)
+
+        async def lands_after_the_relay_died(upstream):
+            await died.wait()
+            return {}
+
+        async def answered(upstream):
+            return {}
+
+        client = ScriptedClient({RELAY: [relay_then_reset], MAIN: [waits_for_a_handoff, continues]},
+                                [lands_after_the_relay_died, answered])
+        client.health_of["http://r"] = HEALTH_UNREACHABLE  # what the router's probe finds
+        dispatcher = make_dispatcher(client, grace_s=0.0)
+        updates = await answer(dispatcher)
+        assert [u.output_ids for u in updates] == [[10], [10, 11], [10, 11, 12],
+                                                   [10, 11, 12, 13]]
+        last = updates[-1]
+        assert last.text == "w10 w11 w12 w13"
+        assert last.meta["resumed_after_tokens"] == 2 and last.meta["completion_tokens"] == 4
+        assert last.meta["pdd"]["outcome"] == "relay_lost"
+        first, second = client.bodies[MAIN]
+        # The continuation: prompt + the client's tokens, for the tokens still owed, P->MD.
+        assert second["input_ids"] == PROMPT + [10, 11]
+        assert second["sampling_params"]["max_new_tokens"] == 2
+        assert pipeline_of(second) == "prefill_main"
+        # Main's first copy was aborted before the continuation reached main, so main had
+        # cached the prompt by then.
+        assert client.log.index(("abort", MAIN, first["rid"])) < client.log.index(
+            ("generate", MAIN, second["rid"]))
+        assert not dispatcher.pool.by_role[RELAY][0].healthy  # the probe's verdict
+
+    run(test())
+
+
+def test_a_main_that_noticed_the_relay_loss_is_left_to_answer():
+    async def test():
+        landed = asyncio.Event()
+
+        async def relay_then_eof(upstream):
+            yield chunk([10])
+            # The stream ends without a finish: the relay is gone.
+
+        async def alone_from_the_first_token(upstream):
+            await landed.wait()
+            yield chunk([10], completion=1)
+            yield chunk([10, 11], completion=2)
+            yield chunk([10, 11, 12], LENGTH, completion=3)
+
+        async def lands(upstream):
+            landed.set()
+            return {}
+
+        client = ScriptedClient({RELAY: [relay_then_eof], MAIN: [alone_from_the_first_token]},
+                                [lands])
+        dispatcher = make_dispatcher(client, grace_s=3600.0)
+        updates = await answer(dispatcher, max_new_tokens=3)
+        assert updates[-1].output_ids == [10, 11, 12]
+        assert updates[-1].meta["pdd"]["outcome"] == "relay_lost"
+        assert updates[-1].meta["pdd"]["relay_lost_at"] == 1
+        assert len(client.bodies[MAIN]) == 1 and len(client.bodies[PREFILL]) == 1
+
+    run(test())
+
+
+def test_main_failing_after_the_relay_loss_is_no_error_either():
+    """Prefill fails a room when one of its copies fails, so a relay's death can take main's
+    copy with it: the request still goes on without the relay (no retry flag needed)."""
+    async def test():
+        async def relay_then_reset(upstream):
+            yield chunk([10])
+            raise UpstreamError(upstream, "ServerDisconnectedError", "upstream_connection")
+
+        async def aborted(upstream):
+            raise UpstreamError(upstream, "KV transfer failed", "upstream_abort", 500)
+            yield
+
+        async def continues(upstream):
+            yield chunk([11], completion=1)
+            yield chunk([11, 12], LENGTH, completion=2)
+
+        async def never(upstream):
+            await forever()
+
+        async def answered(upstream):
+            return {}
+
+        client = ScriptedClient({RELAY: [relay_then_reset], MAIN: [aborted, continues]},
+                                [never, answered])
+        dispatcher = make_dispatcher(client, grace_s=3600.0)
+        updates = await answer(dispatcher, max_new_tokens=3)
+        assert updates[-1].output_ids == [10, 11, 12]
+        assert client.bodies[MAIN][1]["input_ids"] == PROMPT + [10]
+
+    run(test())
+
+
+def test_copies_kept_to_cache_a_prompt_go_when_their_relay_leaves():
+    async def test():
+        async def relay_answers_alone(upstream):
+            yield chunk([10])
+            yield chunk([10, 11], STOP)
+
+        async def waits_for_the_relays_refusal(upstream):
+            await forever()
+            yield
+
+        async def on_the_line(upstream):
+            await forever()
+
+        client = ScriptedClient({RELAY: [relay_answers_alone],
+                                 MAIN: [waits_for_the_relays_refusal]}, [on_the_line])
+        dispatcher = make_dispatcher(client)
+        job = GenerateJob(list(PROMPT), {"max_new_tokens": 4}, stream=True)
+        updates = [u async for u in dispatcher.serve(job, dispatcher.place(job), "generate",
+                                                     time.perf_counter())]
+        assert updates[-1].meta["pdd"]["outcome"] == "relay_finished"
+        assert len(dispatcher.caching) == 1  # main's copy goes on, to cache the prompt
+        rid = client.bodies[MAIN][0]["rid"]
+        assert not client.aborted(MAIN, rid)
+
+        (relay,) = dispatcher.pool.by_role[RELAY]
+        dispatcher.health.report_unreachable(relay)
+        await dispatcher.drain()
+        assert len(dispatcher.caching) == 0
+        assert client.aborted(MAIN, rid) and client.aborted(PREFILL, rid)
+        assert not dispatcher.landing.predecessor("http://m", PROMPT + [1])  # nobody waits
+
+    run(test())
+
+
+def test_main_silence_counts_from_the_later_of_the_loss_and_the_landing():
+    silence = MainSilence(grace_s=1.0)
+    assert silence.deadline() is None
+    silence.copy_landed_at = 5.0
+    assert silence.deadline() is None  # the relay is fine: main waits for its handoff
+    silence.relay_lost_at = 3.0
+    assert silence.deadline() == 6.0 and silence.remaining(5.5) == 0.5
+    assert silence.remaining(7.0) == 0.0
+    silence.main_spoke = True
+    assert silence.deadline() is None
+
+
+def test_caching_copies_forget_a_copy_that_ends_by_itself():
+    async def test():
+        relay = ServerPool([], ["http://r"], []).by_role[RELAY][0]
+        copies = CachingCopies()
+        dropped = []
+        done = asyncio.Event()
+
+        async def copy():
+            await done.wait()
+
+        task = asyncio.create_task(copy())
+        copies.keep(relay, "rid-1", task, lambda: dropped.append("rid-1"))
+        stays = asyncio.create_task(forever())
+        copies.keep(relay, "rid-2", stays, lambda: (dropped.append("rid-2"), stays.cancel()))
+        done.set()
+        await task
+        assert len(copies) == 1
+        assert copies.drop_for(relay) == ["rid-2"] and dropped == ["rid-2"]
+        assert len(copies) == 0 and copies.drop_for(relay) == []
+
+    run(test())
