@@ -148,6 +148,13 @@ def take_transfer_request(kv_mgr: MooncakeKVManager, chunk: TransferKVChunk) -> 
     return kv_mgr.pdd_fanout.take_chunk(chunk)
 
 
+def on_sender_cleared(kv_mgr: MooncakeKVManager, room: int) -> None:
+    """SGLang's prefill sender cleared ``room`` (finished, failed or aborted): PDD lets it go."""
+    if pdd_role() != "prefill" or getattr(kv_mgr, "pdd_fanout", None) is None:
+        return
+    kv_mgr.pdd_fanout.sender_cleared(room)
+
+
 def engine_for_session(kv_mgr: MooncakeKVManager, session: str):
     """The Mooncake engine for one destination: the WAN engine for a main."""
     if pdd_role() != "prefill":

@@ -1,7 +1,7 @@
 """What other threads tell the prefill fan-out's owner: one frozen dataclass per event.
 
 Posted on :attr:`PrefillFanout.events <pdd_sglang.prefill.fanout.PrefillFanout>` by SGLang's
-bootstrap thread (:class:`Registered`), the scheduler (:class:`ChunkReady`), the senders
+bootstrap thread (:class:`Registered`), the scheduler (:class:`ChunkReady`, :class:`RoomCleared`), the senders
 (:class:`ChunkSent`) and the peer thread (:class:`ProbeAnswered`); applied in order by the owner.
 """
 
@@ -26,6 +26,13 @@ class Registered:
 @dataclasses.dataclass(frozen=True)
 class ChunkReady:
     chunk: Any  # SGLang's TransferKVChunk
+
+
+@dataclasses.dataclass(frozen=True)
+class RoomCleared:
+    """SGLang's sender let the room go (finished, failed, aborted): its request is over."""
+
+    room: int
 
 
 @dataclasses.dataclass(frozen=True)

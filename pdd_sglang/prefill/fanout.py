@@ -52,8 +52,9 @@ import time
 from collections import OrderedDict
 from typing import Any, Callable, Optional
 
+from pdd_sglang.prefill.deadlines import PROBE_INTERVAL_S, FanoutDeadlines
 from pdd_sglang.prefill.destination_chunks import skip_prefix_pages
-from pdd_sglang.prefill.events import ChunkReady, ChunkSent, ProbeAnswered, Registered
+from pdd_sglang.prefill.events import ChunkReady, ChunkSent, ProbeAnswered, Registered, RoomCleared
 from pdd_sglang.prefill.ledger import LEDGER
 from pdd_sglang.prefill.room import Destination, DestinationState, Room, RoomPhase, Work
 from pdd_sglang.prefill.wan_line import WanLine
@@ -64,11 +65,9 @@ logger = logging.getLogger(__name__)
 # Mooncake's metadata message has 10 positional frames; a PDD destination appends its hello.
 HELLO_FRAME_INDEX = 10
 CONCLUDED_ROOMS_KEPT = 65536  # to refuse a registration that comes after its room ended
-STALE_ROOM_S = 600.0
-PROBE_INTERVAL_S = 2.0
 
 
-class PrefillFanout:
+class PrefillFanout(FanoutDeadlines):
     """The owner of every PDD room of one prefill KV manager (see the module docstring)."""
 
     def __init__(self, kv_mgr: Any, clock: Callable[[], float] = time.monotonic):
@@ -84,6 +83,7 @@ class PrefillFanout:
         self.relay_bootstrap_timeout_s = 5.0
         self.main_bootstrap_timeout_s = 30.0
         self.stuck_after_s = 150.0
+        self.abandon_after_s = 330.0  # SGLang's decode waiting timeout (300 s) and a margin
         # Owner-only state.
         self._rooms: dict[int, Room] = {}
         self._concluded: OrderedDict[int, float] = OrderedDict()
@@ -91,7 +91,7 @@ class PrefillFanout:
         self.mains_out: dict[str, float] = {}  # main session -> when it is next probed
         self.counters = dict.fromkeys((
             "refused_hellos", "refused_late", "relays_dropped", "mains_dropped", "relays_failed",
-            "mains_failed", "rooms_stuck", "rooms_succeeded", "rooms_failed"), 0)
+            "mains_failed", "rooms_stuck", "rooms_abandoned", "rooms_succeeded", "rooms_failed"), 0)
         # Written by the owner only; tested by other threads.
         self.pdd_rooms: set[int] = set()
         self.main_sessions: set[str] = set()
@@ -125,6 +125,11 @@ class PrefillFanout:
         self.events.put(ChunkReady(chunk))
         return True
 
+    def sender_cleared(self, room: int) -> None:
+        """Scheduler thread (SGLang's ``CommonKVSender.clear``): the request is over at SGLang."""
+        if room in self.pdd_rooms or room in self._rooms:
+            self.events.put(RoomCleared(room))
+
     def engine_for(self, session: str) -> Any:
         """Sender threads: the engine that carries batches to ``session``."""
         if self.wan_engine is not None and session in self.main_sessions:
@@ -143,6 +148,8 @@ class PrefillFanout:
             self._on_sent(event)
         elif isinstance(event, ProbeAnswered):
             self._on_probe(event)
+        elif isinstance(event, RoomCleared):
+            self._on_cleared(event.room)
         else:
             raise TypeError(f"unknown fan-out event {event!r}")
         self.published = self._snapshot()
@@ -189,6 +196,7 @@ class PrefillFanout:
         from sglang.srt.disaggregation.base.conn import KVPoll
 
         room.phase = RoomPhase.SENDING
+        room.started_at = self.clock()
         room.send_start = room.start_tokens()
         self.pdd_rooms.add(room.room)  # before WaitingForInput: no chunk can come earlier
         self.kv_mgr.req_to_decode_prefix_len[room.room] = room.send_start
@@ -199,6 +207,7 @@ class PrefillFanout:
         if room is None or room.phase is not RoomPhase.SENDING:
             logger.debug("PDD: chunk of room %s after it ended; dropped", chunk.room)
             return
+        room.chunk_seen = True
         if room.awaits_main():
             room.chunks.append(chunk)
         for dest in room.active():
@@ -237,6 +246,8 @@ class PrefillFanout:
         if work in room.in_flight:
             room.in_flight.remove(work)
         dest = room.destinations.get(work.session)
+        if ev.ok is None and not work.cancelled:  # skipped: SGLang had ended the request
+            self._conclude(room, "Failed", "PDD: prefill ended the request")
         if dest is not None and dest.state is DestinationState.REGISTERED and ev.ok is not None:
             dest.completed += 1
             if not ev.ok:
@@ -268,10 +279,9 @@ class PrefillFanout:
                            "WAN engine every %.0f s", dest.info.mooncake_session_id,
                            PROBE_INTERVAL_S)
         self._tell_destination(room, dest, "Failed", reason)
-        if room.finished():
-            self._conclude(room, "Success")
-        elif not room.active() and not room.awaits_main() and not room.awaits_relay():
-            self._conclude(room, "Failed", reason)
+        if not room.active() and not room.awaits_main() and not room.awaits_relay():
+            # The relay answers alone if it has all its KV; _conclude waits for chunks in flight.
+            self._conclude(room, "Success" if room.any_done() else "Failed", reason)
 
     def _conclude(self, room: Room, status_name: str, reason: Optional[str] = None,
                   force: bool = False) -> None:
@@ -321,91 +331,6 @@ class PrefillFanout:
         send = self.kv_mgr.send_kv_status_message
         self.peer_jobs(lambda: send(targets=targets, bootstrap_room=room, status=status,
                                     failure_reason=None if status_name == "Success" else reason))
-
-    # ---- timers (owner thread) ----------------------------------------------------------------
-    def tick(self, now: Optional[float] = None) -> None:
-        """Deadlines, SGLang's own ending of a room, forgetting, and probes of mains out."""
-        from sglang.srt.disaggregation.base.conn import KVPoll
-
-        now = self.clock() if now is None else now
-        status_table = self.kv_mgr.request_status
-        for room in list(self._rooms.values()):
-            status = status_table.get(room.room)
-            room.status_seen = room.status_seen or status is not None
-            age = now - room.first_hello_at
-            if room.phase is RoomPhase.CONCLUDED:
-                if status is None or age > STALE_ROOM_S:
-                    self._forget(room)
-                continue
-            if (status == KVPoll.Failed or (status is None and room.status_seen)):
-                # SGLang ended it (abort, its bootstrap timeout): free every destination too.
-                self._conclude(room, "Failed", "PDD: prefill ended the request")
-                continue
-            if room.phase is RoomPhase.WAITING:
-                if room.awaits_relay() and age > self.relay_bootstrap_timeout_s:
-                    room.relay_dropped = True
-                    self.counters["relays_dropped"] += 1
-                    logger.warning("PDD: no relay registered for room %s within %.1f s of its "
-                                   "main; sending to the main alone", room.room,
-                                   self.relay_bootstrap_timeout_s)
-                    self._start(room)
-                elif age > STALE_ROOM_S:
-                    self._forget(room)
-                continue
-            if (room.awaits_main() and room.relay_finished_or_gone()
-                    and age > self.main_bootstrap_timeout_s):
-                room.main_dropped = True
-                room.chunks = []
-                self.counters["mains_dropped"] += 1
-                logger.warning("PDD: no main registered for room %s within %.1f s; the relay "
-                               "answers alone and prefill frees the room's KV", room.room,
-                               self.main_bootstrap_timeout_s)
-                if room.any_done():
-                    self._conclude(room, "Success")
-                else:
-                    self._conclude(room, "Failed", "PDD: the relay is gone and no main registered")
-                continue
-            oldest = room.oldest_in_flight()
-            if oldest is not None and now - oldest > self.stuck_after_s:
-                self.counters["rooms_stuck"] += 1
-                stuck = next(w for w in room.in_flight if w.started_at == oldest)
-                logger.error("PDD: a KV transfer of room %s to %s has made no progress for %.0f s",
-                             room.room, stuck.session, now - oldest)
-                dest = room.destinations[stuck.session]
-                if dest.state is DestinationState.REGISTERED:
-                    self._fail_destination(room, dest, "PDD: the KV transfer stopped making "
-                                           "progress", wan=dest.role == "main")
-                room.in_flight.remove(stuck)  # its sender may never report: not waited for
-                if room.pending is not None and not room.in_flight:
-                    self._conclude(room, *room.pending)
-        self._probe_mains_out(now)
-        self.published = self._snapshot()
-
-    def _forget(self, room: Room) -> None:
-        if self._rooms.pop(room.room, None) is not None and room.phase is RoomPhase.CONCLUDED:
-            self._concluded_tracked -= 1
-        self.pdd_rooms.discard(room.room)
-
-    def _probe_mains_out(self, now: float) -> None:
-        engine = self.wan_engine
-        for session, due in list(self.mains_out.items()):
-            if due > now or engine is None:
-                continue
-            self.mains_out[session] = now + PROBE_INTERVAL_S * 10  # one probe at a time
-
-            def probe(session=session) -> None:
-                self.events.put(ProbeAnswered(session, engine.probe(session)))
-
-            self.peer_jobs(probe)
-
-    def _on_probe(self, ev: ProbeAnswered) -> None:
-        if ev.session not in self.mains_out:
-            return
-        if ev.ok:
-            del self.mains_out[ev.session]
-            logger.warning("PDD: main %s answers a WAN probe again; back in", ev.session)
-        else:
-            self.mains_out[ev.session] = self.clock() + PROBE_INTERVAL_S
 
     def _snapshot(self) -> dict:
         """O(1) in rooms: it runs after every event."""

@@ -85,7 +85,8 @@ class Room:
     # Every chunk so far, in prefill's order: replayed to a main that registers late.
     chunks: list = dataclasses.field(default_factory=list)
     in_flight: list = dataclasses.field(default_factory=list)  # Work not reported back yet
-    status_seen: bool = False  # SGLang's request_status has had this room
+    started_at: float = 0.0  # when prefill was let compute (WaitingForInput)
+    chunk_seen: bool = False  # prefill has computed and handed over at least one chunk
     pending: Optional[tuple] = None  # (status, reason) decided while chunks were in a sender
 
     def of_role(self, role: str) -> Optional[Destination]:

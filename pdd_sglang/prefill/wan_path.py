@@ -145,6 +145,7 @@ def _delay(delay_s: float):
 
 def start_wan_path(kv_mgr: Any, args: Optional[Any] = None) -> WanPath:
     """Attach a fan-out to a PDD prefill KV manager and start its WAN path."""
+    from sglang.srt.environ import envs
     from sglang.srt.runtime_context import get_server_args
 
     from pdd_sglang.prefill.wan_engine import open_wan_engine
@@ -156,6 +157,9 @@ def start_wan_path(kv_mgr: Any, args: Optional[Any] = None) -> WanPath:
     # Every batch of a WAN chunk fails at --pdd-wan-transfer-timeout; a chunk still in a sender
     # well past it is stuck in the transport, and its room must not hold prefill's KV for ever.
     fanout.stuck_after_s = 2 * float(args.pdd_wan_transfer_timeout) + STUCK_MARGIN_S
+    # A room prefill never computed: its decode servers stop waiting after SGLang's timeout.
+    fanout.abandon_after_s = float(getattr(kv_mgr, "waiting_timeout", None)
+                                   or envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get()) + STUCK_MARGIN_S
     fanout.wan_engine = open_wan_engine(
         kv_mgr, args.pdd_wan_transfer_protocol, args.pdd_wan_ib_device,
         timeout_s=float(args.pdd_wan_transfer_timeout), line=fanout.wan_line,

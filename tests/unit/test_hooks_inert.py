@@ -26,6 +26,7 @@ answers = {
     "start_prefill_fanout": hooks.start_prefill_fanout(kv_mgr),
     "claim_registration": hooks.claim_registration(kv_mgr, 1, "s", []) is False,
     "take_transfer_request": hooks.take_transfer_request(kv_mgr, chunk) is False,
+    "on_sender_cleared": hooks.on_sender_cleared(kv_mgr, 1),
     "engine_for_session": hooks.engine_for_session(kv_mgr, "s") is engine,
     "on_prompt_kv_complete": hooks.on_prompt_kv_complete(object(), object()),
     "handoff_hold": hooks.handoff_hold(object(), reqs) is reqs,

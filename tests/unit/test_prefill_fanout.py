@@ -31,8 +31,8 @@ def chunks_of(total_pages: int, chunk_pages: int):
 def test_destination_gets_exactly_the_pages_past_its_prefix(page_size, skip_pages, chunk_pages):
     total = 12
     sent_src, sent_dst = [], []
-    for chunk in chunks_of(total, chunk_pages):
-        view = skip_prefix_pages(chunk, skip_pages * page_size, page_size)
+    for room_chunk in chunks_of(total, chunk_pages):
+        view = skip_prefix_pages(room_chunk, skip_pages * page_size, page_size)
         assert len(view.prefill_kv_indices) == view.index_slice.stop - view.index_slice.start
         sent_src.extend(view.prefill_kv_indices.tolist())
         sent_dst.extend(range(view.index_slice.start, view.index_slice.stop))
@@ -211,15 +211,35 @@ def test_a_chunk_stuck_in_a_sender_fails_its_destination_and_frees_the_room():
     assert fanout.published["rooms_stuck"] == 1 and fanout.published["rooms_open"] == 0
 
 
-def test_a_room_sglang_ended_frees_its_destinations_and_is_forgotten():
+def test_a_room_sglang_cleared_frees_its_destinations_and_is_forgotten_at_once():
+    """An abort clears SGLang's sender within one tick: the clear is an event (patch 0006), so
+    the owner neither misses it nor starts the room later (which would re-create its status)."""
     kv = Kv()
     fanout = make_fanout(kv)
+    fanout.relay_bootstrap_timeout_s = 1.0
     opened(kv, 24)
-    register(fanout, kv, 24, RELAY, "relay")
     register(fanout, kv, 24, MAIN, "main")
-    fanout.tick()
-    kv.request_status.pop(24)  # the client aborted: SGLang's sender cleared the room
-    fanout.tick()
-    assert sorted(m[0][0][1] for m in kv.messages if m[2] == "Failed") == [1001, 2002]
-    fanout.tick()
-    assert fanout.published["rooms_tracked"] == 0 and 24 not in fanout.pdd_rooms
+    kv.request_status.pop(24)  # the client aborted: SGLang's sender.clear()
+    fanout.sender_cleared(24)
+    drain(fanout)
+    assert kv.messages == [((("127.0.0.1", 2002),), 24, "Failed")]
+    fanout.tick(now=fanout.clock() + 5)  # past the relay's deadline: nothing starts
+    assert 24 not in kv.request_status and fanout.published["rooms_tracked"] == 0
+    register(fanout, kv, 24, RELAY, "relay")  # late: refused, not a new room
+    assert kv.messages[-1][2] == "Failed" and fanout.published["rooms_tracked"] == 0
+
+
+def test_a_started_room_prefill_never_computes_is_abandoned_after_the_decode_timeout():
+    kv = Kv()
+    fanout = make_fanout(kv)
+    fanout.abandon_after_s = 40.0
+    opened(kv, 25)
+    register(fanout, kv, 25, RELAY, "relay")
+    register(fanout, kv, 25, MAIN, "main")
+    started = fanout._rooms[25].started_at
+    fanout.tick(now=started + 30)
+    assert fanout.published["rooms_open"] == 1
+    fanout.tick(now=started + 41)
+    assert poll_name(kv.request_status[25]) == "Failed"
+    assert sorted(m[0][0][1] for m in kv.messages) == [1001, 2002]
+    assert fanout.published["rooms_abandoned"] == 1 and fanout.published["rooms_open"] == 0

@@ -131,8 +131,9 @@ def test_race3_a_registration_after_the_room_was_forgotten_is_refused():
     fanout.take_chunk(chunk(9, 0, 4, last=True))
     drain(fanout)
     send_all(fanout, kv, fanout.local_queues[1])
-    kv.request_status.pop(9)  # SGLang's sender.clear()
-    fanout.tick()
+    kv.request_status.pop(9)  # SGLang's sender.clear(), which tells the fan-out (patch 0006)
+    fanout.sender_cleared(9)
+    drain(fanout)
     assert fanout.published["rooms_tracked"] == 0
     register(fanout, kv, 9, MAIN, "main")
     assert kv.messages[-1][2] == "Failed" and fanout.published["rooms_tracked"] == 0
