@@ -2,7 +2,8 @@
 
 Some checks spend most of their time waiting, not computing, or run servers that fit beside
 others: the quick demo waits on its servers' CPU quotas, its crash run on its two servers, the GPU
-lock's resolution on the package index, the fault suite on its faults' hold times and restarts.
+lock's resolution on the package index, the fault suite (and the chaos soak after it, on the same
+servers) on its faults' hold times and restarts.
 Each runs as a subprocess beside the tests in the foreground; its test takes the result later.
 The quick demo starts as soon as the session has collected its test, beside the pure-logic tests
 (``tests/integration/conftest.py`` orders them first); the others start on demand (the
@@ -103,8 +104,13 @@ def _crash_demo(out: Path) -> BackgroundRun | None:
                    env=FORKED_SERVERS)
 
 
+# The chaos soak's minutes of load, run on the quick fault suite's servers right after it.
+SOAK_MINUTES = "2"
+
+
 def _fault_suite(out: Path) -> BackgroundRun | None:
-    return _script(out, "fault_suite.py", "--quick", "--out", str(out), "--logs", str(out / "logs"))
+    return _script(out, "fault_suite.py", "--quick", "--soak", SOAK_MINUTES, "--out", str(out),
+                   "--logs", str(out / "logs"))
 
 
 def _gpu_lock_resolution(out: Path) -> BackgroundRun:

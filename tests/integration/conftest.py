@@ -281,7 +281,9 @@ def router_cluster(shared_clusters):
 # - The fault suite starts in the background when the foreground reaches the quick demo's result:
 #   from there on the machine has CPU to spare (the demo waits on its line and its quotas, the
 #   page-1 tests on their WAN delays and timeouts: CPU 30-50 % busy there), and its three servers
-#   fit in memory beside the demo's four or the page-1 cluster's five.
+#   fit in memory beside the demo's four or the page-1 cluster's five. After its quick faults the
+#   chaos soak runs on the same three servers; its reference check then starts one plain server
+#   of its own, once those three have stopped.
 # - Once it has ended, the page-16 servers start ahead, beside the page-1 cluster's last tests
 #   (eight servers: they fit where the fault suite's three were), and the GPU lock's resolution
 #   (pip, no server) with them.

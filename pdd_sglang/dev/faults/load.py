@@ -39,6 +39,7 @@ class Sent:
     result: agentic.RequestResult
     started: float  # time.monotonic() at send
     ended: Optional[float] = None
+    body: Optional[dict] = None  # what was sent (input_ids, sampling_params)
 
     @property
     def status(self) -> str:
@@ -87,7 +88,8 @@ class SteadyLoad:
         with self._lock:
             return [s for s in self.sent if s.ended is None]
 
-    def _next_body(self) -> tuple[int, dict]:
+    def _next_body(self, index: int) -> tuple[int, dict]:
+        """The next request of client ``index``: (its number, its /generate body)."""
         with self._lock:
             number = self._count
             self._count += 1
@@ -101,17 +103,21 @@ class SteadyLoad:
         context = self.thread_setup() if self.thread_setup else contextlib.nullcontext()
         with context:
             while not self._stop.is_set():
-                number, body = self._next_body()
+                number, body = self._next_body(index)
                 result = agentic.RequestResult(index, number, len(body["input_ids"]),
                                                self.profile.unique_tokens,
-                                               self.profile.output_tokens)
-                record = Sent(result, time.monotonic())
+                                               body["sampling_params"]["max_new_tokens"])
+                record = Sent(result, time.monotonic(), body=body)
                 with self._lock:
                     self.sent.append(record)
                 agentic.stream_generate(self.host, self.port, body, self.answer_timeout_s, result)
                 record.ended = time.monotonic()
+                self._finished(index, record)
                 if result.error:
                     time.sleep(0.5)  # a client backs off after an error instead of spinning
+
+    def _finished(self, index: int, record: Sent) -> None:
+        """Client ``index``'s request ended (a multi-turn load extends its history here)."""
 
 
 def tally(sent: list[Sent]) -> dict:

@@ -60,7 +60,10 @@ class FaultCluster:
         return [self.prefill, self.relay, self.main]
 
     @classmethod
-    def start(cls, log_dir: Path, rate_mbit: float, rtt_ms: float, seed: int = 0) -> "FaultCluster":
+    def start(cls, log_dir: Path, rate_mbit: float, rtt_ms: float, seed: int = 0,
+              extra_args: Optional[dict] = None) -> "FaultCluster":
+        """``extra_args``: more flags per role (``{"relay": (...)}``), e.g. the soak's."""
+        extra = extra_args or {}
         line = WanLine(rate_mbit, rtt_ms, 0.0, seed=seed)
         line.start(log_path=str(log_dir / "wan.log"))
         model = ensure_tiny_model(WAN_DEMO_MODEL)
@@ -70,8 +73,8 @@ class FaultCluster:
 
         def server(name: str, side: str, host: str, *args: str) -> NetnsServer:
             return NetnsServer(name, host=host, exec_prefix=tuple(line.exec_prefix(side)),
-                               netns=line.namespace(side), extra_args=(*args, *TRANSPORT),
-                               **common)
+                               netns=line.namespace(side),
+                               extra_args=(*args, *TRANSPORT, *extra.get(name, ())), **common)
 
         self = cls(
             line=line,
@@ -176,11 +179,15 @@ def run_fault(cluster: FaultCluster, fault: Fault, *, warmup_s: float, after_s: 
 
 def run_suite(faults: Sequence[Fault], log_dir: Path, *, rate_mbit: float, rtt_ms: float,
               warmup_s: float, after_s: float, seed: int = 0,
-              progress: Callable[[str], None] = print) -> dict:
+              progress: Callable[[str], None] = print,
+              cluster: Optional[FaultCluster] = None) -> dict:
+    """Each fault in turn on ``cluster`` (left running), or on a cluster of its own (stopped)."""
     started = time.monotonic()
-    progress(f"starting the line ({rate_mbit:g} Mbit/s, RTT {rtt_ms:g} ms) and P, RLD, MD, router "
-             f"(logs: {log_dir})")
-    cluster = FaultCluster.start(log_dir, rate_mbit, rtt_ms, seed)
+    own = cluster is None
+    if own:
+        progress(f"starting the line ({rate_mbit:g} Mbit/s, RTT {rtt_ms:g} ms) and P, RLD, MD, "
+                 f"router (logs: {log_dir})")
+        cluster = FaultCluster.start(log_dir, rate_mbit, rtt_ms, seed)
     results: dict[str, Any] = {}
     try:
         for number, fault in enumerate(faults):
@@ -196,7 +203,8 @@ def run_suite(faults: Sequence[Fault], log_dir: Path, *, rate_mbit: float, rtt_m
                 continue
             progress(f"{fault.name}: {_line(results[fault.name])}")
     finally:
-        cluster.stop()
+        if own:
+            cluster.stop()
     return {"faults": results,
             "line": {"rate_mbit": rate_mbit, "rtt_ms": rtt_ms},
             "timeouts": {"servers": {k: list(v) for k, v in SERVER_TIMEOUTS.items()},

@@ -1,0 +1,139 @@
+"""The chaos soak's pure parts: its multi-turn load, the counters it sums over restarts, the log
+scan that names dead threads, and the bar a soak.json must clear."""
+
+from __future__ import annotations
+
+from pdd_sglang.dev.faults import faults
+from pdd_sglang.dev.faults.checks import HANDLED, bar, scan_log
+from pdd_sglang.dev.faults.load import Sent
+from pdd_sglang.dev.faults.soak import MAX_TURNS, PROFILE, CounterSum, MultiTurnLoad
+from pdd_sglang.dev.testing.agentic import RequestResult
+
+
+def _answer(load: MultiTurnLoad, client: int, error: str | None = None) -> dict:
+    number, body = load._next_body(client)
+    result = RequestResult(client, number, len(body["input_ids"]), 0,
+                           body["sampling_params"]["max_new_tokens"])
+    result.output_ids = [7] * body["sampling_params"]["max_new_tokens"]
+    result.error = error
+    load._finished(client, Sent(result, 0.0, 1.0, body))
+    return body
+
+
+def test_turns_resend_the_history_with_the_answers_and_a_failed_turn_ends_the_conversation():
+    load = MultiTurnLoad("127.0.0.1", 1, PROFILE, seed=3)
+    first = _answer(load, 0)
+    assert first["input_ids"][:PROFILE.shared_tokens] == load._prefix  # the system prompt
+    second = _answer(load, 0)
+    answered = first["input_ids"] + [7] * first["sampling_params"]["max_new_tokens"]
+    assert second["input_ids"][:len(answered)] == answered
+    assert len(second["input_ids"]) > len(answered)  # a new tool result or document
+    _answer(load, 0, error="HTTP 503")
+    fresh = _answer(load, 0)
+    assert not fresh["input_ids"][:len(answered)] == answered  # a new conversation
+    for _ in range(MAX_TURNS):
+        last = _answer(load, 1)
+    assert len(_answer(load, 1)["input_ids"]) < len(last["input_ids"])  # turn limit: anew
+    again = MultiTurnLoad("127.0.0.1", 1, PROFILE, seed=3)
+    assert _answer(again, 0) == first  # seeded
+
+
+def test_a_counter_is_summed_over_the_restarts_of_its_server():
+    counter = CounterSum()
+    for value in (0, 2, 5, 1, 3, 0, 4):
+        counter.see(value)
+    assert counter.total == 5 + 3 + 4
+    counter.restarted()  # the soak killed its server, whose next count may already be higher
+    counter.see(6)
+    assert counter.total == 5 + 3 + 4 + 6
+
+
+def test_the_log_scan_names_dead_threads_once_each(tmp_path):
+    log = tmp_path / "prefill.log"
+    before = "Traceback (most recent call last):\nValueError: before the soak\n"
+    log.write_text(before + "\n".join([
+        "[2026-12-03 07:00:00] INFO: fine",
+        "Exception in thread Thread-3 (transfer_worker):",
+        "Traceback (most recent call last):",
+        '  File "conn.py", line 2900, in transfer_worker',
+        "    raise RuntimeError(",
+        "RuntimeError: Transfer thread failed because of x. Prefill instance with "
+        "bootstrap_port=1 is dead.",
+        "[2026-12-03 07:00:01 TP0] Scheduler hit an exception: Traceback (most recent call last):",
+        '  File "scheduler.py", line 1, in event_loop',
+        "KeyError: 5",
+        "",
+        "During handling of the above exception, another exception occurred:",
+        "",
+        "Traceback (most recent call last):",
+        '  File "scheduler.py", line 2, in event_loop',
+        "AssertionError: room 5",
+        "[2026-12-03 07:00:02] INFO: still logging",
+        "[2026-12-03 07:00:03] post-warmup freeze_gc failed",
+        "Traceback (most recent call last):",
+        '  File "http_server.py", line 2561, in _freeze_gc_after_server_warmup',
+        "requests.exceptions.ConnectionError: refused",
+    ]) + "\n")
+    found = scan_log(log, offset=len(before))
+    assert found == [
+        {"thread": "Thread-3 (transfer_worker)",
+         "error": "RuntimeError: Transfer thread failed because of x. Prefill instance with "
+                  "bootstrap_port=1 is dead."},
+        {"thread": "[2026-12-03 07:00:01 TP0] Scheduler hit an exception",
+         "error": "AssertionError: room 5"},
+        {"thread": "[2026-12-03 07:00:03] post-warmup freeze_gc failed",
+         "error": "requests.exceptions.ConnectionError: refused",
+         "handled": HANDLED["post-warmup freeze_gc failed"]},
+    ]
+    assert len(scan_log(log)) == 4
+    assert scan_log(tmp_path / "absent.log") == []
+
+
+def _report(**changes) -> dict:
+    zero = {"prefill": 0, "relay": 0, "main": 0}
+    report = {"requests": 10, "completed": 9, "lost": 0, "errored": 1,
+              "errors": [{"reason": "HTTP 503"}], "token_mismatches": 0, "digest_mismatches": 0,
+              "leaked_slots": zero, "leaked_locks": zero, "leaked_rooms": zero,
+              "dead_threads": [], "faults": {"relay_dies": 1}, "recovery_s": {"relay_dies": [4.2]},
+              "minutes": 2, "seed": 0}
+    return {**report, **changes}
+
+
+def test_the_bar():
+    assert bar(_report()) == []
+    assert bar(_report(lost=1)) == ["lost: 1"]
+    assert bar(_report(token_mismatches=2, digest_mismatches=1)) == [
+        "token_mismatches: 2", "digest_mismatches: 1"]
+    assert bar(_report(leaked_rooms={"prefill": None, "relay": 0, "main": 0})) == [
+        "leaked_rooms: {'prefill': None}"]
+    assert bar(_report(leaked_slots={"prefill": 0, "relay": 16, "main": 0})) == [
+        "leaked_slots: {'relay': 16}"]
+    assert bar(_report(dead_threads=[{"server": "main", "thread": "pdd-control"}])) == [
+        "dead_threads: 1"]
+    assert bar(_report(recovery_s={"relay_dies": [None]})) == ["no recovery after: ['relay_dies']"]
+    assert bar(_report(completed=0)) == ["no request completed"]
+
+
+def test_the_soak_draws_every_fault_kind_the_issue_names():
+    names = {f.name for f in faults.SOAK}
+    assert {"relay_dies", "main_dies_before_handoff", "wan_short_stall", "wan_stall",
+            "wan_batch_fails", "main_registers_late", "clients_disconnect",
+            "chunked_prefill_backed_up"} <= names
+    assert len(names) == len(faults.SOAK)
+
+
+def test_the_batch_failure_waits_for_a_copy_on_the_wan_path():
+    class Prefill:
+        lines: dict = {}
+
+        def pdd_state(self):
+            return {"wan_line": self.lines}
+
+    cluster = type("Cluster", (), {"prefill": Prefill()})()
+    assert faults.WAN_STALL.ready(cluster)  # strikes whatever is on the line
+    assert not faults.WAN_BATCH_FAILS.ready(cluster)
+    Prefill.lines = {"10.77.0.2:1": {"bytes_ahead": 0}}
+    assert not faults.WAN_BATCH_FAILS.ready(cluster)
+    Prefill.lines = {"10.77.0.2:1": {"bytes_ahead": 8192}}
+    assert faults.WAN_BATCH_FAILS.ready(cluster)
+    assert faults.WAN_BATCH_FAILS.hold_s > 10  # past the suite's --pdd-wan-transfer-timeout
