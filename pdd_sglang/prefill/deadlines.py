@@ -27,6 +27,10 @@ logger = logging.getLogger("pdd_sglang.prefill.fanout")
 
 STALE_ROOM_S = 600.0
 PROBE_INTERVAL_S = 2.0
+# Mooncake's probe reaches a main whose line still stalls the data: a main out again within this
+# long of coming back is probed after twice the wait, up to PROBE_INTERVAL_S * 2**MAX_BACKOFF.
+FLAPPING_WITHIN_S = 60.0
+MAX_BACKOFF = 5
 
 
 class FanoutDeadlines:
@@ -109,6 +113,19 @@ class FanoutDeadlines:
             self._concluded_tracked -= 1
         self.pdd_rooms.discard(room.room)
 
+    def _take_main_out(self, session: str) -> None:
+        """A WAN copy to ``session`` failed: out of placement (published) until a probe answers."""
+        if session in self.mains_out:
+            return
+        now = self.clock()
+        times, back_at = self._outs.get(session, (0, float("-inf")))
+        times = times + 1 if now - back_at < FLAPPING_WITHIN_S else 1
+        self._outs[session] = (times, back_at)
+        wait = PROBE_INTERVAL_S * 2 ** min(times - 1, MAX_BACKOFF)
+        self.mains_out[session] = now + wait
+        logger.warning("PDD: main %s is out after a failed WAN transfer (%d time(s) in a row); "
+                       "first WAN probe in %.0f s", session, times, wait)
+
     def _probe_mains_out(self, now: float) -> None:
         engine = self.wan_engine
         for session, due in list(self.mains_out.items()):
@@ -126,6 +143,7 @@ class FanoutDeadlines:
             return
         if ev.ok:
             del self.mains_out[ev.session]
+            self._outs[ev.session] = (self._outs.get(ev.session, (1, 0.0))[0], self.clock())
             logger.warning("PDD: main %s answers a WAN probe again; back in", ev.session)
         else:
             self.mains_out[ev.session] = self.clock() + PROBE_INTERVAL_S

@@ -52,7 +52,7 @@ import time
 from collections import OrderedDict
 from typing import Any, Callable, Optional
 
-from pdd_sglang.prefill.deadlines import PROBE_INTERVAL_S, FanoutDeadlines
+from pdd_sglang.prefill.deadlines import FanoutDeadlines
 from pdd_sglang.prefill.destination_chunks import skip_prefix_pages
 from pdd_sglang.prefill.events import ChunkReady, ChunkSent, ProbeAnswered, Registered, RoomCleared
 from pdd_sglang.prefill.ledger import LEDGER
@@ -89,6 +89,7 @@ class PrefillFanout(FanoutDeadlines):
         self._concluded: OrderedDict[int, float] = OrderedDict()
         self._concluded_tracked = 0  # rooms in self._rooms that are CONCLUDED
         self.mains_out: dict[str, float] = {}  # main session -> when it is next probed
+        self._outs: dict[str, tuple] = {}  # main session -> (times out in a row, last back in)
         self.counters = dict.fromkeys((
             "refused_hellos", "refused_late", "relays_dropped", "mains_dropped", "relays_failed",
             "mains_failed", "rooms_stuck", "rooms_abandoned", "rooms_succeeded", "rooms_failed"), 0)
@@ -273,11 +274,7 @@ class PrefillFanout(FanoutDeadlines):
         logger.warning("PDD room %s: %s", room.room, reason)
         self.counters["relays_failed" if dest.role == "relay" else "mains_failed"] += 1
         if dest.role == "main" and wan:
-            self.mains_out.setdefault(dest.info.mooncake_session_id,
-                                      self.clock() + PROBE_INTERVAL_S)
-            logger.warning("PDD: main %s is out after a failed WAN transfer; probing it over the "
-                           "WAN engine every %.0f s", dest.info.mooncake_session_id,
-                           PROBE_INTERVAL_S)
+            self._take_main_out(dest.info.mooncake_session_id)
         self._tell_destination(room, dest, "Failed", reason)
         if not room.active() and not room.awaits_main() and not room.awaits_relay():
             # The relay answers alone if it has all its KV; _conclude waits for chunks in flight.

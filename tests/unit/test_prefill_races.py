@@ -245,3 +245,10 @@ def test_race9_a_main_out_after_a_wan_failure_comes_back_on_a_wan_probe():
     drain(fanout)
     assert probes == [MAIN, MAIN] and fanout.published["mains_out"] == []
     fanout.handle(ProbeAnswered(MAIN, True))  # a stale answer changes nothing
+    # Out again at once (Mooncake's probe reached it, its line still stalls data): back off.
+    open_room(kv, 15)
+    register(fanout, kv, 15, MAIN, "main", destinations=1)
+    fanout.take_chunk(chunk(15, 0, 8, last=True))
+    drain(fanout)
+    send_all(fanout, kv, fanout.wan_queues[0])
+    assert fanout.mains_out[MAIN] - fanout.clock() > 3.0  # twice PROBE_INTERVAL_S
