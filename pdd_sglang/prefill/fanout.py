@@ -313,6 +313,9 @@ class PrefillFanout(FanoutDeadlines):
             self._concluded.popitem(last=False)
         if final == "Success":
             logger.info("PDD room %s sent: %s", room.room, LEDGER.request_summary(room.room))
+        else:
+            logger.info("PDD room %s failed (%s): %s", room.room, reason,
+                        LEDGER.request_summary(room.room))
 
     def _tell_destination(self, room: Room, dest, status_name: str, reason: Optional[str] = None) -> None:
         if dest.told is not None and (dest.told == status_name or dest.told == "Failed"):

@@ -152,20 +152,28 @@ def test_stop_conditions_span_the_handoff(three_roles, baselines):
 
 def test_singular_filter_cancels_the_wan_copy(three_roles, baselines):
     """The relay answers before main's KV arrives: the client gets the relay's answer, main's
-    copy is aborted, and prefill drops the WAN chunks not yet sent."""
-    prompt = words(31, 1500)
-    body = {"input_ids": prompt, "sampling_params": greedy(1)}
-    reference = three_roles["plain"].post_json("/generate", body)["output_ids"]
-    answer = run(three_roles, body)
-    assert answer["handed_tokens"] is None
-    assert answer["output_ids"] == reference
+    copy is aborted, and prefill drops the WAN chunks not yet sent.
+
+    Dropping needs the abort to reach prefill within the WAN path's debug delay (WAN_DELAY_MS
+    per chunk); on a machine busy with the background suites the relay's one token can take
+    longer, and then the copy has crossed whole. Three prompts at most: one must be cut short."""
     page = three_roles.page_size
-    suffix_bytes = -(-len(prompt) // page) * page * 512
-    rows = [r for r in three_roles["prefill"].pdd_state()["transfers"]["by_request"]
-            if r["room"] == answer["room"] and r["role"] == "main"]
-    sent_to_main = sum(r["bytes"] for r in rows)
-    print(f"\nsingular: {sent_to_main} of {suffix_bytes} B of main's suffix crossed the WAN")
-    assert sent_to_main < suffix_bytes
+    crossed = []
+    for seed in (31, 32, 33):
+        prompt = words(seed, 1500)
+        body = {"input_ids": prompt, "sampling_params": greedy(1)}
+        reference = three_roles["plain"].post_json("/generate", body)["output_ids"]
+        answer = run(three_roles, body)
+        assert answer["handed_tokens"] is None
+        assert answer["output_ids"] == reference
+        suffix_bytes = -(-len(prompt) // page) * page * 512
+        rows = [r for r in three_roles["prefill"].pdd_state()["transfers"]["by_request"]
+                if r["room"] == answer["room"] and r["role"] == "main"]
+        crossed.append((sum(r["bytes"] for r in rows), suffix_bytes))
+        print(f"\nsingular: {crossed[-1][0]} of {suffix_bytes} B of main's suffix crossed the WAN")
+        if crossed[-1][0] < suffix_bytes:
+            break
+    assert crossed[-1][0] < crossed[-1][1], f"every copy crossed whole: {crossed}"
 
 
 def _counts(cluster, name: str, kind: str) -> dict:
