@@ -87,8 +87,16 @@ class Placer:
             main, cached = self.choose_main(prompt_ids)
         except NoHealthyServer:
             # Main is unreachable: the relay, beside prefill, answers alone (P->RLD, as for
-            # singular traffic) instead of the client getting an error. No relay: the error.
-            relay = self._relay_or(NoHealthyServer(MAIN), avoid)
+            # singular traffic) instead of the client getting an error.
+            try:
+                relay = self._relay(avoid)
+            except NoHealthyServer:
+                # No relay either: a main that a prefill took out after a failed WAN copy (a
+                # copy past --pdd-wan-transfer-timeout on a congested line looks the same) is
+                # the last chance of an answer, where a 503 is a certain failure.
+                main = self._main_out_of_wan()
+                return Placement(policy.Pipeline.PREFILL_MAIN, self.pool.least_loaded(PREFILL),
+                                 None, main, 0, 0.0, 0, relay_fallback=True)
             return Placement(policy.Pipeline.RELAY_SINGULAR, self.pool.least_loaded(PREFILL),
                              relay, None, 0, 0.0, main_fallback=True)
         # SGLang never reuses the KV of the prompt's last token (it recomputes it to sample).
@@ -119,8 +127,8 @@ class Placer:
         return self.pool.least_loaded(
             RELAY, usable=lambda u: u.control_address is not None and u not in avoid)
 
-    def _relay_or(self, error: NoHealthyServer, avoid: frozenset = frozenset()) -> Upstream:
-        try:
-            return self._relay(avoid)
-        except NoHealthyServer:
-            raise error from None
+    def _main_out_of_wan(self) -> Upstream:
+        mains = [u for u in self.pool.by_role[MAIN] if u.healthy and u.wan_out]
+        if not mains:
+            raise NoHealthyServer(MAIN)
+        return min(mains, key=lambda u: u.outstanding / u.max_running_requests)

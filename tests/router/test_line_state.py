@@ -139,3 +139,24 @@ def test_a_main_a_prefill_lists_as_out_takes_no_placement_until_it_is_back():
         pool.least_loaded(MAIN)
     mark_mains_out([m1, m2], set())
     assert pool.healthy(MAIN) == [m1, m2]
+
+
+def test_with_no_relay_a_main_out_after_a_wan_failure_is_the_last_resort_not_a_503():
+    """The soak's relay_dies struck while the prefill had main out (a copy past the WAN transfer
+    timeout on a congested line): 235 clients got 503 'no healthy main server' for 16 s."""
+    from types import SimpleNamespace
+
+    from pdd_sglang import policy
+    from pdd_sglang.router.placement import Placer
+    from pdd_sglang.router.servers import MAIN, RELAY, NoHealthyServer, ServerPool
+
+    pool = ServerPool([SimpleNamespace(url="http://p", bootstrap_port=1)], ["http://r"], ["http://m"])
+    (main,), (relay,) = pool.by_role[MAIN], pool.by_role[RELAY]
+    main.wan_out, relay.healthy = True, False
+    placer = Placer.__new__(Placer)
+    placer.pool = pool
+    placement = placer.place([1, 2, 3], 8)
+    assert placement.pipeline is policy.Pipeline.PREFILL_MAIN and placement.main is main
+    main.healthy = False  # unreachable as well: nothing can answer
+    with pytest.raises(NoHealthyServer):
+        placer.place([1, 2, 3], 8)
