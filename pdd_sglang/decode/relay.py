@@ -35,11 +35,9 @@ Life cycle of a P->RLD->MD request on a relay:
 
 from __future__ import annotations
 
-import enum
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any, Optional
 
 from pdd_sglang import policy
@@ -47,6 +45,7 @@ from pdd_sglang.diagnostics import kv_digest
 from pdd_sglang.decode.handoff_channel import HandoffStats, policy_config, relay_loop
 from pdd_sglang.decode.finish import HandedOff
 from pdd_sglang.decode.relay_debug_hold import READY_WAIT_S, DebugHold
+from pdd_sglang.decode.relay_state import Handing, Active, Pending
 from pdd_sglang.decode.route_cache import is_relay_main, route_for
 from pdd_sglang.protocol.messages import (HandoffAck, HandoffReady, HandoffRefused, HandoffTokens,
                                  encode, pack_tokens)
@@ -63,30 +62,6 @@ FINAL_ACK_WAIT_S = 10.0
 KV_HASHED_ROOMS_KEPT = 1024
 
 
-@dataclass
-class _Pending:
-    peer: bytes
-    since: float
-    ready: HandoffReady
-
-
-class Handing(enum.Enum):
-    SENDING = "sending"  # the next chunk goes out at the next step
-    AWAITING_ACK = "awaiting_ack"  # a middle chunk sent; the relay keeps decoding
-    AWAITING_FINAL_ACK = "awaiting_final_ack"  # the last chunk sent; out of the batch, KV kept
-
-
-@dataclass
-class _Active:
-    req: Any
-    peer: bytes
-    mode: policy.HandoffMode
-    handed: int = 0
-    seq: int = 0
-    state: Handing = Handing.SENDING
-    last_sent_at: float = 0.0
-
-
 class RelayHandoff(DebugHold):
     def __init__(self, scheduler: Any, args: Any):
         self.scheduler = scheduler
@@ -94,8 +69,8 @@ class RelayHandoff(DebugHold):
         self.cfg = policy_config(args)
         self.loop = relay_loop(args)
         self.stats = HandoffStats("relay")
-        self.pending: dict[int, _Pending] = {}
-        self.active: dict[int, _Active] = {}
+        self.pending: dict[int, Pending] = {}
+        self.active: dict[int, Active] = {}
         self.finished_rooms: OrderedDict[int, str] = OrderedDict()
         self.held_out: dict[int, tuple] = {}  # room -> (req, since): test-only handoff hold
         # --pdd-enable-kv-digest: each room's prompt-KV hashes, computed off the scheduler thread.
@@ -168,16 +143,11 @@ class RelayHandoff(DebugHold):
                 self._resume(active.req, "main did not acknowledge the last chunk")
             elif active.state is Handing.AWAITING_ACK and (
                     active.req.finished() or now - active.last_sent_at > FINAL_ACK_WAIT_S):
-                # Mid Catch-Up the request never left the batch: the relay simply stops
-                # handing it over (main died, or it finished here meanwhile).
+                # Mid Catch-Up the request is still in the batch: it just stops being handed.
                 del self.active[room]
-                finished = active.req.finished()
-                self._refuse(active.peer, room, "finished_at_relay" if finished else "ack_timeout")
-                if not finished:
-                    self.stats.event("ack_timeout")
-                    logger.warning("PDD relay: main did not acknowledge a Catch-Up chunk of room %s "
-                                   "within %.0f s; the relay decodes it to the end", room,
-                                   FINAL_ACK_WAIT_S)
+                why = "finished_at_relay" if active.req.finished() else "ack_timeout"
+                self._refuse(active.peer, room, why)
+                logger.warning("PDD relay: room %s left mid Catch-Up (%s); decoded here", room, why)
         # A request whose last chunk is out stops decoding here until main says it has it.
         leaving = [a.req for a in self.active.values() if a.state is Handing.AWAITING_FINAL_ACK]
         leaving = [req for req in leaving if any(req is r for r in running_batch.reqs)]
@@ -223,7 +193,7 @@ class RelayHandoff(DebugHold):
                 self.stats.refuse("duplicate_ready")
                 logger.warning("PDD relay: duplicate HandoffReady for room %s", room)
             else:
-                self.pending[room] = _Pending(peer, time.monotonic(), message)
+                self.pending[room] = Pending(peer, time.monotonic(), message)
         elif isinstance(message, HandoffAck):
             active = self.active.get(message.room)
             if (active is None or message.seq != active.seq - 1
@@ -304,12 +274,12 @@ class RelayHandoff(DebugHold):
         )
 
     def _start(self, room: int, req: Any, peer: bytes) -> None:
-        active = _Active(req=req, peer=peer, mode=self._choose_mode(req))
+        active = Active(req=req, peer=peer, mode=self._choose_mode(req))
         self.active[room] = active
         self.stats.event(f"mode_{active.mode.value}")
         self._send_next_chunk(room, active)
 
-    def _send_next_chunk(self, room: int, active: _Active) -> None:
+    def _send_next_chunk(self, room: int, active: Active) -> None:
         req = active.req
         if req.finished():
             # Finished on its own mid Catch-Up (EOS, stop, length, abort): its answer is whole,

@@ -67,7 +67,7 @@ def test_main_close_lets_every_held_request_go_and_tells_its_relay():
 
 
 def test_relay_close_tells_every_waiting_main_and_frees_what_it_holds_out_of_the_batch():
-    from pdd_sglang.decode.relay import Handing, RelayHandoff, _Active, _Pending
+    from pdd_sglang.decode.relay import Handing, RelayHandoff, Active, Pending
 
     relay = RelayHandoff(SimpleNamespace(), SimpleNamespace(**ARGS))
     main = ControlLoop()
@@ -76,10 +76,10 @@ def test_relay_close_tells_every_waiting_main_and_frees_what_it_holds_out_of_the
         peer, _ = relay.loop.wait_received(5)
         aborted = []
         relay._abort = lambda req, message: aborted.append((req.bootstrap_room, message))
-        relay.pending[10] = _Pending(peer, time.monotonic(), HandoffReady(room=10))
+        relay.pending[10] = Pending(peer, time.monotonic(), HandoffReady(room=10))
         one_shot = policy.HandoffMode.ONE_SHOT
-        relay.active[11] = _Active(request(11), peer, one_shot, state=Handing.AWAITING_ACK)
-        relay.active[12] = _Active(request(12), peer, one_shot,
+        relay.active[11] = Active(request(11), peer, one_shot, state=Handing.AWAITING_ACK)
+        relay.active[12] = Active(request(12), peer, one_shot,
                                    state=Handing.AWAITING_FINAL_ACK)
         relay.close()
         # Main decodes 10 itself, drops its Catch-Up copy of 11 with the reason, and 12 (out
@@ -99,7 +99,7 @@ def test_relay_stops_waiting_for_a_catch_up_ack_that_never_comes():
     deadline: the room stayed active and the relay never went idle. Now, past FINAL_ACK_WAIT_S,
     main is told (``ack_timeout``) and the relay, which kept the request in its batch, decodes on."""
     from pdd_sglang.decode import relay as relay_module
-    from pdd_sglang.decode.relay import Handing, RelayHandoff, _Active
+    from pdd_sglang.decode.relay import Handing, RelayHandoff, Active
 
     relay = RelayHandoff(SimpleNamespace(), SimpleNamespace(**ARGS))
     main = ControlLoop()
@@ -108,9 +108,9 @@ def test_relay_stops_waiting_for_a_catch_up_ack_that_never_comes():
         peer, _ = relay.loop.wait_received(5)
         sent_at = time.monotonic() - relay_module.FINAL_ACK_WAIT_S - 1
         catch_up = policy.HandoffMode.CATCH_UP
-        relay.active[21] = _Active(request(21), peer, catch_up, state=Handing.AWAITING_ACK,
+        relay.active[21] = Active(request(21), peer, catch_up, state=Handing.AWAITING_ACK,
                                    last_sent_at=sent_at)
-        relay.active[22] = _Active(request(22), peer, catch_up, state=Handing.AWAITING_ACK,
+        relay.active[22] = Active(request(22), peer, catch_up, state=Handing.AWAITING_ACK,
                                    last_sent_at=time.monotonic())
         batch = SimpleNamespace(reqs=[])
         relay._leave_batch = lambda running_batch, reqs: running_batch
