@@ -81,7 +81,7 @@ def test_a_dead_relay_costs_its_requests_a_pause_not_an_error(report):
     # Requests the relay was decoding went on at main from the first token.
     assert row["completed_by_outcome"].get("relay_lost", 0) >= 1, row
     # What fails before its first token is re-sent by the router, and a copy to the relay in
-    # flight when it died goes on to main (patch 0008's destination_failed): errors are rare.
+    # flight when it died goes on to main (the fan-out drops a failed relay): errors are rare.
     assert row["errored"] <= row["sent"] // 10, row
 
 
