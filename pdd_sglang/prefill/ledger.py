@@ -2,12 +2,11 @@
 
 Measured at the sender, on the lengths passed to Mooncake's batch transfer, so the figures that
 benchmarks and the paper's plots read are what crossed the wire, not a count inferred from token
-totals. The sender (SGLang's transfer worker, or PDD's on a PDD room) opens a scope (room, destination
-session) before it sends a request's
-chunk, and SGLang's aux path (the first output token and its metadata) opens an aux scope; every
-batch written inside a scope is charged to it, KV and aux apart. Batches written in another thread
-(Mooncake's custom-memory-pool path fans layers out to an executor) are charged to the destination
-alone.
+totals. The sender (SGLang's transfer worker, or PDD's own on a PDD room) opens a scope (room,
+destination session) before it sends a request's chunk, and SGLang's aux path (the first output
+token and its metadata) opens an aux scope; every batch written inside a scope is charged to it,
+KV and aux apart. Batches written in another thread (Mooncake's custom-memory-pool path fans
+layers out to an executor) are charged to the destination alone.
 """
 
 from __future__ import annotations
