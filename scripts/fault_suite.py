@@ -7,8 +7,8 @@
 Real prefill, relay and main SGLang servers (the tiny CPU model) and the router, with main behind
 the emulated WAN line (needs root, like make demo). Faults: the relay dies, main dies before and
 after the handoff, prefill dies, the WAN line stalls past the transfer timeout. --quick runs the
-first, the second and the stall. Writes DIR/faults.json:
-faults.{name}.{sent,completed,errored,lost,leaked_slots,recovery_s} and the details behind them.
+first, the second and the stall. Writes DIR/faults.json: faults.{name}.{sent, completed, errored,
+lost, leaked_slots, recovery_s, first_token_after_s, line_floor_s} and the details behind them.
 Exit status 1 if any request was lost or any KV slot leaked.
 
 --soak MINUTES: the chaos soak instead (pdd_sglang/dev/faults/soak.py): multi-turn load for that
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
 def _print_suite(report: dict) -> bool:
     """The suite's table; whether any fault lost a request or leaked a slot."""
     print(f"\n{'fault':26} {'sent':>5} {'done':>5} {'error':>5} {'lost':>5} {'leaked':>7} "
-          f"{'recovery s':>10}")
+          f"{'recovery s':>10} {'1st token s':>11} {'line floor s':>12}")
     bad = False
     for name, row in report["faults"].items():
         if "error" in row:
@@ -119,7 +119,8 @@ def _print_suite(report: dict) -> bool:
             bad = True
             continue
         print(f"{name:26} {row['sent']:5} {row['completed']:5} {row['errored']:5} "
-              f"{row['lost']:5} {row['leaked_slots']:7} {str(row['recovery_s']):>10}")
+              f"{row['lost']:5} {row['leaked_slots']:7} {str(row['recovery_s']):>10} "
+              f"{str(row.get('first_token_after_s')):>11} {str(row.get('line_floor_s')):>12}")
         bad |= row["lost"] > 0 or row["leaked_slots"] != 0
     return bad
 

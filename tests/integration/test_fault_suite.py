@@ -72,6 +72,8 @@ def test_no_request_is_lost_and_no_slot_leaks(report, name):
     assert row["leaked_slots"] == 0, row
     # Service came back: a request sent after the fault completed.
     assert row["recovery_s"] is not None, row
+    # A request that completed had a first token first.
+    assert row["first_token_after_s"] is not None and row["first_token_after_s"] <= row["recovery_s"]
     # Every failure told the client why.
     assert all(error.strip() for error in row["errors"])
 

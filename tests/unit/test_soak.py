@@ -137,3 +137,12 @@ def test_the_batch_failure_waits_for_a_copy_on_the_wan_path():
     Prefill.lines = {"10.77.0.2:1": {"bytes_ahead": 8192}}
     assert faults.WAN_BATCH_FAILS.ready(cluster)
     assert faults.WAN_BATCH_FAILS.hold_s > 10  # past the suite's --pdd-wan-transfer-timeout
+
+
+def test_the_line_floor_is_the_uncached_kv_over_the_line_alone():
+    from pdd_sglang.dev.faults.suite import line_floor_s
+    from pdd_sglang.dev.testing.tiny_model import WAN_DEMO_MODEL
+    # 700 tokens of 8 KiB at 10 Mbit/s: 5,734,400 B * 8 / 1e7 = 4.59 s.
+    assert WAN_DEMO_MODEL.kv_bytes_per_token == 8192
+    assert line_floor_s(10.0, 700) == 4.59
+    assert line_floor_s(0.0, 700) is None  # an unlimited line has no floor

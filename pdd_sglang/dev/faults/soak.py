@@ -211,12 +211,15 @@ class Soak:
 
         wait_for(lambda: first_good() is not None, self.answer_timeout_s)
         good = first_good()
+        first_tokens = [s.started + s.result.ttft_s for s in list(self.load.sent)
+                        if s.started > injected and s.result.ttft_s is not None]
         self.timeline.append({
             "fault": fault.name, "at_s": round(injected - self.started, 1),
             "in_flight": in_flight, "ready": ready, "hold_s": fault.hold_s,
             "wan_batches_failed": max(0, _failed_batches(self.cluster) - failed_before),
             "recover_s": round(recovered - injected - fault.hold_s, 1),
             "recovery_s": None if good is None else round(good - injected, 2),
+            "first_token_after_s": round(min(first_tokens) - injected, 2) if first_tokens else None,
             "until_s": round(time.monotonic() - self.started, 1)})
         self.progress(f"soak: {fault.name} recovered in {self.timeline[-1]['recovery_s']} s")
 

@@ -4,7 +4,10 @@ inject each fault in turn, and measure what it cost.
 Per fault: requests sent, completed, errored (with a reason the client can read) and lost (no
 answer within the client's timeout: must be 0); KV slots and tree-locked tokens in use on every
 server after the load has drained, against the baseline taken before the fault (must match); and
-the recovery time, from the injection to the first completed answer of a request sent after it.
+the recovery time, from the injection to the first completed answer of a request sent after it
+(``recovery_s``), and to the first token of one (``first_token_after_s``). Beside them,
+``line_floor_s``: one request's uncached KV over the line alone, the least a request placed P->MD
+can take while no relay is up, whatever the router does.
 
 Topology (as ``make demo``'s PDD setup): prefill, relay, router and clients in cluster A; main in
 cluster B, reachable only through the line. Timeouts are the WAN-fitting values in
@@ -148,12 +151,18 @@ def run_fault(cluster: FaultCluster, fault: Fault, *, warmup_s: float, after_s: 
                     if s.started > injected and s.ended is not None and s.status == "completed"]
             return min(done) if done else None
 
+        def first_token_after() -> Optional[float]:
+            firsts = [s.started + s.result.ttft_s for s in list(load.sent)
+                      if s.started > injected and s.result.ttft_s is not None]
+            return min(firsts) if firsts else None
+
         wait_for(lambda: first_good_answer() is not None, answer_timeout_s)
         time.sleep(after_s)
     finally:
         progress(f"{fault.name}: draining")
         load.stop()
     good = first_good_answer()
+    first_token = first_token_after()
     after = held_tokens(cluster.pools())
     counts = tally(load.sent)
     errors = sorted({s.result.error[:400] for s in load.sent if s.status == "errored"})
@@ -165,6 +174,8 @@ def run_fault(cluster: FaultCluster, fault: Fault, *, warmup_s: float, after_s: 
         **counts,
         "leaked_slots": sum(after.values()) - sum(baseline.values()),
         "recovery_s": None if good is None else round(good - injected, 2),
+        "first_token_after_s": None if first_token is None else round(first_token - injected, 2),
+        "line_floor_s": line_floor_s(cluster.line.rate_mbit, fault.profile.unique_tokens),
         "restart_s": round(recovered_at - injected - fault.hold_s, 2),
         "held_tokens_before": baseline, "held_tokens_after": after,
         "completed_by_outcome": outcomes, "errors": errors[:8],
@@ -175,6 +186,13 @@ def run_fault(cluster: FaultCluster, fault: Fault, *, warmup_s: float, after_s: 
                     "concurrency": fault.profile.concurrency},
         "hold_s": fault.hold_s,
     }
+
+
+def line_floor_s(rate_mbit: float, uncached_tokens: int) -> Optional[float]:
+    """Seconds the line needs for ``uncached_tokens`` of the suite model's KV, nothing else on it."""
+    if rate_mbit <= 0:
+        return None
+    return round(uncached_tokens * WAN_DEMO_MODEL.kv_bytes_per_token * 8 / (rate_mbit * 1e6), 2)
 
 
 def run_suite(faults: Sequence[Fault], log_dir: Path, *, rate_mbit: float, rtt_ms: float,
@@ -214,4 +232,5 @@ def run_suite(faults: Sequence[Fault], log_dir: Path, *, rate_mbit: float, rtt_m
 
 def _line(row: dict) -> str:
     return (f"sent {row['sent']}, completed {row['completed']}, errored {row['errored']}, "
-            f"lost {row['lost']}, leaked {row['leaked_slots']}, recovery {row['recovery_s']} s")
+            f"lost {row['lost']}, leaked {row['leaked_slots']}, recovery {row['recovery_s']} s "
+            f"(first token {row.get('first_token_after_s')} s, line floor {row.get('line_floor_s')} s)")
