@@ -232,6 +232,9 @@ def main(argv=None) -> int:
                              "output_length, hash_ids of 512-token blocks); default: "
                              "the public conversation trace")
     parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
+    parser.add_argument("--validation", type=Path,
+                        help="validation_detail.json from scripts/validate_sim.py: adds the "
+                             "simulator-against-the-CPU-demo table to report.md")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     measured = json.loads(args.measured_handoff.read_text()) if args.measured_handoff else None
@@ -252,6 +255,11 @@ def main(argv=None) -> int:
     from pdd_sglang.sim.figures import draw_all
     draw_all(args.out, data, results, PAPER, measured)
     write_report(args.out, data, results, PAPER, args.quick, measured)
+    if args.validation:
+        from pdd_sglang.sim.validation import report_section
+        report = args.out / "report.md"
+        section = report_section(json.loads(args.validation.read_text()))
+        report.write_text(report.read_text() + "\n" + "\n".join(section))
     print(f"wrote {args.out}/report.md, results.json and f1-f9 PNGs in {time.time() - started:.0f} s")
     return 0
 

@@ -1,6 +1,16 @@
-"""Validate the simulator against a real CPU run (item 6 of issue 6).
+"""Validate the simulator against a real CPU run (issue 6 item 6; issue 25).
 
     python scripts/validate_sim.py --measured out/demo/demo.json
+
+Issue 25 (the default when the file has `latency_setups`): the servers and the line come from
+the measured profiles of scripts/profile_cpu.py (--profile-dir, default configs/); what no
+microbenchmark measures is fitted on the demo's latency point only and printed; the load point
+(`setups`) is then predicted without refitting (pdd_sglang/sim/validation.py).  Prints both, with
+the six-stage TTFT split and the stage that misses, and writes validation.json
+({"latency": {SETUP: {QUANTITY: simulated / measured}}, "load": {...}}) and
+validation_detail.json next to the measured file.
+
+The earlier comparison (--legacy, or a file without `latency_setups`):
 
 The simulator is configured like the CPU demo cluster: configs/hardware/cpu_demo.toml (its
 [cluster] table: instance counts, model, links, workload size) gives the defaults, and whatever
@@ -55,6 +65,8 @@ from pdd_sglang.sim.cluster import ClusterConfig, Setup, simulate  # noqa: E402
 from pdd_sglang.sim.profiles import CONFIG_ROOT, load_table  # noqa: E402
 from pdd_sglang.sim.workload import AgenticConfig, generate_agentic, replay_rows  # noqa: E402
 from pdd_sglang.sim.profiles import InstanceCost, load_hardware, load_model  # noqa: E402
+from pdd_sglang.sim.validation import (QUANTITIES as VALIDATED, MeasuredProfiles,  # noqa: E402
+                                       Validator, validation_json)
 
 TCP_IP_HEADER_BYTES = 52        # IPv4 20 + TCP 20 + timestamps option 12
 
@@ -276,12 +288,61 @@ def derive_cpu_profile(measured: dict) -> dict:
     return out
 
 
+def calibrate_and_predict(measured: dict, measured_path: Path, profiles: MeasuredProfiles) -> int:
+    """Issue 25: calibrate on the latency point, predict the load point; validation.json."""
+    table = load_table("hardware", "cpu_demo", "cluster")
+    with tempfile.TemporaryDirectory() as tmp:
+        validator = Validator(measured, profiles, table["model"], Path(tmp))
+        calibration = validator.calibrate()
+        print("profiles (scripts/profile_cpu.py): " + ", ".join(
+            str(p) for p in (profiles.hardware, profiles.wan, profiles.loopback)))
+        print("calibrated at the latency point (latency_setups) only:")
+        for key, value in calibration.as_dict().items():
+            if key != "notes":
+                print(f"  {key:24s} {value}")
+        for key, note in calibration.notes.items():
+            print(f"  ({key}: {note})")
+        points = {"latency": validator.run_point(measured.get("latency_setups") or {}),
+                  "load": validator.run_point(measured.get("setups") or {})}
+    for point, results in points.items():
+        title = "calibrated" if point == "latency" else "predicted, not refitted"
+        print(f"\n{point} point ({title}): simulated / measured")
+        print(f"{'setup':22s}" + "".join(f"{q:>12s}" for q in VALIDATED))
+        for name, result in results.items():
+            print(f"{name:22s}" + "".join(
+                f"{result['ratios'][q]:12.2f}" if q in result["ratios"] else f"{'-':>12s}"
+                for q in VALIDATED))
+        for name, result in results.items():
+            print(f"  {name} stages P50 (measured / simulated, s): " + ", ".join(
+                f"{s} {_fmt(v['measured_p50_s'])}/{_fmt(v['simulated_p50_s'])}"
+                for s, v in result["stages"].items()))
+            for quantity, why in result["misses"].items():
+                print(f"  MISS {name} {quantity}: {why}")
+    out = measured_path.with_name("validation.json")
+    out.write_text(json.dumps(validation_json(points), indent=2))
+    detail = measured_path.with_name("validation_detail.json")
+    detail.write_text(json.dumps({"calibration": calibration.as_dict(), "profiles": {
+        "hardware": str(profiles.hardware), "wan": str(profiles.wan),
+        "loopback": str(profiles.loopback)}, "points": points}, indent=1, default=str))
+    print(f"\nwrote {out} and {detail}")
+    return 0
+
+
+def _fmt(value) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--measured", type=Path, required=True,
                         help="demo.json from the real CPU run (see the module docstring)")
     parser.add_argument("--derive", action="store_true",
                         help="print the cpu_demo profile numbers the same-DC rows imply")
+    parser.add_argument("--profile-dir", type=Path, default=CONFIG_ROOT,
+                        help="where scripts/profile_cpu.py wrote its profiles (its --out-dir; "
+                             "default configs/)")
+    parser.add_argument("--legacy", action="store_true",
+                        help="the earlier comparison (cpu_demo.toml, no calibration)")
     args = parser.parse_args(argv)
     if not args.measured.is_file():
         print(f"validate_sim: no measured file at {args.measured}. Run the real CPU demo first "
@@ -296,6 +357,18 @@ def main(argv=None) -> int:
         for key, value in derive_cpu_profile(measured).items():
             print(f"{key:24s} {value:.6g}")
         return 0
+    profiles = MeasuredProfiles.under(args.profile_dir)
+    if not args.legacy and measured.get("latency_setups"):
+        missing = profiles.missing()
+        if missing:
+            print(f"validate_sim: no measured profile ({', '.join(missing)}); run "
+                  "scripts/profile_cpu.py first (or --legacy)", file=sys.stderr)
+            return 2
+        try:
+            return calibrate_and_predict(measured, args.measured, profiles)
+        except ValueError as err:
+            print(f"validate_sim: {err}", file=sys.stderr)
+            return 2
     rows = compare(measured)
     if not rows:
         print("validate_sim: no setup in the file has measured numbers yet", file=sys.stderr)

@@ -17,7 +17,7 @@ from .handoff import HandoffProtocol
 from .link import FairShareLink
 from .profiles import InstanceCost, load_hardware, load_link, load_model
 from .records import Job, summarise
-from .servers import ITL_BIN_S, DecodeServer, PrefillServer
+from .servers import ITL_BIN_S, DecodeServer, Host, PrefillServer
 
 
 class Arrival(Event):
@@ -87,25 +87,39 @@ class Cluster:
             relay_cost = InstanceCost(load_hardware(cfg.relay_hardware), self.model)
             self.relays = [DecodeServer(self.sim, "relay", i, relay_cost, cfg.relay_max_running,
                                         None) for i in range(cfg.relay_instances)]
+        if cfg.shared_host:
+            host = Host()
+            for server in self.prefills + self.mains + self.relays:
+                server.host = host
         self.handoff = HandoffProtocol(self)
         self.jobs: list = []
+        self._next_turn: dict = {}
         self.timeline: list = []
         self.relay_busy_request_s = 0.0
         self.unfinished = 0
         self.last_arrival_s = 0.0
 
     # --- running -------------------------------------------------------------------------
-    def run(self, requests, warmup=(), traced_ids=(), progress=None):
+    def run(self, requests, warmup=(), traced_ids=(), progress=None, follows=None):
+        """follows: {request_id: (earlier request_id, gap_s)}: a closed-loop client's next turn,
+        sent gap_s after the earlier request's last token reaches the client (its arrival_s is
+        then ignored)."""
         self._warm_caches(warmup)
         traced = set(traced_ids)
+        follows = follows or {}
+        by_id = {}
         for request in requests:
             job = Job(request)
             self.jobs.append(job)
+            by_id[request.request_id] = job
             if request.request_id in traced:
                 for server in self.mains + self.relays:
                     server.traced.add(job)
-            self.sim.at(request.arrival_s, Arrival(self, job))
+            if request.request_id not in follows:
+                self.sim.at(request.arrival_s, Arrival(self, job))
             self.last_arrival_s = max(self.last_arrival_s, request.arrival_s)
+        self._next_turn = {by_id[earlier].request.request_id: (by_id[later], gap)
+                           for later, (earlier, gap) in follows.items()}
         self.unfinished = len(self.jobs)
         self.sim.schedule(0.0, Sample(self))
         self.sim.run(until_s=self.last_arrival_s + self.cfg.drain_limit_s, progress=progress)
@@ -142,12 +156,23 @@ class Cluster:
 
     # --- request lifecycle ---------------------------------------------------------------
     def _on_arrival(self, job: Job) -> None:
+        job.router_to_prefill_s = self.cfg.router_to_prefill_s
         if self.dispatch_latency_s > 0:
             self.schedule(self.dispatch_latency_s, self._dispatch, job)
         else:
             self._dispatch(job)
 
     def _dispatch(self, job: Job) -> None:
+        if self.cfg.register_at_step_boundary and not job.registered:
+            # SGLang's PD bootstrap: the decode side(s) take the request and reserve its KV in
+            # their scheduler loop, between forwards; prefill starts it once they have.
+            job.registered = True
+            sides = [self._pick_main(job)] + (self.relays[:1] if self.cfg.setup.has_relay else [])
+            wait = max(side.until_step_boundary() for side in sides)
+            if wait > 0:
+                self.schedule(wait, self._dispatch, job)
+                return
+        job.dispatched_s = self.sim.now
         candidates = [p.candidate(job.request) for p in self.prefills]
         self.prefills[policy.choose_main(candidates, self.cfg.policy)].submit(job)
 
@@ -242,7 +267,10 @@ class Cluster:
     def _main_decodes_from_start(self, job: Job) -> None:
         """P->MD: main emits the first token (computed by prefill) and decodes the rest."""
         main = job.main
-        self._first_token(job, self.sim.now + main.delivery_delay_s)
+        # SGLang's decode scheduler sees the landed KV (and streams the first token, computed by
+        # prefill) only between its forwards.
+        boundary = main.until_step_boundary() if self.cfg.register_at_step_boundary else 0.0
+        self._first_token(job, self.sim.now + boundary + main.delivery_delay_s)
         steps = job.request.output_tokens - 1
         if steps == 0:
             self.finish_at_main(job)
@@ -290,7 +318,8 @@ class Cluster:
     # --- completion ----------------------------------------------------------------------
     def _first_token(self, job: Job, time_s: float) -> None:
         if math.isnan(job.first_token_s):
-            job.first_token_s = time_s
+            job.first_token_router_s = time_s
+            job.first_token_s = time_s + self.cfg.router_to_client_s
 
     def finish(self, job: Job, where: str, time_s: float) -> None:
         job.completions += 1
@@ -300,6 +329,12 @@ class Cluster:
         job.finished_at = where
         job.user_done = True
         self.unfinished -= 1
+        follower = self._next_turn.get(job.request.request_id)
+        if follower is not None:           # the closed-loop client sends the next turn
+            later, gap = follower
+            later.request = replace(later.request, arrival_s=time_s + gap)
+            self.last_arrival_s = max(self.last_arrival_s, later.request.arrival_s)
+            self.sim.at(later.request.arrival_s, Arrival(self, later))
 
     def finish_at_main(self, job: Job) -> None:
         main = job.main
@@ -313,8 +348,9 @@ class Cluster:
         self.sim.schedule(delay_s, Callback(function, *args))
 
 
-def simulate(cfg: ClusterConfig, requests, warmup=(), traced_ids=(), progress=None):
+def simulate(cfg: ClusterConfig, requests, warmup=(), traced_ids=(), progress=None,
+             follows=None):
     """Run one setup over a workload; returns (summary, cluster)."""
     cluster = Cluster(cfg)
-    summary = cluster.run(requests, warmup, traced_ids, progress)
+    summary = cluster.run(requests, warmup, traced_ids, progress, follows)
     return summary, cluster

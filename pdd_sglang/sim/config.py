@@ -92,6 +92,19 @@ class ClusterConfig:
     # Latency every request pays before prefill that occupies no server; None: the prefill
     # hardware's dispatch_latency_s.  The operating point fits it (configs/operating_point.toml).
     dispatch_latency_s: float | None = None
+    # Parts of the demo's TTFT split that occupy no server (validate_sim.py calibrates them at
+    # the latency point): the client -> router hop (the first router_to_prefill_s of the
+    # dispatch latency; the rest is registration_wait) and router -> client after the first
+    # token reaches the router (added to TTFT).
+    router_to_prefill_s: float = 0.0
+    router_to_client_s: float = 0.0
+    # SGLang's schedulers act between forwards: the PD bootstrap waits for the decode side(s)
+    # to be between steps before prefill starts, and main streams a landed request's first
+    # token at its next step boundary.  False: neither waits (the GPU studies).
+    register_at_step_boundary: bool = False
+    # Every server on one machine (the CPU demo): forwards stretch by the hardware's
+    # neighbour_slowdown per other busy server (servers.Host).
+    shared_host: bool = False
     block_tokens: int = 512                   # prefix-cache granularity (the trace's 512)
     # "idle-line": place from the suffix's size on an idle line (policy.IDLE_LINE);
     # "congestion-aware": from the live line to that main (policy.LineState: bytes queued or in

@@ -42,8 +42,30 @@ class HardwareProfile:
     # instance's EP width.  Overlapped with compute (two-batch overlap), so a step lasts at least
     # moe_layers x this; it is what keeps a lightly loaded decoder from running faster.
     ep_layer_latency_s: float = 0.0
+    # Measured instead of modelled (scripts/profile_cpu.py, scripts/gpu/profile_gpu.py): when
+    # prefill_s_per_token > 0, a forward that prefills B requests of N new tokens after C cached
+    # ones lasts prefill_fixed_s + prefill_s_per_token x N + prefill_s_per_token_pair x
+    # N (C + N/2) + prefill_s_per_cached_token x C (summed over the requests); when a
+    # decode_* field is > 0, a decode step of B requests over L context tokens in all lasts
+    # decode_fixed_s + decode_s_per_request x B + decode_s_per_context_token x L.  The
+    # roofline fields are then unused for that phase.
+    prefill_fixed_s: float = 0.0
+    prefill_s_per_token: float = 0.0
+    prefill_s_per_token_pair: float = 0.0
+    prefill_s_per_cached_token: float = 0.0    # reading the cached prefix, per request
+    decode_fixed_s: float = 0.0
+    decode_s_per_request: float = 0.0
+    decode_s_per_context_token: float = 0.0
+    # Servers sharing one machine (the CPU demo, with ClusterConfig.shared_host): a forward
+    # runs this much longer per other busy server (measured by profile_cpu.py).
+    neighbour_slowdown: float = 0.0
 
     def __post_init__(self):
+        for key in ("prefill_fixed_s", "prefill_s_per_token", "prefill_s_per_token_pair",
+                    "prefill_s_per_cached_token", "neighbour_slowdown", "decode_fixed_s",
+                    "decode_s_per_request", "decode_s_per_context_token"):
+            if not getattr(self, key) >= 0:
+                raise ValueError(f"hardware {self.name!r}: {key} must be >= 0")
         for key in ("peak_flops", "hbm_bytes_per_s", "prefill_mfu", "decode_mfu",
                     "memory_efficiency"):
             if not getattr(self, key) > 0:
@@ -103,8 +125,13 @@ class LinkProfile:
     # Paid once per transfer after its last byte is sent, occupying no bandwidth: connection or
     # session setup, handshake, completion notice and polling at the receiver.
     per_transfer_fixed_s: float = 0.0
+    # Bytes the line carries (both directions) per payload byte a flow delivers: packet
+    # headers, retransmissions of dropped packets, the receiver's ACKs.  1: payload only.
+    wire_per_payload_byte: float = 1.0
 
     def __post_init__(self):
+        if not self.wire_per_payload_byte >= 1:
+            raise ValueError(f"link {self.name!r}: wire_per_payload_byte must be >= 1")
         for key in ("bytes_per_s", "rtt_s", "jitter_s", "window_bytes", "per_transfer_fixed_s"):
             value = getattr(self, key)
             if not value >= 0 or math.isinf(value):
@@ -207,6 +234,9 @@ class InstanceCost:
         """
         m = self.model
         hardware = self.hardware
+        if hardware.prefill_s_per_token > 0:
+            return (self.measured_extend_seconds(new_tokens, cached_tokens)
+                    + hardware.prefill_fixed_s)
         share = min(max(concurrent, 1), self.prefill_lanes)
         attention = max(
             m.attention_flops_per_token_pair * new_tokens * (cached_tokens + new_tokens / 2)
@@ -220,6 +250,14 @@ class InstanceCost:
         forwards = max(1, math.ceil(new_tokens / chunk))
         return attention + kv_write + linear + forwards * hardware.prefill_overhead_s
 
+    def measured_extend_seconds(self, new_tokens: int, cached_tokens: int) -> float:
+        """The measured per-token part of prefilling new_tokens after cached_tokens (no fixed
+        cost): 0 without measured prefill coefficients."""
+        hardware = self.hardware
+        return (hardware.prefill_s_per_token * new_tokens + hardware.prefill_s_per_token_pair
+                * new_tokens * (cached_tokens + new_tokens / 2)
+                + hardware.prefill_s_per_cached_token * cached_tokens)
+
     def forward_seconds(self, decode_batch: int, decode_context_tokens: int,
                         extends=()) -> float:
         """One forward pass: a decode step of decode_batch requests (contexts summing to
@@ -229,6 +267,12 @@ class InstanceCost:
         tokens = decode_batch + extend_tokens
         if tokens == 0:
             return 0.0
+        hardware = self.hardware
+        if (hardware.decode_fixed_s + hardware.decode_s_per_request
+                + hardware.decode_s_per_context_token) > 0:
+            extend_s = sum(self.measured_extend_seconds(t, prefix) for t, prefix in extends)
+            return (hardware.decode_fixed_s + hardware.decode_s_per_request * decode_batch
+                    + hardware.decode_s_per_context_token * decode_context_tokens + extend_s)
         weight_bytes = min(m.weight_bytes, self._active_weight_bytes * tokens)
         read_tokens = decode_context_tokens + sum(prefix + t for t, prefix in extends)
         memory = (weight_bytes + read_tokens * m.kv_bytes_per_token) / self._memory_rate

@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 
 from ..policy import HandoffMode, Pipeline
 
+# The demo's TTFT stages (pdd_sglang.dev.demo.report.STAGES; serving code never imports dev).
+STAGES = ("router_to_prefill", "registration_wait", "prefill_queue", "prefill_forward",
+          "kv_and_first_token", "router_to_client")
+
 
 class Job:
     """Everything the simulator tracks about one request as it moves through the cluster."""
@@ -19,7 +23,8 @@ class Job:
                  "relay_last_token_s", "token_times", "cancelled_wan", "handoff_cancelled",
                  "main_uncached_tokens", "relay_abandoned",
                  "main_reserved", "prefill_index", "prefill_lane", "relay_hold_since_s",
-                 "wan_started_s", "main_reserved_s")
+                 "wan_started_s", "main_reserved_s", "dispatched_s", "router_to_prefill_s",
+                 "first_token_router_s", "registered")
 
     def __init__(self, request):
         self.request = request
@@ -55,6 +60,27 @@ class Job:
         self.relay_hold_since_s = math.nan
         self.wan_started_s = math.nan
         self.main_reserved_s = math.nan
+        self.dispatched_s = math.nan        # handed to prefill (after the dispatch latency)
+        self.router_to_prefill_s = 0.0      # the first part of the dispatch latency
+        self.first_token_router_s = math.nan  # first token at the router (then the client)
+        self.registered = False             # the decode side(s) took it (register_at_step_boundary)
+
+    def stages(self) -> dict:
+        """The TTFT split the demo measures (pdd_sglang.dev.demo.report.STAGES), in seconds."""
+        arrival = self.request.arrival_s
+        dispatched = self.dispatched_s
+        at_router = (self.first_token_s if math.isnan(self.first_token_router_s)
+                     else self.first_token_router_s)
+        to_prefill = min(self.router_to_prefill_s, dispatched - arrival)
+        # SGLang's scheduler takes a request into its waiting queue only between forwards, and
+        # batches the whole queue into the next one: the wait for a prefill that is busy falls
+        # in the demo's registration_wait, its prefill_queue (SGLang's queue_time) stays ~0.
+        return {"router_to_prefill": to_prefill,
+                "registration_wait": self.prefill_start_s - arrival - to_prefill,
+                "prefill_queue": 0.0,
+                "prefill_forward": self.prefill_done_s - self.prefill_start_s,
+                "kv_and_first_token": at_router - self.prefill_done_s,
+                "router_to_client": self.first_token_s - at_router}
 
     @property
     def ttft_s(self) -> float:
@@ -114,6 +140,8 @@ class RunSummary:
     # (waiting for decode admission, the KV copy, delivery).
     ttft_parts_s: dict = field(default_factory=dict)
     decode_admission_wait_p99_s: float = 0.0
+    # The demo's six TTFT stages (STAGES), per request then {p50, p90, p99} in seconds.
+    stages_s: dict = field(default_factory=dict)
     timeline: list = field(default_factory=list)
 
     def as_dict(self) -> dict:
@@ -145,6 +173,9 @@ def summarise(setup: str, jobs: list, itl_histogram: dict, bin_width: float,
     }
     ttft_parts = {name: {f"p{q}": percentile(values, q) for q in (50, 90, 99)}
                   for name, values in parts.items()}
+    split = [j.stages() for j in done]
+    stages = {name: {f"p{q}": percentile([s[name] for s in split], q) for q in (50, 90, 99)}
+              for name in STAGES}
     admission = [j.main_reserved_s - j.prefill_done_s for j in done
                  if not math.isnan(j.main_reserved_s)]
     start = min((j.request.arrival_s for j in jobs), default=0.0)
@@ -165,6 +196,6 @@ def summarise(setup: str, jobs: list, itl_histogram: dict, bin_width: float,
         main_hit=sum(j.main_cached_tokens for j in to_main) / main_inputs,
         by_pipeline=by_pipeline, by_handoff_mode=by_mode, finished_at=finished_at,
         relay_busy_request_s=relay_busy_request_s, duration_s=end - start,
-        ttft_parts_s=ttft_parts,
+        ttft_parts_s=ttft_parts, stages_s=stages,
         decode_admission_wait_p99_s=percentile(admission, 99) if admission else 0.0,
         timeline=timeline)

@@ -14,6 +14,22 @@ RECENT_COPIES = 8           # copies a main's measured WAN throughput is taken o
 ITL_BIN_S = 0.0005          # inter-token latency histogram resolution
 
 
+class Host:
+    """Servers sharing one machine's cores (the CPU demo): a forward that starts while others
+    are busy runs 1 + neighbour_slowdown x (busy others) times its measured length."""
+
+    def __init__(self):
+        self.busy: set = set()
+
+    def stretch(self, server, seconds: float) -> float:
+        self.busy.add(server)
+        others = len(self.busy) - 1
+        return seconds * (1.0 + server.cost.hardware.neighbour_slowdown * others)
+
+    def idle(self, server) -> None:
+        self.busy.discard(server)
+
+
 class PrefillDone(Event):
     __slots__ = ("server", "job", "lane")
 
@@ -33,6 +49,7 @@ class PrefillServer:
     tokens are new.  A lane's GPU also owns the NIC its request's KV leaves by."""
 
     QUEUE_NORMALISER = 8     # queued requests beyond the lanes that count as "fully loaded"
+    MAX_PREFILL_TOKENS = 16384   # SGLang's --max-prefill-tokens default: one batch's new tokens
 
     def __init__(self, sim: Simulator, index: int, cost: InstanceCost,
                  cache: BlockPrefixCache, on_done):
@@ -46,6 +63,7 @@ class PrefillServer:
         self.free_lanes = list(range(self.lanes))     # a heap: the lowest free lane first
         self.busy_seconds = 0.0                       # lane-seconds
         self.max_waiting = 0
+        self.host: Host | None = None
 
     @property
     def busy(self) -> int:
@@ -62,6 +80,9 @@ class PrefillServer:
         self._start_next()
 
     def _start_next(self) -> None:
+        if self.cost.hardware.prefill_s_per_token > 0:     # measured profile: SGLang's batches
+            self._start_batch()
+            return
         while self.queue and self.free_lanes:
             lane = heapq.heappop(self.free_lanes)
             job = self.queue.popleft()
@@ -77,12 +98,59 @@ class PrefillServer:
             self.busy_seconds += duration
             self.sim.schedule(duration, PrefillDone(self, job, lane))
 
+    def _start_batch(self) -> None:
+        """One forward prefills every waiting request (up to MAX_PREFILL_TOKENS new tokens), as
+        SGLang's scheduler batches the waiting queue between forwards; a request arriving during
+        a forward waits for it to end.  Every request of the batch finishes with the forward."""
+        if not self.queue or not self.free_lanes:
+            return
+        lane = heapq.heappop(self.free_lanes)
+        batch, new_total, duration = [], 0, self.cost.hardware.prefill_fixed_s
+        while self.queue and (not batch or new_total < self.MAX_PREFILL_TOKENS):
+            job = self.queue.popleft()
+            request = job.request
+            cached = self.cache.cached_tokens(request.prompt_blocks, request.input_tokens,
+                                              touch=True)
+            job.prefill_index, job.prefill_lane = self.index, lane
+            job.prefill_cached_tokens = cached
+            job.prefill_start_s = self.sim.now
+            new_total += request.input_tokens - cached
+            duration += self.cost.measured_extend_seconds(request.input_tokens - cached, cached)
+            batch.append(job)
+        if self.host is not None:
+            duration = self.host.stretch(self, duration)
+        self.busy_seconds += duration
+        self.sim.schedule(duration, PrefillBatchDone(self, batch, lane))
+
+    def _finish_batch(self, batch, lane) -> None:
+        for job in batch:
+            self.cache.insert(job.request.prompt_blocks)
+            job.prefill_done_s = self.sim.now
+        heapq.heappush(self.free_lanes, lane)
+        if self.host is not None:
+            self.host.idle(self)
+        for job in batch:
+            self.on_done(job)
+        self._start_next()
+
     def _finish(self, job, lane) -> None:
         self.cache.insert(job.request.prompt_blocks)
         job.prefill_done_s = self.sim.now
         heapq.heappush(self.free_lanes, lane)
         self.on_done(job)
         self._start_next()
+
+
+class PrefillBatchDone(Event):
+    __slots__ = ("server", "batch", "lane")
+
+    def __init__(self, server, batch, lane):
+        self.server = server
+        self.batch = batch
+        self.lane = lane
+
+    def fire(self, sim):
+        self.server._finish_batch(self.batch, self.lane)
 
 
 class DecodeStepDone(Event):
@@ -125,6 +193,8 @@ class DecodeServer:
         self.completed_steps = 0
         self.stepping = False
         self.last_step_end_s = 0.0
+        self.step_ends_s = 0.0             # when the step in progress ends (if stepping)
+        self.host: Host | None = None
         self.busy_seconds = 0.0
         self.itl_histogram: dict = {}      # bin -> tokens that waited that long
         self.traced: set = set()           # jobs whose every token time is recorded
@@ -172,6 +242,10 @@ class DecodeServer:
             self.kv_used += tokens
             on_reserved()
 
+    def until_step_boundary(self) -> float:
+        """Seconds until this server's scheduler is next between forwards (0 when idle)."""
+        return max(self.step_ends_s - self.sim.now, 0.0) if self.stepping else 0.0
+
     # --- decoding ------------------------------------------------------------------------
     def start_decoding(self, job, context_tokens: int, steps_to_go: int, on_finished) -> None:
         """Join the batch at the next step; on_finished() after steps_to_go more tokens."""
@@ -216,15 +290,20 @@ class DecodeServer:
         batch = len(self.running)
         if batch == 0 and not self._in_step_extends:
             self.stepping = False
+            if self.host is not None:
+                self.host.idle(self)
             return
         context = self._context_offset + batch * step
         duration = self.cost.forward_seconds(
             batch, context, [(tokens, prefix) for _, tokens, prefix, _ in self._in_step_extends])
+        if self.host is not None:
+            duration = self.host.stretch(self, duration)
         self.stepping = True
         self.busy_seconds += duration
         if batch:
             key = int(duration / ITL_BIN_S)
             self.itl_histogram[key] = self.itl_histogram.get(key, 0) + batch
+        self.step_ends_s = self.sim.now + duration
         self.sim.schedule(duration, DecodeStepDone(self))
 
     def _step_done(self) -> None:

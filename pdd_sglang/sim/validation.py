@@ -1,0 +1,367 @@
+"""The simulator against the CPU demo: calibrate at the latency point, predict the load point.
+
+Life cycle (scripts/validate_sim.py drives it):
+
+1. ``MeasuredProfiles`` names the measured profile files (scripts/profile_cpu.py): the server
+   (hardware/cpu_demo_measured.toml), the WAN and the loopback (links/*_measured.toml).
+2. ``calibrate`` fits what no microbenchmark measures, on the demo's latency point only
+   (``latency_setups``: one conversation at a time): the hops that occupy no server
+   (client -> router, router -> prefill registration with a local or a remote main, router ->
+   client) from the medians of the demo's own stage split, then the per-transfer fixed cost of
+   each link (loopback: same-DC, WAN: cross-DC) from the median kv_and_first_token left over
+   after the measured copy and decode step, and the line's A->B bytes per KV byte (its
+   counters over the prefill's ledger).
+3. ``run_point`` replays a point's measured requests (prompt and output lengths, closed-loop
+   per conversation as the demo's client sends them) through each setup with the calibrated
+   configuration, unchanged between points.
+4. ``run_point`` compares: simulated / measured per quantity (``validation_json``), and per
+   stage (P50, ``stage_table``) with the stage that differs most named where a quantity misses
+   its band (``misses``); ``report_section`` renders it for report.md.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .cluster import ClusterConfig, Setup, simulate
+from .profiles import CONFIG_ROOT
+from .records import STAGES
+from .workload import replay_rows
+
+QUANTITIES = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "itl_p50_ms", "wan_bytes")
+BANDS = {"ttft_p50_s": (0.75, 1.33), "ttft_p90_s": (0.75, 1.33), "itl_p50_ms": (0.75, 1.33),
+         "wan_bytes": (0.9, 1.1)}          # ttft_p99_s: reported, not bound
+REMOTE_MAIN = ("cross_dc_pd", "pdd")
+
+
+def setup_of(name: str, default_placement: str) -> tuple[Setup, str] | None:
+    """The demo's setup name as (simulator setup, placement); None if it is not one."""
+    if name == "same_dc_pd":
+        return Setup.SAME_DC_PD, default_placement
+    if name == "cross_dc_pd":        # main keeps its radix cache: only its suffix crosses
+        return Setup.CROSS_DC_PD_DRC, default_placement
+    if name == "pdd":
+        return Setup.PDD, default_placement
+    if name.startswith("pdd_"):      # the load point's run with the other placement
+        return Setup.PDD, name[4:].replace("_", "-")
+    return None
+
+
+@dataclass(frozen=True)
+class MeasuredProfiles:
+    hardware: Path
+    wan: Path
+    loopback: Path
+
+    @classmethod
+    def under(cls, root: Path) -> "MeasuredProfiles":
+        return cls(root / "hardware" / "cpu_demo_measured.toml",
+                   root / "links" / "wan_demo_measured.toml",
+                   root / "links" / "loopback_measured.toml")
+
+    def missing(self) -> list[str]:
+        return [str(p) for p in (self.hardware, self.wan, self.loopback) if not p.is_file()]
+
+
+@dataclass
+class Calibration:
+    """What the latency point fits (seconds).  Everything else comes from the profiles."""
+    router_to_prefill_s: float = 0.0
+    registration_local_s: float = 0.0
+    registration_remote_s: float = 0.0
+    router_to_client_s: float = 0.0
+    loopback_fixed_s: float = 0.0      # per-transfer fixed cost, loopback (replaces measured)
+    wan_fixed_s: float = 0.0           # per-transfer fixed cost, WAN (replaces measured)
+    # A->B line bytes per KV byte sent (headers and retransmissions): measured A->B bytes over
+    # the prefill ledger's KV bytes at the latency point (the profile's Mooncake figure if absent)
+    wire_a_to_b_per_kv_byte: float = 0.0
+    notes: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
+
+
+def _rows(entry: dict) -> list:
+    keys = ("conversation", "turn", "prompt_tokens", "sent_at")
+    return [r for r in entry.get("rows") or []
+            if isinstance(r, dict) and all(r.get(k) is not None for k in keys)
+            and not r.get("error")]
+
+
+def _stage_values(entries: list, stage: str) -> list:
+    return [r["stages"][stage] for e in entries for r in _rows(e) if r.get("stages")]
+
+
+def _median(values: list, default: float = 0.0) -> float:
+    return statistics.median(values) if values else default
+
+
+def _toml(data: dict) -> str:
+    return "".join(f"{k} = {json.dumps(v)}\n" for k, v in data.items()
+                   if isinstance(v, (int, float, str)))
+
+
+class Validator:
+    def __init__(self, measured: dict, profiles: MeasuredProfiles, model: str, tmp: Path):
+        self.measured = measured
+        self.profiles = profiles
+        self.tmp = tmp
+        self.placement = measured.get("placement") or "congestion-aware"
+        with open(CONFIG_ROOT / "models" / f"{model}.toml", "rb") as handle:
+            model_data = tomllib.load(handle)
+        kv = (measured.get("line") or {}).get("kv_bytes_per_token")
+        if isinstance(kv, (int, float)) and kv > 0:
+            model_data["kv_bytes_per_token"] = kv
+        self.model_path = tmp / "model.toml"
+        self.model_path.write_text(_toml(model_data))
+        self.system = int((measured.get("workload") or {}).get("system_tokens") or 0)
+        pools = measured.get("pools_after") or {}
+        sizes = [p.get("max_total_num_tokens") for p in pools.values() if isinstance(p, dict)]
+        sizes = [int(x) for x in sizes if isinstance(x, (int, float)) and x > 0]
+        self.pool_tokens = min(sizes) if sizes else 32768
+        self.calibration = Calibration()
+
+    # --- configuration -------------------------------------------------------------------
+    def _link(self, path: Path, fixed_s: float, name: str) -> str:
+        with open(path, "rb") as handle:
+            data = {k: v for k, v in tomllib.load(handle).items() if not isinstance(v, dict)}
+        data["per_transfer_fixed_s"] = max(fixed_s, 0.0)
+        out = self.tmp / f"{name}.toml"
+        out.write_text(_toml(data))
+        return str(out)
+
+    def wan_profile(self) -> dict:
+        with open(self.profiles.wan, "rb") as handle:
+            return tomllib.load(handle)
+
+    def measured_fixed(self, path: Path) -> float:
+        with open(path, "rb") as handle:
+            return float(tomllib.load(handle).get("per_transfer_fixed_s", 0.0))
+
+    def config(self, name: str) -> ClusterConfig:
+        setup, placement = setup_of(name, self.placement)
+        c = self.calibration
+        registration = c.registration_remote_s if setup.behind_wan else c.registration_local_s
+        return ClusterConfig(
+            setup=setup, model=str(self.model_path), prefill_hardware=str(self.profiles.hardware),
+            relay_hardware=str(self.profiles.hardware), main_hardware=str(self.profiles.hardware),
+            wan_link=self._link(self.profiles.wan, c.wan_fixed_s, "wan"),
+            rdma_link=self._link(self.profiles.loopback, c.loopback_fixed_s, "loopback"),
+            prefill_instances=1, relay_instances=1, main_instances=1,
+            relay_max_running=16, main_max_running=16,
+            prefill_cache_tokens=self.pool_tokens, main_cache_tokens=self.pool_tokens,
+            block_tokens=1, placement=placement,
+            dispatch_latency_s=c.router_to_prefill_s + registration,
+            router_to_prefill_s=c.router_to_prefill_s, router_to_client_s=c.router_to_client_s,
+            register_at_step_boundary=True, shared_host=True)
+
+    # --- running -------------------------------------------------------------------------
+    def simulate(self, name: str, entry: dict):
+        rows = sorted(_rows(entry), key=lambda r: (r["sent_at"], r["conversation"], r["turn"]))
+        requests, warmup = replay_rows(rows, self.system, block_tokens=1)
+        summary, cluster = simulate(self.config(name), requests, warmup,
+                                    follows=closed_loop(rows, requests))
+        return summary, cluster
+
+    def simulated_quantities(self, summary, cluster) -> dict:
+        return {"ttft_p50_s": summary.ttft_p50_s, "ttft_p90_s": summary.ttft_p90_s,
+                "ttft_p99_s": summary.ttft_p99_s, "itl_p50_ms": summary.itl_p50_ms,
+                "wan_bytes": self.wan_wire_bytes(summary, cluster)}
+
+    def wan_wire_bytes(self, summary, cluster) -> float:
+        """The line's bytes, both directions, as its kernel counters count them (the demo's
+        wan_bytes): the KV and control payload the simulator moves times the line's measured
+        wire bytes per payload byte (TCP/IP headers, retransmissions of the packets the line
+        drops, ACKs), plus the HTTP that crosses with main behind the line: the router's
+        request to main (its input ids) and main's token stream back (measured sizes)."""
+        return sum(self.wan_bytes_split(summary, cluster).values())
+
+    def wire_factors(self) -> tuple[float, float]:
+        """(A->B wire bytes per KV byte, B->A ACK bytes per KV byte)."""
+        wan = self.wan_profile()
+        ack = float(wan.get("ack_bytes_per_payload_byte", 0.0))
+        a_to_b = (self.calibration.wire_a_to_b_per_kv_byte
+                  or float(wan.get("wire_per_payload_byte", 1.0)) - ack)
+        return a_to_b, ack
+
+    def wan_bytes_split(self, summary, cluster) -> dict:
+        wan = self.wan_profile()
+        a_to_b, ack = self.wire_factors()
+        split = {"kv_and_control_payload": summary.wan_bytes,
+                 "headers_retransmissions": summary.wan_bytes * (a_to_b - 1.0),
+                 "acks": summary.wan_bytes * ack,
+                 "http_request_to_main": 0.0, "http_stream_from_main": 0.0}
+        if not cluster.cfg.setup.behind_wan:
+            return split
+        per_id = float(wan.get("request_bytes_per_prompt_token", 0.0))
+        fixed, per_token = (float(wan.get("stream_bytes_fixed", 0.0)),
+                            float(wan.get("stream_bytes_per_token", 0.0)))
+        squared = float(wan.get("stream_bytes_per_token_squared", 0.0))
+        for job in cluster.jobs:
+            if job.main is None:
+                continue
+            split["http_request_to_main"] += per_id * job.request.input_tokens
+            if job.finished_at == "relay" or job.cancelled_wan:
+                continue                          # main never streamed a token
+            tokens = max(job.request.output_tokens - job.handed_tokens, 0)
+            split["http_stream_from_main"] += fixed + per_token * tokens + squared * tokens * (
+                tokens - 1) / 2
+        return split
+
+    # --- calibration (latency point only) ------------------------------------------------
+    def calibrate(self) -> Calibration:
+        latency = {n: e for n, e in (self.measured.get("latency_setups") or {}).items()
+                   if isinstance(e, dict) and _rows(e) and setup_of(n, self.placement)}
+        if "same_dc_pd" not in latency or not any(n in latency for n in REMOTE_MAIN):
+            raise ValueError("the measured file's latency_setups need same_dc_pd and a setup "
+                             "with main behind the line, with per-request rows")
+        c = Calibration(
+            router_to_prefill_s=_median(_stage_values(list(latency.values()), "router_to_prefill")),
+            router_to_client_s=_median(_stage_values(list(latency.values()), "router_to_client")),
+            registration_local_s=_median(_stage_values([latency["same_dc_pd"]],
+                                                       "registration_wait")),
+            registration_remote_s=_median(_stage_values(
+                [latency[n] for n in REMOTE_MAIN if n in latency], "registration_wait")),
+            loopback_fixed_s=self.measured_fixed(self.profiles.loopback),
+            wan_fixed_s=self.measured_fixed(self.profiles.wan))
+        self.calibration = c
+        # The line's A->B overhead on the KV: the latency point's line counters over its ledger.
+        wire, kv = [], []
+        for name in REMOTE_MAIN:
+            entry = latency.get(name) or {}
+            if entry.get("kv_bytes_over_wan") and entry.get("wan_bytes_a_to_b"):
+                requests, _ = replay_rows(_rows(entry), self.system, block_tokens=1)
+                per_id = float(self.wan_profile().get("request_bytes_per_prompt_token", 0.0))
+                http = per_id * sum(r.input_tokens for r in requests)
+                wire.append(entry["wan_bytes_a_to_b"] - http)
+                kv.append(entry["kv_bytes_over_wan"])
+        if kv:
+            c.wire_a_to_b_per_kv_byte = sum(wire) / sum(kv)
+            c.notes["wire_a_to_b_per_kv_byte"] = (
+                f"latency point: {sum(wire):.0f} line bytes A->B (less the HTTP requests to "
+                f"main) over {sum(kv):.0f} ledger KV bytes; the profile's single Mooncake "
+                f"copy: {float(self.wan_profile().get('wire_per_payload_byte', 1.0)):.4f} "
+                "both directions")
+        # The copy's fixed cost: what the median kv_and_first_token leaves after the measured
+        # copy and decode step, same-DC for the loopback, cross-DC for the WAN.
+        for name, attribute in (("same_dc_pd", "loopback_fixed_s"), ("cross_dc_pd", "wan_fixed_s")):
+            if name not in latency:
+                continue
+            summary, _ = self.simulate(name, latency[name])
+            measured = _median(_stage_values([latency[name]], "kv_and_first_token"))
+            residual = measured - summary.stages_s["kv_and_first_token"]["p50"]
+            before = getattr(c, attribute)
+            setattr(c, attribute, max(before + residual, 0.0))
+            c.notes[attribute] = (f"measured {before:.4f} s + residual {residual:+.4f} s (median "
+                                  f"kv_and_first_token {measured:.3f} s at the latency point)")
+        return c
+
+    # --- comparing -----------------------------------------------------------------------
+    def run_point(self, setups: dict) -> dict:
+        """{setup: {"ratios": .., "simulated": .., "measured": .., "stages": ..}}."""
+        out = {}
+        for name, entry in setups.items():
+            if (not isinstance(entry, dict) or not _rows(entry)
+                    or not setup_of(name, self.placement)):
+                continue
+            summary, cluster = self.simulate(name, entry)
+            simulated = self.simulated_quantities(summary, cluster)
+            real = {q: entry.get(q) for q in QUANTITIES if isinstance(entry.get(q), (int, float))}
+            if name == "same_dc_pd":
+                real.pop("wan_bytes", None)            # the line is idle: 0 / 0
+            ratios = {q: (simulated[q] / v if v else math.nan) for q, v in real.items()}
+            stages = stage_table(entry, summary.stages_s)
+            out[name] = {"ratios": ratios, "simulated": simulated, "measured": real,
+                         "wan_bytes_split": self.wan_bytes_split(summary, cluster),
+                         "measured_kv_bytes_over_wan": entry.get("kv_bytes_over_wan"),
+                         "simulated_main_hit": summary.main_hit,
+                         "measured_main_hit": entry.get("main_token_hit"),
+                         "stages": stages, "misses": misses(ratios, stages, summary, entry)}
+        return out
+
+
+def closed_loop(rows: list, requests: list) -> dict:
+    """The demo's client is closed-loop: a conversation's next turn leaves when the previous
+    answer is complete (plus the measured gap, ~1 ms).  {request_id: (previous id, gap_s)}
+    (rows and requests in the same order: replay_rows keeps the sorted rows' order)."""
+    last: dict = {}
+    follows = {}
+    for row, request in zip(rows, requests):
+        key = row["conversation"]
+        if key in last:
+            prev_row, prev_request = last[key]
+            if isinstance(prev_row.get("e2e_s"), (int, float)):
+                gap = max(row["sent_at"] - (prev_row["sent_at"] + prev_row["e2e_s"]), 0.0)
+                follows[request.request_id] = (prev_request.request_id, gap)
+        last[key] = (row, request)
+    return follows
+
+
+def stage_table(entry: dict, simulated: dict) -> dict:
+    measured = (entry.get("stages") or {}).get("all") or {}
+    table = {}
+    for stage in STAGES:
+        real = (measured.get(stage) or {}).get("p50_s")
+        sim = simulated.get(stage, {}).get("p50")
+        table[stage] = {"measured_p50_s": real, "simulated_p50_s": sim}
+    return table
+
+
+def misses(ratios: dict, stages: dict, summary, entry: dict) -> dict:
+    """{quantity: why} for every banded quantity out of its band: for TTFT the stage whose P50
+    differs most (simulated - measured); for ITL and bytes what the quantity rests on."""
+    out = {}
+    for quantity, ratio in ratios.items():
+        low, high = BANDS.get(quantity, (0.0, math.inf))
+        if low <= ratio <= high:
+            continue
+        if quantity.startswith("ttft"):
+            diffs = {s: v["simulated_p50_s"] - v["measured_p50_s"] for s, v in stages.items()
+                     if v["measured_p50_s"] is not None and v["simulated_p50_s"] is not None}
+            worst = max(diffs, key=lambda s: abs(diffs[s])) if diffs else None
+            out[quantity] = (f"ratio {ratio:.2f}; stage {worst} differs most "
+                             f"({diffs[worst]:+.3f} s at P50)" if worst else f"ratio {ratio:.2f}")
+        elif quantity == "itl_p50_ms":
+            out[quantity] = f"ratio {ratio:.2f}; the decode step (profile's decode fit)"
+        else:
+            out[quantity] = (f"ratio {ratio:.2f}; simulated main hit {summary.main_hit:.3f}, "
+                             f"measured {entry.get('main_token_hit')}")
+    return out
+
+
+def validation_json(points: dict) -> dict:
+    """The issue's shape: {"latency": {SETUP: {QUANTITY: RATIO}}, "load": {...}}."""
+    return {point: {name: {q: (round(r, 4) if math.isfinite(r) else None)
+                           for q, r in result["ratios"].items()}
+                    for name, result in results.items()}
+            for point, results in points.items()}
+
+
+def report_section(detail: dict) -> list:
+    """report.md's section from validate_sim.py's validation_detail.json."""
+    c = detail["calibration"]
+    lines = ["## The simulator against the CPU demo (issue 25)", "",
+             "Server and line profiles measured by `scripts/profile_cpu.py` under the demo's CPU "
+             f"budget ({detail['profiles']['hardware']}); fitted at the demo's latency point only "
+             "(one conversation at a time), then the load point (4 at a time) predicted without "
+             "refitting (`scripts/validate_sim.py`). Fitted at the latency point:", ""]
+    lines += [f"- `{k}` = {v} s" for k, v in c.items() if k != "notes"]
+    lines += [f"  - {k}: {v}" for k, v in c.get("notes", {}).items()]
+    for point, results in detail["points"].items():
+        title = "calibrated" if point == "latency" else "predicted"
+        lines += ["", f"{point} point ({title}), simulated / measured:", "",
+                  "| setup | " + " | ".join(QUANTITIES) + " | stage that misses |",
+                  "|---" * (len(QUANTITIES) + 2) + "|"]
+        for name, result in results.items():
+            cells = [f"{result['ratios'][q]:.2f}" if q in result["ratios"] else "-"
+                     for q in QUANTITIES]
+            why = "; ".join(f"{q}: {w}" for q, w in result["misses"].items()) or "-"
+            lines.append(f"| {name} | " + " | ".join(cells) + f" | {why} |")
+    lines += ["", "Goals at the load point: TTFT P50/P90 and ITL P50 within 0.75-1.33x, WAN bytes "
+              "within 0.9-1.1x; TTFT P99 of 12-24 requests is reported, not bound.", ""]
+    return lines
