@@ -1,0 +1,144 @@
+"""Issue 25: the measured profile format, calibrate-then-predict validation, the stage split.
+
+The end-to-end test (integration: a real SGLang server under the demo's cgroup quota and the
+emulated line) runs scripts/profile_cpu.py --quick and then scripts/validate_sim.py on the kept
+demo.json with that profile; it asserts structure, never figures.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pdd_sglang.sim.profiles import InstanceCost, load_hardware, load_model
+from pdd_sglang.sim.records import STAGES
+from pdd_sglang.sim.validation import QUANTITIES, MeasuredProfiles, Validator, validation_json
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = ROOT / "tests/sim/fixtures/demo_quick_2026-12-03.json"   # a measured demo.py --quick run
+
+
+def _write_profile(root: Path) -> MeasuredProfiles:
+    """A profile in profile_cpu.py's format with made-up (round) figures."""
+    base = (ROOT / "configs/hardware/cpu_demo.toml").read_text().split("\n[cluster]")[0]
+    (root / "hardware").mkdir(parents=True)
+    (root / "links").mkdir()
+    (root / "hardware/cpu_demo_measured.toml").write_text(
+        base + "prefill_fixed_s = 0.05\nprefill_s_per_token = 0.0005\n"
+        "prefill_s_per_token_pair = 1e-8\ndecode_fixed_s = 0.04\ndecode_s_per_request = 0.01\n"
+        "decode_s_per_context_token = 1e-6\n[sources]\nprefill_fixed_s = \"test\"\n")
+    link = ("name = \"{0}\"\nsource = \"test\"\nbytes_per_s = {1}\nrtt_s = {2}\njitter_s = 0.0\n"
+            "cost_per_hour = 0.0\nper_transfer_fixed_s = 0.02\n")
+    (root / "links/wan_demo_measured.toml").write_text(
+        link.format("wan", 1.1e6, 0.04) + "wire_per_payload_byte = 1.2\nstream_bytes_fixed = 400\n"
+        "stream_bytes_per_token = 300\nstream_bytes_per_token_squared = 4\n"
+        "request_bytes_per_prompt_token = 4.5\nack_bytes_per_payload_byte = 0.025\n")
+    (root / "links/loopback_measured.toml").write_text(link.format("loop", 1e9, 0.0001))
+    return MeasuredProfiles.under(root)
+
+
+def test_measured_coefficients_replace_the_roofline(tmp_path):
+    profiles = _write_profile(tmp_path)
+    cost = InstanceCost(load_hardware(profiles.hardware), load_model("tiny_cpu"))
+    assert cost.prefill_seconds(1000, 500) == pytest.approx(0.05 + 0.5 + 1e-8 * 1000 * 1000)
+    assert cost.forward_seconds(4, 8000) == pytest.approx(0.04 + 0.04 + 0.008)
+    # a handoff's extend rides in the step at the measured per-token prefill cost
+    assert cost.forward_seconds(1, 100, [(10, 2000)]) == pytest.approx(
+        0.04 + 0.01 + 1e-4 + 10 * 0.0005 + 1e-8 * 10 * 2005)
+
+
+def test_validation_calibrates_at_latency_and_predicts_load_with_stages(tmp_path):
+    measured = json.loads(DEMO.read_text())
+    profiles = _write_profile(tmp_path / "profile")
+    validator = Validator(measured, profiles, "tiny_cpu", tmp_path)
+    calibration = validator.calibrate()
+    assert calibration.registration_remote_s >= 0 and calibration.router_to_prefill_s > 0
+    points = {"latency": validator.run_point(measured["latency_setups"]),
+              "load": validator.run_point(measured["setups"])}
+    shape = validation_json(points)
+    assert set(shape) == {"latency", "load"}
+    assert set(shape["load"]) >= {"same_dc_pd", "cross_dc_pd", "pdd"}
+    for point in shape.values():
+        for name, ratios in point.items():
+            assert set(ratios) <= set(QUANTITIES)
+            assert ("wan_bytes" in ratios) == (name != "same_dc_pd")
+            assert all(r is None or (math.isfinite(r) and r > 0) for r in ratios.values())
+    pdd = points["load"]["pdd"]
+    assert list(pdd["stages"]) == list(STAGES)
+    assert all(v["simulated_p50_s"] >= 0 for v in pdd["stages"].values())
+    split = pdd["wan_bytes_split"]
+    assert split["http_stream_from_main"] > 0 and split["acks"] > 0
+    assert split["headers_retransmissions"] > 0
+
+
+def _can_profile() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (cgroups, network namespaces)"
+    if not Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").exists():
+        return "no cgroup v1 CPU controller"
+    if shutil.which("ip") is None or not Path("/dev/net/tun").exists():
+        return "no iproute2 or /dev/net/tun"
+    return None
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(_can_profile() is not None, reason=str(_can_profile()))
+def test_profile_cpu_quick_then_validate_end_to_end(tmp_path):
+    profile = subprocess.run([sys.executable, "scripts/profile_cpu.py", "--quick", "--out-dir",
+                              str(tmp_path / "profile")], cwd=ROOT, capture_output=True,
+                             text=True, timeout=600)
+    assert profile.returncode == 0, profile.stderr[-3000:]
+    profiles = MeasuredProfiles.under(tmp_path / "profile")
+    assert profiles.missing() == []
+    hardware = load_hardware(profiles.hardware)
+    assert hardware.prefill_s_per_token > 0
+    assert hardware.decode_fixed_s + hardware.decode_s_per_request > 0
+    text = profiles.hardware.read_text()
+    assert "[sources]" in text and "MEASURED" in text
+    raw = json.loads(profiles.hardware.with_suffix(".json").read_text())
+    assert raw["server"]["prefill_points"] and raw["server"]["decode_points"]
+    demo = tmp_path / "demo.json"
+    shutil.copy(DEMO, demo)
+    validate = subprocess.run([sys.executable, "scripts/validate_sim.py", "--measured", str(demo),
+                               "--profile-dir", str(tmp_path / "profile")], cwd=ROOT,
+                              capture_output=True, text=True, timeout=300)
+    assert validate.returncode == 0, validate.stderr[-3000:]
+    assert "calibrated at the latency point" in validate.stdout
+    shape = json.loads((tmp_path / "validation.json").read_text())
+    assert set(shape) == {"latency", "load"}
+    assert set(shape["load"]["pdd"]) == set(QUANTITIES)
+
+
+def test_report_section_carries_the_calibration_and_both_tables(tmp_path):
+    from pdd_sglang.sim.validation import report_section
+    measured = json.loads(DEMO.read_text())
+    validator = Validator(measured, _write_profile(tmp_path / "profile"), "tiny_cpu", tmp_path)
+    calibration = validator.calibrate()
+    points = {"latency": validator.run_point(measured["latency_setups"]),
+              "load": validator.run_point(measured["setups"])}
+    text = "\n".join(report_section({"calibration": calibration.as_dict(), "points": points,
+                                     "profiles": {"hardware": "h.toml"}}))
+    assert "registration_remote_s" in text and "wire_a_to_b_per_kv_byte" in text
+    assert "latency point (calibrated)" in text and "load point (predicted)" in text
+    assert text.count("| pdd |") == 2
+
+
+def test_gpu_profile_script_writes_the_same_format_on_tiny_cpu_shapes(tmp_path):
+    """scripts/gpu/profile_gpu.py cannot be measured here (no GPU); --allow-cpu runs its code
+    on tiny shapes and must write a profile the simulator loads, measured coefficients set."""
+    out = tmp_path / "gpu_measured.toml"
+    run = subprocess.run([sys.executable, "scripts/gpu/profile_gpu.py", "--allow-cpu", "--iters",
+                          "1", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    hardware = load_hardware(out)
+    assert hardware.prefill_s_per_token > 0
+    assert hardware.decode_fixed_s + hardware.decode_s_per_request > 0
+    assert "[sources]" in out.read_text() and out.with_suffix(".json").is_file()
