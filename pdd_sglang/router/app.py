@@ -17,7 +17,8 @@ from pdd_sglang.router import errors
 from pdd_sglang.router.dispatch import StreamEndedEarly
 from pdd_sglang.router.openai_format import OpenAIStream
 from pdd_sglang.router.request_parsing import (GenerateJob, parse_chat, parse_completion,
-                                               parse_generate, parse_json_object)
+                                               parse_generate, parse_json_object,
+                                               parse_off_loop)
 from pdd_sglang.router.service import RouterService
 from pdd_sglang.router.servers import MAIN, PREFILL, NoHealthyServer
 from pdd_sglang.router.splice import SplicedUpdate, SpliceError
@@ -51,7 +52,7 @@ class Handlers:
         body = None
         try:
             body = parse_json_object(await request.read())
-            parsed = parse(body, self.service.model)
+            parsed = await parse_off_loop(parse, body, self.service.model)
             job = parsed[0] if isinstance(parsed, tuple) else parsed
             placement = self.service.dispatcher.place(job)
         except errors.RequestRejected as err:

@@ -22,12 +22,19 @@ polls it (``report``, summed over prefills). A fresh report adds what it shows b
 router's own open copies at the poll (other routers' copies, prefill's queue), so a copy the
 router saw land since the poll no longer counts, and one it placed since counts once; the
 report's rate replaces the router's.
+
+The poll reads the report compactly (:func:`read_line_report`): a prefill's ``/server_info`` is
+large (its transfer ledger keeps up to 8,192 rows), and parsing all of it every second holds the
+router's event loop for milliseconds per prefill. Only the two small objects the router needs
+(``pdd.wan_line`` and ``pdd.fanout.mains_out``) are parsed; the rest is skipped as bytes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import re
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -124,10 +131,52 @@ class LineAccounting:
                       "prefill_report": self._reported.get(url)} for url in urls}
 
 
+_WAN_LINE_KEY = b'"wan_line"'
+_MAINS_OUT_KEY = b'"mains_out"'
+_COLON = re.compile(rb"\s*:\s*")
+_DECODER = json.JSONDecoder()
+_WINDOW = 1 << 16  # bytes decoded after a key at first: the value is small
+
+
+def _value_after(raw: bytes, key: bytes):
+    """The JSON value right after the first ``"key":`` in ``raw`` (the first DP rank's), parsed
+    alone (the rest of the body is never decoded); None when absent or unreadable."""
+    at = raw.find(key)
+    while at >= 0:
+        match = _COLON.match(raw, at + len(key))
+        if match is not None:
+            break
+        at = raw.find(key, at + 1)
+    else:
+        return None
+    for end in (match.end() + _WINDOW, len(raw)):
+        try:
+            return _DECODER.raw_decode(raw[match.end():end].decode("utf-8", "replace"))[0]
+        except ValueError:
+            if end >= len(raw):
+                return None
+    return None
+
+
+def read_line_report(info) -> tuple[dict, list]:
+    """``(wan_line, mains_out)`` of a prefill's /server_info, given as raw bytes (only those two
+    values are parsed) or as an already parsed dict."""
+    if isinstance(info, (bytes, bytearray, str)):
+        raw = info.encode() if isinstance(info, str) else bytes(info)
+        wan_line, mains_out = _value_after(raw, _WAN_LINE_KEY), _value_after(raw, _MAINS_OUT_KEY)
+    else:
+        states = info.get("internal_states") or [{}]
+        pdd = states[0].get("pdd") or {}
+        wan_line, mains_out = pdd.get("wan_line"), (pdd.get("fanout") or {}).get("mains_out")
+    return (wan_line if isinstance(wan_line, dict) else {},
+            list(mains_out) if isinstance(mains_out, (list, tuple)) else [])
+
+
 async def poll_prefill_lines(lines: LineAccounting, prefills, mains, get_json,
                              interval_s: float = 1.0) -> None:
     """Forever: each healthy prefill's ``pdd.wan_line``, summed per main, into ``lines.report``.
-    ``get_json(upstream, path)`` is the router's HTTP client; a prefill without the field (an
+    ``get_json(upstream, path)`` is the router's HTTP client, returning the raw body (read
+    compactly, :func:`read_line_report`) or a parsed dict; a prefill without the field (an
     older build) or a failed poll just leaves the router's own accounting in charge. Several
     prefills' bytes add up; the line's rate is the lowest any of them measured."""
     while True:
@@ -139,10 +188,8 @@ async def poll_prefill_lines(lines: LineAccounting, prefills, mains, get_json,
                 info = await get_json(prefill, "/server_info")
             except Exception:  # noqa: BLE001 - a missed poll ages out (REPORT_FRESH_S)
                 continue
-            states = info.get("internal_states") or [{}]
-            pdd = states[0].get("pdd") or {}
-            out.update((pdd.get("fanout") or {}).get("mains_out") or ())
-            wan_line = pdd.get("wan_line") or {}
+            wan_line, mains_out = read_line_report(info)
+            out.update(m for m in mains_out if isinstance(m, str))
             for main in mains:
                 entry = wan_line.get(main.mooncake_session) if main.mooncake_session else None
                 if entry is not None:

@@ -3,12 +3,18 @@
 Every check a server would make on its own is made here first, with the server's message, so a
 bad request is refused before any server allocates anything for it (and an empty prompt, which
 crashes SGLang 0.5.23's CPU scheduler, never reaches one).
+
+A long prompt is tokenized off the event loop (:func:`parse_off_loop`): a 32K-token prompt takes
+tens of milliseconds to encode, which would hold every other stream for as long. Hugging Face's
+fast tokenizers release the GIL while they encode, so the pool's threads run beside the loop.
 """
 
 from __future__ import annotations
 
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import orjson
 
@@ -19,7 +25,13 @@ SGLANG_DEFAULT_MAX_NEW_TOKENS = 128  # SamplingParams' default when a request na
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # SGLang's CompletionRequest default
 # Fields of /generate the router sets itself for every server.
 _ROUTER_OWNED = ("text", "input_ids", "stream", "rid", "bootstrap_host", "bootstrap_port",
-                 "bootstrap_room", "kv_hints")
+                 "bootstrap_room", "kv_hints", "ttft_slo_ms")
+# Prompts with fewer characters than this are parsed on the loop: the hop to a thread costs more
+# than their encode (tens of microseconds).
+OFF_LOOP_MIN_CHARS = 4096
+TOKENIZER_THREADS = 4
+_pool: Optional[ThreadPoolExecutor] = None
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -28,6 +40,7 @@ class GenerateJob:
     sampling_params: dict
     stream: bool
     extra: dict = field(default_factory=dict)  # other /generate fields, forwarded unchanged
+    ttft_slo_s: Optional[float] = None  # the request's own TTFT budget ("ttft_slo_ms"), if any
 
     @property
     def max_new_tokens(self) -> int:
@@ -37,6 +50,46 @@ class GenerateJob:
     @property
     def skip_special_tokens(self) -> bool:
         return self.sampling_params.get("skip_special_tokens", True) is not False
+
+
+def prompt_chars(body: dict) -> int:
+    """Characters the router would tokenize for this body (text, prompt, or chat messages)."""
+    total = 0
+    for key in ("text", "prompt"):
+        if isinstance(body.get(key), str):
+            total += len(body[key])
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        for message in messages:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, str):
+                total += len(content)
+            elif isinstance(content, list):
+                total += sum(len(p.get("text") or "") for p in content if isinstance(p, dict)
+                             and isinstance(p.get("text"), str))
+    return total
+
+
+async def parse_off_loop(parse: Callable[[dict, ModelInfo], _T], body: dict,
+                         model: ModelInfo) -> _T:
+    """``parse(body, model)``, in the tokenizer pool when the prompt is long enough to matter."""
+    global _pool
+    if prompt_chars(body) < OFF_LOOP_MIN_CHARS:
+        return parse(body, model)
+    if _pool is None:
+        _pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="pdd-tokenize")
+    return await asyncio.get_running_loop().run_in_executor(_pool, parse, body, model)
+
+
+def _ttft_slo_s(body: dict) -> Optional[float]:
+    """A request's own TTFT budget, ``"ttft_slo_ms"`` (any API); it overrides --ttft-slo-ms."""
+    value = body.get("ttft_slo_ms")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise RequestRejected(f"ttft_slo_ms must be a positive number of milliseconds, got "
+                              f"{value!r}", "bad_field", "validation")
+    return float(value) / 1e3
 
 
 def parse_json_object(raw: bytes) -> dict:
@@ -103,7 +156,8 @@ def parse_generate(body: dict, model: ModelInfo) -> GenerateJob:
                                   "negative_max_tokens")
     _check_context(len(prompt_ids), max_new, model)
     extra = {k: v for k, v in body.items() if k not in _ROUTER_OWNED and k != "sampling_params"}
-    return GenerateJob(prompt_ids, dict(sampling), bool(body.get("stream")), extra)
+    return GenerateJob(prompt_ids, dict(sampling), bool(body.get("stream")), extra,
+                       _ttft_slo_s(body))
 
 
 def check_model(body: dict, model: ModelInfo) -> str:
@@ -177,7 +231,8 @@ def parse_completion(body: dict, model: ModelInfo) -> tuple[GenerateJob, str]:
     if not prompt_ids:
         raise RequestRejected("Prompt cannot be empty", "empty_prompt")
     _check_context(len(prompt_ids), max_tokens, model)
-    return GenerateJob(prompt_ids, _openai_sampling(body, max_tokens), bool(body.get("stream"))), name
+    return GenerateJob(prompt_ids, _openai_sampling(body, max_tokens), bool(body.get("stream")),
+                       ttft_slo_s=_ttft_slo_s(body)), name
 
 
 def _message_text(content: Any) -> str:
@@ -204,4 +259,5 @@ def parse_chat(body: dict, model: ModelInfo) -> tuple[GenerateJob, str]:
     if not prompt_ids:
         raise RequestRejected("Messages cannot be empty.", "empty_prompt")
     _check_context(len(prompt_ids), max_tokens, model)
-    return GenerateJob(prompt_ids, _openai_sampling(body, max_tokens), bool(body.get("stream"))), name
+    return GenerateJob(prompt_ids, _openai_sampling(body, max_tokens), bool(body.get("stream")),
+                       ttft_slo_s=_ttft_slo_s(body)), name

@@ -20,20 +20,46 @@ a gap, a duplicate or a reordering, whatever the servers send.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Callable, Optional
 
 from pdd_sglang.protocol.messages import HANDOFF_FINISH_TYPE
+from pdd_sglang.router.detokenize import IncrementalDetokenizer
 
 
 class SpliceError(RuntimeError):
     """The relay's and main's streams cannot be joined into one consistent answer."""
 
 
+class IdsPrefix(Sequence):
+    """The first ``n`` ids of a list that only grows (an incremental stream's running ids): the
+    chunk's cumulative ids without copying them at every chunk."""
+
+    __slots__ = ("_ids", "_n")
+
+    def __init__(self, ids: list[int], n: int):
+        self._ids, self._n = ids, n
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return self._ids[:self._n][index] if index.step not in (None, 1) else \
+                self._ids[slice(*index.indices(self._n))]
+        if not -self._n <= index < self._n:
+            raise IndexError(index)
+        return self._ids[index % self._n]
+
+    def __eq__(self, other) -> bool:
+        return list(self) == list(other)
+
+
 @dataclass
 class UpstreamChunk:
     """One streamed /generate chunk from a server, normalised to cumulative form."""
 
-    output_ids: list[int]  # every token this server generated for the request so far
+    output_ids: Sequence[int]  # every token this server generated for the request so far
     text: Optional[str]  # this server's cumulative text (None: the router decodes)
     meta: dict
     finished: bool
@@ -68,7 +94,9 @@ class StreamSplicer:
     diverged: bool = False  # after relay_lost: main sampled other tokens at those positions
     phase: str = field(init=False)
     _base_text: str = field(default="", init=False)
-    _base_decoded: str = field(default="", init=False)
+    _detok: Optional[IncrementalDetokenizer] = field(default=None, init=False)
+    # ((phase, first position), ids of that stream already placed): see _place.
+    _checked: tuple = field(default=(None, 0), init=False)
     _main_started: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
@@ -96,8 +124,7 @@ class StreamSplicer:
             raise SpliceError(f"relay handed {handed!r} tokens but streamed {len(self.emitted)}")
         self.handed_tokens, self.handoff_info = handed, handoff
         self.phase = "main"
-        self._base_text = self.text
-        self._base_decoded = self.decode(self.emitted)
+        self._start_main_text()
         return self._update(new_ids, chunk.meta, False, "relay") if new_ids else None
 
     def relay_lost(self) -> None:
@@ -106,8 +133,18 @@ class StreamSplicer:
             raise SpliceError(f"relay lost in phase {self.phase!r}")
         self.phase = "main"
         self.relay_lost_at = len(self.emitted)
+        self._start_main_text()
+
+    def _start_main_text(self) -> None:
+        """From here the router decodes main's tokens itself, incrementally (O(new tokens) per
+        chunk, :mod:`pdd_sglang.router.detokenize`), after the text the client already has."""
         self._base_text = self.text
-        self._base_decoded = self.decode(self.emitted)
+        self._detok, decoded = IncrementalDetokenizer.start(self.decode, self.emitted)
+        if self._detok.read_offset < len(self.emitted) and self._base_text != decoded:
+            # The relay's last tokens end inside a character and its text shows them (as
+            # U+FFFD): the router's decode up to the character's start counts from here, the
+            # character comes whole with main's tokens.
+            self._base_text = decoded
 
     # ---- main ---------------------------------------------------------------------------
     def main_chunk(self, chunk: UpstreamChunk) -> Optional[SplicedUpdate]:
@@ -124,13 +161,11 @@ class StreamSplicer:
         new_ids = self._place(chunk.output_ids, first, lenient=first == 0 < seen)
         if new_ids:
             self._main_started = True
-        if self.with_relay:
-            decoded = self.decode(self.emitted)
-            if decoded.startswith(self._base_decoded):
-                self.text = self._base_text + decoded[len(self._base_decoded):]
-            else:  # a tokenizer whose decode is not prefix-stable: fall back to decoding all
-                self.text = decoded
-            self.text = _trim_matched_stop(self.text, chunk)
+        if self._detok is not None:
+            piece = self._detok.step(self.emitted, final=chunk.finished)
+            if piece:
+                self._base_text += piece
+            self.text = _trim_matched_stop(self._base_text, chunk)
         else:
             self.text = chunk.text if chunk.text is not None else self.decode(self.emitted)
         if chunk.finished:
@@ -165,12 +200,17 @@ class StreamSplicer:
         if first > len(self.emitted):
             raise SpliceError(f"gap: tokens start at position {first}, {len(self.emitted)} sent")
         overlap = min(len(self.emitted) - first, len(ids))
-        if self.emitted[first:first + overlap] != list(ids[:overlap]):
+        # A cumulative stream repeats its earlier ids in every chunk: those were checked (or
+        # placed) with its previous chunk, so only the rest is compared (O(new ids) a chunk).
+        key, checked = self._checked
+        start = min(checked, overlap) if key == (self.phase, first) else 0
+        if self.emitted[first + start:first + overlap] != list(ids[start:overlap]):
             if not lenient:
                 raise SpliceError(f"servers disagree on positions {first}..{first + overlap}")
             self.diverged = True
         new_ids = list(ids[overlap:])
         self.emitted.extend(new_ids)
+        self._checked = ((self.phase, first), len(ids))
         return new_ids
 
     def _update(self, new_ids, meta, finished, source, first_after_handoff=False) -> SplicedUpdate:

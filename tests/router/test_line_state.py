@@ -160,3 +160,22 @@ def test_with_no_relay_a_main_out_after_a_wan_failure_is_the_last_resort_not_a_5
     main.healthy = False  # unreachable as well: nothing can answer
     with pytest.raises(NoHealthyServer):
         placer.place([1, 2, 3], 8)
+
+
+def test_the_compact_read_parses_only_the_line_and_the_mains_out_of_a_large_server_info():
+    import json
+
+    from pdd_sglang.router.line_state import read_line_report
+
+    rows = [{"room": i, "destination": "10.0.0.2:7000", "role": "decode", "bytes": 1 << 20}
+            for i in range(8192)]
+    wan_line = {"10.0.0.2:7000": {"bytes_ahead": 3, "recent_bytes_per_s": 5.0}}
+    info = {"launch_command": 'x --wan_line "wan_line": 1', "internal_states": [
+        {"pdd": {"transfers": {"by_request": rows}, "wan_line": wan_line,
+                 "fanout": {"mains_out": ["10.0.0.3:1"], "open_rooms": 2}}},
+        {"pdd": {"wan_line": {"other:1": {}}, "fanout": {"mains_out": ["x:1"]}}}]}
+    for raw in (json.dumps(info).encode(), json.dumps(info, separators=(",", ":")).encode()):
+        assert read_line_report(raw) == (wan_line, ["10.0.0.3:1"])  # the first rank's
+    assert read_line_report(info) == (wan_line, ["10.0.0.3:1"])
+    assert read_line_report(b'{"internal_states": [{"pdd": {}}]}') == ({}, [])  # an older build
+    assert read_line_report(b'{"internal_states": [{"pdd": {"wan_line": null}}]}') == ({}, [])

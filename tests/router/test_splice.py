@@ -146,3 +146,22 @@ def test_a_relay_cannot_be_lost_after_the_handoff():
         s.relay_lost()
     with pytest.raises(SpliceError):
         StreamSplicer(with_relay=False, decode=decode).relay_lost()
+
+
+def test_incremental_chunks_share_one_growing_list_without_seeing_later_ids():
+    """upstream.py appends an incremental stream's ids in place; each chunk is a view of its own
+    prefix, so a chunk queued before later ids arrived still splices as it was."""
+    from pdd_sglang.router.splice import IdsPrefix
+    ids: list = []
+    chunks = []
+    for token, finished in ((4, False), (5, False), (6, True)):
+        ids.append(token)
+        reason = {"type": "length"} if finished else None
+        chunks.append(UpstreamChunk(IdsPrefix(ids, len(ids)), None,
+                                    {"finish_reason": reason, "completion_tokens": 3 + len(ids)},
+                                    finished))
+    s = StreamSplicer(with_relay=True, decode=decode)
+    s.relay_chunk(chunk([1, 2, 3], True, finish_reason={"type": "pdd_handoff", "handed_tokens": 3}))
+    updates = [s.main_chunk(c) for c in chunks]  # all three queued before the first is read
+    assert [u.new_ids for u in updates] == [[4], [5], [6]]
+    assert updates[-1].output_ids == [1, 2, 3, 4, 5, 6] and updates[-1].text == decode([1, 2, 3, 4, 5, 6])
