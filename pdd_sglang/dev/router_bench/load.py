@@ -1,0 +1,99 @@
+"""The bench's client: closed-loop streams against one URL, timing each chunk as it arrives.
+
+Each of ``concurrency`` workers sends a streamed /generate, reads its SSE lines (only the last
+chunk is parsed, for an error), and sends the next one as soon as it ends, until ``duration_s``
+has passed. TTFT is request-to-first-chunk; ITL the gaps between chunks (one token a chunk).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+import orjson
+
+
+@dataclass
+class LoadResult:
+    ttft_s: list = field(default_factory=list)
+    itl_s: list = field(default_factory=list)
+    completed: int = 0
+    errors: int = 0
+    tokens: int = 0
+    wall_s: float = 0.0
+    error_samples: list = field(default_factory=list)
+
+
+def percentile(values, q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def prompt_text(tokens: int, salt: int) -> str:
+    """``tokens`` words of the tiny model's vocabulary (one token each)."""
+    return " ".join(f"w{(salt * 31 + i * 7) % 1000}" for i in range(tokens))
+
+
+async def _one(session, url: str, body: bytes, result: LoadResult) -> None:
+    sent = time.perf_counter()
+    last_at = None
+    chunks = 0
+    last_line = b""
+    try:
+        async with session.post(url + "/generate", data=body,
+                                headers={"Content-Type": "application/json"}) as resp:
+            if resp.status != 200:
+                raise RuntimeError(f"HTTP {resp.status}: {(await resp.read())[:200]!r}")
+            async for line in resp.content:
+                if not line.startswith(b"data:"):
+                    continue
+                now = time.perf_counter()
+                if line.startswith(b"data: [DONE]"):
+                    break
+                last_line = line
+                chunks += 1
+                if last_at is None:
+                    result.ttft_s.append(now - sent)
+                else:
+                    result.itl_s.append(now - last_at)
+                last_at = now
+        out = orjson.loads(last_line[5:]) if last_line else {"error": "no chunk"}
+        if "error" in out:
+            raise RuntimeError(str(out["error"])[:200])
+        result.completed += 1
+        result.tokens += chunks
+    except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, ValueError) as err:
+        result.errors += 1
+        if len(result.error_samples) < 3:
+            result.error_samples.append(repr(err)[:300])
+
+
+async def run_load(url: str, concurrency: int, duration_s: float, answer_tokens: int,
+                   prompt_tokens: int, max_requests: int | None = None) -> LoadResult:
+    result = LoadResult()
+    prompts = [prompt_text(prompt_tokens, salt) for salt in range(8)]
+    deadline = time.perf_counter() + duration_s
+    sent = 0
+
+    async def worker(index: int, session) -> None:
+        nonlocal sent
+        while time.perf_counter() < deadline and (max_requests is None or sent < max_requests):
+            sent += 1
+            body = orjson.dumps({"text": prompts[(index + sent) % len(prompts)],
+                                 "sampling_params": {"max_new_tokens": answer_tokens,
+                                                     "temperature": 0, "ignore_eos": True},
+                                 "stream": True})
+            await _one(session, url, body, result)
+
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=120)
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    started = time.perf_counter()
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        await asyncio.gather(*(worker(i, session) for i in range(concurrency)))
+    result.wall_s = time.perf_counter() - started
+    return result

@@ -1,0 +1,42 @@
+"""scripts/bench_router.py end to end, in a smoke setting: both routers through the fake backends,
+and router_bench.json has the rows the issue names (figures are the bench's to print, not a
+test's to check)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+ROW_FIELDS = {"router", "mode", "concurrency", "answer_tokens", "added_ttft_p50_ms",
+              "added_ttft_p99_ms", "added_itl_p50_ms", "added_itl_p99_ms", "rps",
+              "cpu_s_per_request", "errors"}
+
+
+def test_quick_bench_writes_one_row_per_router_mode_and_concurrency(tmp_path):
+    pytest.importorskip("sglang_router")
+    out = tmp_path / "router_bench.json"
+    cmd = [sys.executable, str(REPO / "scripts/bench_router.py"), "--quick", "--no-cgroup",
+           "--routers", "pdd_p_rld_md,sglang_router", "--concurrency", "1,4",
+           "--duration-s", "0.7", "--long-answer-tokens", "120", "--out", str(out),
+           "--log-dir", str(tmp_path / "logs")]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    runs = report["runs"]
+    keys = {(r["router"], r["mode"], r["kind"], r["concurrency"]) for r in runs}
+    for router, mode in (("pdd", "p_rld_md"), ("sglang-router", "pd")):
+        assert {(router, mode, "load", 1), (router, mode, "load", 4),
+                (router, mode, "saturation", 4), (router, mode, "long", 1)} <= keys
+    for row in runs:
+        assert ROW_FIELDS <= set(row), row
+        assert row["errors"] == 0, row["error_samples"]
+        assert row["rps"] > 0 and row["cpu_s_per_request"] is not None
+        assert row["added_ttft_p99_ms"] is not None and row["added_itl_p99_ms"] is not None
+    long_row = next(r for r in runs if r["kind"] == "long" and r["router"] == "pdd")
+    assert long_row["answer_tokens"] == 120
+    assert "| pdd | p_rld_md |" in done.stdout  # the table
