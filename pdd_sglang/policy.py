@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 
 def _require_non_negative(name: str, value: float) -> None:
@@ -90,6 +90,12 @@ class PolicyConfig:
         for both filters.
     main_load_penalty_tokens: in choose_main, a fully loaded main is worth this many cached
         prefix tokens less than an idle one.
+    ttft_slo_s: the TTFT budget (place_by_ttft_budget); None: no budget, and hide_wan_below_s
+        decides (a request may carry its own budget, which wins).
+    relay_full_utilisation: relay utilisation (RelayLoad.utilisation, the handoff policy's
+        view) at or above which the relay has no headroom for another request.
+    prefill_tokens_per_s: prefill's throughput, for the queue and prefill parts of the TTFT
+        predicted through main (None: only the WAN copy is predicted).
     """
 
     hide_wan_below_s: float = 0.5
@@ -101,6 +107,9 @@ class PolicyConfig:
     singular_min_uncached_tokens: int = 32768
     singular_max_new_tokens: int = 32
     main_load_penalty_tokens: int = 8192
+    ttft_slo_s: float | None = None
+    relay_full_utilisation: float = 1.0
+    prefill_tokens_per_s: float | None = None
 
     def __post_init__(self) -> None:
         _require_non_negative("hide_wan_below_s", self.hide_wan_below_s)
@@ -112,6 +121,13 @@ class PolicyConfig:
         _require_non_negative("singular_min_uncached_tokens", self.singular_min_uncached_tokens)
         _require_non_negative("singular_max_new_tokens", self.singular_max_new_tokens)
         _require_non_negative("main_load_penalty_tokens", self.main_load_penalty_tokens)
+        if self.ttft_slo_s is not None and not self.ttft_slo_s > 0:
+            raise ValueError(f"ttft_slo_s must be > 0, got {self.ttft_slo_s!r}")
+        if self.prefill_tokens_per_s is not None and not self.prefill_tokens_per_s > 0:
+            raise ValueError(f"prefill_tokens_per_s must be > 0, got {self.prefill_tokens_per_s!r}")
+        if not self.relay_full_utilisation > 0:
+            raise ValueError(f"relay_full_utilisation must be > 0, got "
+                             f"{self.relay_full_utilisation!r}")
 
 
 DEFAULT_POLICY = PolicyConfig()
@@ -247,6 +263,69 @@ def choose_pipeline(uncached_tokens: int, max_new_tokens: int, kv_bytes_per_toke
             and max_new_tokens <= cfg.singular_max_new_tokens):
         return Pipeline.RELAY_SINGULAR
     return Pipeline.PREFILL_RELAY_MAIN
+
+
+@dataclass(frozen=True)
+class MainTtft:
+    """The TTFT predicted through main alone (P->MD): queue at prefill, prefill's forward over
+    the uncached prompt, and main's copy behind the line (predict_wan_seconds_on_line)."""
+
+    queue_s: float
+    prefill_s: float
+    wan_s: float
+
+    def __post_init__(self) -> None:
+        for name in ("queue_s", "prefill_s", "wan_s"):
+            _require_non_negative(name, getattr(self, name))
+
+    @property
+    def total_s(self) -> float:
+        return self.queue_s + self.prefill_s + self.wan_s
+
+
+class BudgetVerdict(str, enum.Enum):
+    """How a placement stands against the request's TTFT budget (the router counts them)."""
+    WITHIN = "within"  # P->MD predicted within it, or the relay hides the WAN
+    OVER = "over"  # neither: the relay had no headroom (or none is there), P->MD over budget
+    NO_BUDGET = "no_budget"  # no budget given: hide_wan_below_s decided
+
+
+class BudgetPlacement(NamedTuple):
+    pipeline: Pipeline
+    verdict: BudgetVerdict
+
+
+def prefill_seconds(tokens: float, tokens_per_s: float | None) -> float:
+    """Prefill time of ``tokens`` at a measured or configured rate; 0 when no rate is known."""
+    _require_non_negative("tokens", tokens)
+    return tokens / tokens_per_s if tokens_per_s and tokens_per_s > 0 else 0.0
+
+
+def place_by_ttft_budget(main: MainTtft, budget_s: float | None, relay_utilisation: float | None,
+                         cfg: PolicyConfig = DEFAULT_POLICY) -> BudgetPlacement:
+    """P->MD or P->RLD->MD for a TTFT budget, trading relay capacity for TTFT only when needed.
+
+    - no budget (``budget_s`` None): hide_wan_below_s decides, as choose_pipeline does;
+    - P->MD when the predicted TTFT through main (queue + prefill + WAN copy) fits the budget:
+      the relay, whose GPUs sit in the expensive datacenter, is kept for requests that need it;
+    - otherwise P->RLD->MD while the relay has headroom (``relay_utilisation`` below
+      cfg.relay_full_utilisation; None: no usable relay): its first token comes after queue and
+      prefill alone, no WAN (over budget only if those alone miss it);
+    - a full relay (or none): P->MD anyway, counted over budget.
+    """
+    if budget_s is None:
+        pipeline = (Pipeline.PREFILL_MAIN if main.wan_s < cfg.hide_wan_below_s
+                    else Pipeline.PREFILL_RELAY_MAIN)
+        return BudgetPlacement(pipeline, BudgetVerdict.NO_BUDGET)
+    if not budget_s > 0:
+        raise ValueError(f"budget_s must be > 0, got {budget_s!r}")
+    if main.total_s <= budget_s:
+        return BudgetPlacement(Pipeline.PREFILL_MAIN, BudgetVerdict.WITHIN)
+    if relay_utilisation is not None and relay_utilisation < cfg.relay_full_utilisation:
+        fits = main.queue_s + main.prefill_s <= budget_s
+        return BudgetPlacement(Pipeline.PREFILL_RELAY_MAIN,
+                               BudgetVerdict.WITHIN if fits else BudgetVerdict.OVER)
+    return BudgetPlacement(Pipeline.PREFILL_MAIN, BudgetVerdict.OVER)
 
 
 def choose_handoff_mode(tokens_held: int, relay_load: RelayLoad,

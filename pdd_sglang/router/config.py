@@ -108,7 +108,21 @@ def build_parser() -> argparse.ArgumentParser:
                              "heads x head dim x dtype size, from the model's config; set it "
                              "for MLA or compressed KV)")
     parser.add_argument("--hide-wan-below-s", type=float, default=PolicyConfig.hide_wan_below_s,
-                        help="P->MD when main's predicted WAN time is under this, else P->RLD->MD")
+                        help="without a TTFT budget (--ttft-slo-ms): P->MD when main's predicted "
+                             "WAN time is under this, else P->RLD->MD")
+    parser.add_argument("--ttft-slo-ms", type=float, default=None,
+                        help="TTFT budget: P->MD only when the TTFT predicted through main "
+                             "(prefill queue, prefill, WAN copy) fits it, else P->RLD->MD while a "
+                             "relay has headroom, else P->MD counted over budget "
+                             "(pdd_router_ttft_budget); a request's own \"ttft_slo_ms\" wins. "
+                             "Unset: --hide-wan-below-s decides")
+    parser.add_argument("--prefill-tokens-per-s", type=float, default=None,
+                        help="prefill throughput, for the queue and prefill parts of that "
+                             "prediction (unset: only the WAN copy is predicted)")
+    parser.add_argument("--relay-full-utilisation", type=float,
+                        default=PolicyConfig.relay_full_utilisation,
+                        help="a relay with this share of its request slots taken by the "
+                             "router has no headroom for the TTFT budget")
     parser.add_argument("--main-load-penalty-tokens", type=int,
                         default=PolicyConfig.main_load_penalty_tokens,
                         help="a fully loaded main is worth this many cached tokens less")
@@ -170,7 +184,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> RouterConfig:
         parser.error("--retry-max-retries must be >= 0")
     if args.relay_loss_main_grace_s < 0:
         parser.error("--relay-loss-main-grace-s must be >= 0")
+    for flag, value in (("--ttft-slo-ms", args.ttft_slo_ms),
+                        ("--prefill-tokens-per-s", args.prefill_tokens_per_s),
+                        ("--relay-full-utilisation", args.relay_full_utilisation)):
+        if value is not None and not value > 0:
+            parser.error(f"{flag} must be > 0")
     policy = PolicyConfig(hide_wan_below_s=args.hide_wan_below_s,
+                          ttft_slo_s=None if args.ttft_slo_ms is None else args.ttft_slo_ms / 1e3,
+                          prefill_tokens_per_s=args.prefill_tokens_per_s,
+                          relay_full_utilisation=args.relay_full_utilisation,
                           main_load_penalty_tokens=args.main_load_penalty_tokens,
                           singular_predictive=args.singular_predictive,
                           singular_min_uncached_tokens=args.singular_min_uncached_tokens,

@@ -28,6 +28,10 @@ class Placement:
     line_bytes_ahead: int = 0  # what the line to main carried when placed (congestion-aware)
     relay_fallback: bool = False  # P->RLD->MD wanted, no healthy relay: P->MD instead
     main_fallback: bool = False  # no healthy main (dead, or the WAN cut): the relay alone
+    # Against the request's TTFT budget (policy.BudgetVerdict's value; "no_budget" without one),
+    # and the TTFT predicted through main that decided it (None without a budget).
+    ttft_budget: str = policy.BudgetVerdict.NO_BUDGET.value
+    predicted_main_ttft_s: Optional[float] = None
 
     @property
     def route_name(self) -> str:
@@ -55,6 +59,9 @@ class Placer:
                  landing: Optional[LandingCopies] = None, lines: Optional[LineAccounting] = None,
                  congestion_aware: bool = False):
         self.pool = pool
+        # For the TTFT budget: the mean uncached prompt of recent requests (what each request
+        # queued at a prefill stands for).
+        self._mean_uncached = 0.0
         self.lines = lines if lines is not None else LineAccounting()
         self.congestion_aware = congestion_aware
         self.mirrors = mirrors  # by main URL
@@ -80,9 +87,10 @@ class Placer:
         return mains[index], matches[index]
 
     def place(self, prompt_ids: Sequence[int], max_new_tokens: int,
-              avoid: frozenset = frozenset()) -> Placement:
+              avoid: frozenset = frozenset(), ttft_slo_s: Optional[float] = None) -> Placement:
         """``avoid``: relays this request must not use (one that just failed it, before the
-        health monitor has its verdict)."""
+        health monitor has its verdict). ``ttft_slo_s``: the request's own TTFT budget (default:
+        the router's, ``--ttft-slo-ms``; none: ``hide_wan_below_s`` decides)."""
         try:
             main, cached = self.choose_main(prompt_ids)
         except NoHealthyServer:
@@ -105,23 +113,59 @@ class Placer:
         wan_s = policy.predict_wan_seconds_on_line(uncached, self.kv_bytes_per_token,
                                                    self.link.wan_bytes_per_s, self.link.rtt_s,
                                                    line)
-        pipeline = policy.choose_pipeline(uncached, max(1, max_new_tokens),
-                                          self.kv_bytes_per_token, self.link.wan_bytes_per_s,
-                                          self.link.rtt_s, self.cfg, line=line)
         prefill = self.pool.least_loaded(PREFILL)
+        budget_s = ttft_slo_s if ttft_slo_s is not None else self.cfg.ttft_slo_s
+        verdict, main_ttft_s = policy.BudgetVerdict.NO_BUDGET, None
+        if budget_s is None:
+            pipeline = policy.choose_pipeline(uncached, max(1, max_new_tokens),
+                                              self.kv_bytes_per_token, self.link.wan_bytes_per_s,
+                                              self.link.rtt_s, self.cfg, line=line)
+        else:
+            main_ttft = self.main_ttft(prefill, uncached, wan_s)
+            decision = policy.place_by_ttft_budget(main_ttft, budget_s,
+                                                   self._relay_utilisation(avoid), self.cfg)
+            pipeline, verdict, main_ttft_s = decision.pipeline, decision.verdict, main_ttft.total_s
+            if (pipeline is policy.Pipeline.PREFILL_RELAY_MAIN and self.cfg.singular_predictive
+                    and uncached >= self.cfg.singular_min_uncached_tokens
+                    and max(1, max_new_tokens) <= self.cfg.singular_max_new_tokens):
+                pipeline = policy.Pipeline.RELAY_SINGULAR
+        self._mean_uncached += (uncached - self._mean_uncached) / 16  # an EWMA over ~16 requests
+        budget = {"ttft_budget": verdict.value, "predicted_main_ttft_s": main_ttft_s}
         if pipeline is policy.Pipeline.PREFILL_MAIN:
-            return Placement(pipeline, prefill, None, main, cached, wan_s, line.bytes_ahead)
+            return Placement(pipeline, prefill, None, main, cached, wan_s, line.bytes_ahead,
+                             **budget)
         try:
             relay = self._relay(avoid)
         except NoHealthyServer:
             if pipeline is policy.Pipeline.RELAY_SINGULAR:
                 raise
             # Nothing to hide the WAN behind: still correct, only slower to the first token.
+            if verdict is policy.BudgetVerdict.WITHIN:
+                budget["ttft_budget"] = policy.BudgetVerdict.OVER.value
             return Placement(policy.Pipeline.PREFILL_MAIN, prefill, None, main, cached, wan_s,
-                             line.bytes_ahead, relay_fallback=True)
+                             line.bytes_ahead, relay_fallback=True, **budget)
         if pipeline is policy.Pipeline.RELAY_SINGULAR:
-            return Placement(pipeline, prefill, relay, None, cached, wan_s, line.bytes_ahead)
-        return Placement(pipeline, prefill, relay, main, cached, wan_s, line.bytes_ahead)
+            return Placement(pipeline, prefill, relay, None, cached, wan_s, line.bytes_ahead,
+                             **budget)
+        return Placement(pipeline, prefill, relay, main, cached, wan_s, line.bytes_ahead,
+                         **budget)
+
+    def main_ttft(self, prefill: Upstream, uncached: int, wan_s: float) -> policy.MainTtft:
+        """Queue (the requests the prefill holds, each worth the recent mean uncached prompt),
+        prefill and WAN time of this request through main alone."""
+        rate = self.cfg.prefill_tokens_per_s
+        return policy.MainTtft(
+            queue_s=policy.prefill_seconds(prefill.outstanding * self._mean_uncached, rate),
+            prefill_s=policy.prefill_seconds(uncached, rate), wan_s=wan_s)
+
+    def _relay_utilisation(self, avoid: frozenset) -> Optional[float]:
+        """The least loaded usable relay's load as the handoff policy sees it (policy.RelayLoad:
+        the requests the router has on it over its slots); None when no relay is usable."""
+        try:
+            relay = self._relay(avoid)
+        except NoHealthyServer:
+            return None
+        return policy.RelayLoad(relay.outstanding, relay.max_running_requests, 0, 1).utilisation
 
     def _relay(self, avoid: frozenset = frozenset()) -> Upstream:
         return self.pool.least_loaded(

@@ -171,3 +171,101 @@ def test_a_relay_that_failed_the_request_is_avoided_when_it_is_placed_again():
     assert placer.place(prompt, 16, avoid=frozenset({r1})).relay is r2
     neither = placer.place(prompt, 16, avoid=frozenset({r1, r2}))
     assert neither.pipeline is policy.Pipeline.PREFILL_MAIN and neither.relay_fallback
+
+
+class SlowTokenizer(WordTokenizer):
+    """Encodes like WordTokenizer, taking ``delay_s`` without holding the GIL (as Hugging Face's
+    fast tokenizers do)."""
+
+    delay_s = 0.3
+
+    def encode(self, text, add_special_tokens=True):
+        import time
+        time.sleep(self.delay_s)
+        return super().encode(text, add_special_tokens)
+
+
+def test_a_long_prompt_is_tokenized_off_the_event_loop():
+    import asyncio
+
+    from pdd_sglang.router.request_parsing import OFF_LOOP_MIN_CHARS, parse_off_loop
+    model = ModelInfo("/m/tiny", "/m/tiny", 10**9, SlowTokenizer(), KV)
+    long_text = "w1 " * (OFF_LOOP_MIN_CHARS // 3 + 1)
+
+    async def main():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        task = asyncio.create_task(ticker())
+        job = await parse_off_loop(parse_generate, {"text": long_text}, model)
+        before = ticks
+        short = await parse_off_loop(parse_generate, {"text": "w1 w2"}, model)  # on the loop
+        task.cancel()
+        return job, before, ticks - before, short
+
+    job, ticks_long, ticks_short, short = asyncio.run(main())
+    assert len(job.prompt_ids) == OFF_LOOP_MIN_CHARS // 3 + 1 and short.prompt_ids
+    assert ticks_long >= 10  # the loop kept running through the 0.3 s encode
+    assert ticks_short <= 1  # a short prompt is encoded inline: the loop waited for it
+
+
+def test_ttft_budget_places_by_predicted_ttft_through_main_and_counts_overruns():
+    from dataclasses import replace
+    pool, mirrors, placer = make()
+    # 2,000 tokens/s of prefill: 300 uncached tokens are 0.15 s of prefill, 1.5 s of WAN.
+    placer.cfg = replace(placer.cfg, prefill_tokens_per_s=2000.0, ttft_slo_s=2.0)
+    prompt = list(range(300))
+    roomy = placer.place(prompt, 16)
+    assert roomy.pipeline is policy.Pipeline.PREFILL_MAIN and roomy.ttft_budget == "within"
+    assert roomy.predicted_main_ttft_s == pytest.approx(0.15 + 1.5, rel=0.01)
+    tight = placer.place(prompt, 16, ttft_slo_s=1.0)  # the request's own budget wins
+    assert tight.pipeline is policy.Pipeline.PREFILL_RELAY_MAIN and tight.ttft_budget == "within"
+    relay = pool.by_role["relay"][0]
+    relay.outstanding = relay.max_running_requests  # the relay is full
+    full = placer.place(prompt, 16, ttft_slo_s=1.0)
+    assert full.pipeline is policy.Pipeline.PREFILL_MAIN and full.ttft_budget == "over"
+    # Queued work at the prefill counts: 4 requests of ~300 tokens ahead push main past 2 s.
+    relay.outstanding = 0
+    for p in pool.by_role["prefill"]:
+        p.outstanding = 4
+    placer._mean_uncached = 300.0
+    queued = placer.place(prompt, 16)
+    assert queued.pipeline is policy.Pipeline.PREFILL_RELAY_MAIN
+    assert queued.predicted_main_ttft_s == pytest.approx(0.6 + 0.15 + 1.5, rel=0.01)
+
+
+def test_without_a_budget_placement_is_unchanged():
+    _, _, placer = make()
+    placed = placer.place(list(range(300)), 16)
+    assert placed.pipeline is policy.Pipeline.PREFILL_RELAY_MAIN
+    assert placed.ttft_budget == "no_budget" and placed.predicted_main_ttft_s is None
+
+
+@pytest.mark.parametrize("value", [0, -5, "100", True])
+def test_a_bad_ttft_budget_in_a_request_is_refused(value):
+    assert rejected(parse_generate, {"text": "w1", "ttft_slo_ms": value}).cause == "bad_field"
+
+
+def test_a_request_budget_is_parsed_for_every_api_and_not_forwarded():
+    job = parse_generate({"text": "w1 w2", "ttft_slo_ms": 800}, MODEL)
+    assert job.ttft_slo_s == 0.8 and "ttft_slo_ms" not in job.extra
+    job, _ = parse_completion({"prompt": "w1", "ttft_slo_ms": 250}, MODEL)
+    assert job.ttft_slo_s == 0.25
+    job, _ = parse_chat({"messages": [{"role": "user", "content": "w1"}], "ttft_slo_ms": 1500},
+                        MODEL)
+    assert job.ttft_slo_s == 1.5
+    assert parse_generate({"text": "w1"}, MODEL).ttft_slo_s is None
+
+
+def test_ttft_slo_flag():
+    cfg = parse_args(["--prefill", "http://p", "--main", "http://m", "--ttft-slo-ms", "1200",
+                      "--prefill-tokens-per-s", "5000"])
+    assert cfg.policy.ttft_slo_s == 1.2 and cfg.policy.prefill_tokens_per_s == 5000
+    assert parse_args(["--prefill", "http://p", "--main", "http://m"]).policy.ttft_slo_s is None
+    with pytest.raises(SystemExit):
+        parse_args(["--prefill", "http://p", "--main", "http://m", "--ttft-slo-ms", "0"])

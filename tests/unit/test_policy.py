@@ -192,3 +192,47 @@ def test_congestion_aware_prediction_waits_behind_the_line():
     assert choose_pipeline(100, 200, 1000.0, 1e6, 0.04, line=busy) is Pipeline.PREFILL_RELAY_MAIN
     with pytest.raises(ValueError):
         LineState(bytes_ahead=-1)
+
+
+def test_ttft_budget_keeps_the_relay_for_requests_that_need_it():
+    from pdd_sglang.policy import BudgetVerdict, MainTtft, place_by_ttft_budget
+    cfg = PolicyConfig(relay_full_utilisation=0.9)
+    fast = MainTtft(queue_s=0.1, prefill_s=0.3, wan_s=0.4)  # 0.8 s through main
+    slow = MainTtft(queue_s=0.1, prefill_s=0.3, wan_s=1.5)  # 1.9 s through main
+    # Within the budget through main: P->MD, even with an idle relay (a WAN the budget absorbs).
+    assert place_by_ttft_budget(fast, 1.0, 0.0, cfg) == (Pipeline.PREFILL_MAIN, BudgetVerdict.WITHIN)
+    assert place_by_ttft_budget(fast, 0.8, 0.0, cfg).pipeline is Pipeline.PREFILL_MAIN  # at it
+    # Over it: the relay while it has headroom; its first token needs only queue and prefill.
+    assert place_by_ttft_budget(slow, 1.0, 0.5, cfg) == (Pipeline.PREFILL_RELAY_MAIN,
+                                                        BudgetVerdict.WITHIN)
+    assert place_by_ttft_budget(slow, 0.3, 0.5, cfg) == (Pipeline.PREFILL_RELAY_MAIN,
+                                                        BudgetVerdict.OVER)  # prefill alone misses
+    # A full relay, or none: P->MD counted over budget.
+    assert place_by_ttft_budget(slow, 1.0, 0.9, cfg) == (Pipeline.PREFILL_MAIN, BudgetVerdict.OVER)
+    assert place_by_ttft_budget(slow, 1.0, None, cfg) == (Pipeline.PREFILL_MAIN, BudgetVerdict.OVER)
+    # A tighter budget sends more requests through the relay: the trade the operator sets.
+    budgets = [0.5, 1.0, 2.0]
+    relayed = [place_by_ttft_budget(t, b, 0.0, cfg).pipeline is Pipeline.PREFILL_RELAY_MAIN
+               for b in budgets for t in (fast, slow)]
+    assert relayed == [True, True, False, True, False, False]
+
+
+def test_without_a_budget_hide_wan_below_s_decides_as_before():
+    from pdd_sglang.policy import BudgetVerdict, MainTtft, place_by_ttft_budget
+    cfg = PolicyConfig(hide_wan_below_s=0.5)
+    for wan_s, expected in ((0.49, Pipeline.PREFILL_MAIN), (0.5, Pipeline.PREFILL_RELAY_MAIN)):
+        placed = place_by_ttft_budget(MainTtft(5.0, 5.0, wan_s), None, 0.0, cfg)
+        assert placed == (expected, BudgetVerdict.NO_BUDGET)
+        assert expected is choose_pipeline(0, 10, 1.0, 1.0, wan_s, cfg)  # the same rule
+
+
+def test_ttft_budget_inputs_are_checked():
+    from pdd_sglang.policy import MainTtft, place_by_ttft_budget, prefill_seconds
+    with pytest.raises(ValueError):
+        place_by_ttft_budget(MainTtft(0, 0, 0), 0.0, 0.0)
+    with pytest.raises(ValueError):
+        MainTtft(-1.0, 0, 0)
+    for bad in ({"ttft_slo_s": 0.0}, {"prefill_tokens_per_s": -1.0}, {"relay_full_utilisation": 0}):
+        with pytest.raises(ValueError):
+            PolicyConfig(**bad)
+    assert prefill_seconds(1000, 2000.0) == 0.5 and prefill_seconds(1000, None) == 0.0
