@@ -7,7 +7,10 @@ Life cycle of a request on a PDD decode server (relay or main), up to its KV arr
 2. When the receiver sends its transfer metadata (after matching its radix cache and allocating
    the rest), :func:`receiver_metadata` multiplies SGLang's required destination count by the
    number of decode servers on the route, and appends a ``DestinationHello`` naming this
-   server's role and its prefix, so prefill waits for both and sends each only what it lacks.
+   server's role, its prefix and its attention TP size, so prefill waits for both, sends each
+   only what it lacks, and refuses a destination whose TP size differs from its own. At TP > 1
+   every rank sends its own hello to the prefill rank of its index: ranks' radix trees agree
+   (same requests, same steps), so each claims the same prefix.
 3. Prefill reports "transfer done" to each destination as its own part lands
    (``prefill_fanout``); from there SGLang's decode path takes over.
 """
@@ -45,10 +48,18 @@ def receiver_metadata(receiver: Any, decode_prefix_len: int | None) -> tuple[int
     role = this_server_role()
     if route is None or role not in ("relay", "main"):
         return receiver.required_dst_info_num, []
+    tp_size = int(getattr(receiver.kv_mgr, "attn_tp_size", 1) or 1)
+    prefill_tp = getattr(getattr(receiver, "prefill_info", None), "attn_tp_size", None)
+    if prefill_tp is not None and int(prefill_tp) != tp_size:  # prefill refuses the hello
+        from pdd_sglang.prefill.fanout import tp_mismatch
+
+        logger.error("PDD: room %s will fail: %s", receiver.bootstrap_room,
+                     tp_mismatch(role, tp_size, int(prefill_tp)))
     hello = DestinationHello(
         room=int(receiver.bootstrap_room),
         role=role,
         destinations=route.destinations,
         prefix_tokens=int(decode_prefix_len or 0),
+        tp_size=tp_size,
     )
     return receiver.required_dst_info_num * route.destinations, [encode(hello)]

@@ -39,6 +39,11 @@ A held request is in one :class:`Held` state at a time: ``DIGESTING`` (with the 
 hashing its received KV off the scheduler thread), ``AWAITING_TOKENS`` (ready sent, or a
 middle chunk acknowledged; the deadline runs), ``TOKENS_QUEUED`` (a chunk appended, its extend not
 yet scheduled), ``EXTENDING`` (its extend batch is running).
+
+At ``--tp-size`` > 1 only TP rank 0 dials relays; each step's messages, clock and channel state are
+rank 0's, broadcast to every rank (:mod:`pdd_sglang.decode.tp_sync`), so every rank holds, extends,
+merges and gives up on the same requests at the same iteration, and only rank 0 sends.
+Owner: the scheduler thread (each TP rank's own); the control loop's thread only queues messages.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ from pdd_sglang.protocol.control_channel import PeerState
 from pdd_sglang.decode.handoff_channel import HandoffStats, main_loop
 from pdd_sglang.decode.main_extend import ExtendSteps, Held, _Parked, _RunningExtend
 from pdd_sglang.decode.route_cache import is_relay_main, route_for
+from pdd_sglang.decode.tp_sync import FollowerLoop, RankInputs
 from pdd_sglang.protocol.messages import (HandoffReady, HandoffRefused, HandoffTokens,
                                  MessageError, check_token_ids)
 
@@ -70,7 +76,10 @@ class MainHandoff(ExtendSteps):
     def __init__(self, scheduler: Any, args: Any):
         self.scheduler = scheduler
         self.args = args
-        self.loop = main_loop(args)
+        self.ranks = RankInputs.for_scheduler()
+        self.loop = main_loop(args) if self.ranks.leader else FollowerLoop()
+        self._now = time.monotonic()  # at TP > 1: rank 0's clock and channel at the latest step
+        self._alive = True
         self.stats = HandoffStats("main")
         self.parked: dict[int, _Parked] = {}
         self._running: Optional[_RunningExtend] = None
@@ -81,7 +90,7 @@ class MainHandoff(ExtendSteps):
     def hold(self, transferred: list) -> list:
         """Keep P->RLD->MD requests whose KV has landed; pass every other request on."""
         passed = []
-        now = time.monotonic()
+        now = self._clock()
         for req in transferred:
             if not is_relay_main(req) or req.finished():
                 passed.append(req)
@@ -91,7 +100,7 @@ class MainHandoff(ExtendSteps):
                 self.stats.event("relay_down_continued_alone")
                 passed.append(req)  # nobody to hand anything over: decode it here, as plain PD
                 continue
-            if self._closed or not self.loop.alive:
+            if self._closed or not self._channel_alive():
                 self.stats.event("control_channel_down_continued_alone")
                 passed.append(req)
                 continue
@@ -117,7 +126,7 @@ class MainHandoff(ExtendSteps):
         parked.state = Held.DIGESTING
 
     def _send_digested(self) -> None:
-        now = time.monotonic()
+        now = self._clock()
         for parked in self.parked.values():
             if parked.state is Held.DIGESTING and parked.digest.ready():
                 digest = kv_digest.range_digest(parked.digest.result())
@@ -139,7 +148,8 @@ class MainHandoff(ExtendSteps):
         if self._closed:
             return running_batch, None
         self._send_digested()
-        for peer, message in self.loop.received():
+        messages, self._now, self._alive = self.ranks.share(self.loop)
+        for peer, message in messages:
             self._on_message(peer, message)
         self._expire()
         return running_batch, self._next_extend(running_batch)
@@ -270,8 +280,15 @@ class MainHandoff(ExtendSteps):
                                                f"max_new_tokens={limit}")
         return new_tokens
 
+    def _clock(self) -> float:
+        """Now: at TP > 1 rank 0's clock of the latest step, so every rank decides alike."""
+        return time.monotonic() if self.ranks.size == 1 else self._now
+
+    def _channel_alive(self) -> bool:
+        return self.loop.alive if self.ranks.size == 1 else self._alive
+
     def _expire(self) -> None:
-        now = time.monotonic()
+        now = self._clock()
         for parked in list(self.parked.values()):
             if now > parked.deadline and parked.state is Held.AWAITING_TOKENS:
                 self.stats.event("timeout" if parked.chunks_absorbed == 0

@@ -5,7 +5,6 @@ an EXTEND batch and merge it into the running decode batch (life cycle steps 4-5
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -114,7 +113,7 @@ class ExtendSteps:
             return running_batch
         batch = running.batch
         keep = []
-        now = time.monotonic()
+        now = self._clock()
         for index, parked in enumerate(running.parked):
             room = parked.req.bootstrap_room
             parked.chunks_absorbed += 1

@@ -31,6 +31,11 @@ Life cycle of a P->RLD->MD request on a relay:
    checks the digest in main's ``HandoffReady`` against its own copy before handing anything
    over; on a mismatch it answers ``HandoffRefused("kv_digest_mismatch")`` and decodes the
    request to the end itself (:mod:`pdd_sglang.diagnostics.kv_digest`).
+7. At ``--tp-size`` > 1 only TP rank 0 binds the control channel; each step's messages and clock
+   are rank 0's, broadcast to every rank (:mod:`pdd_sglang.decode.tp_sync`), so every rank takes
+   the same decisions on the same batch, and only rank 0's messages reach main.
+
+Owner: the scheduler thread (each TP rank's own); the control loop's thread only queues messages.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from pdd_sglang.decode.finish import HandedOff
 from pdd_sglang.decode.relay_debug_hold import READY_WAIT_S, DebugHold
 from pdd_sglang.decode.relay_state import Handing, Active, Pending
 from pdd_sglang.decode.route_cache import is_relay_main, route_for
+from pdd_sglang.decode.tp_sync import FollowerLoop, RankInputs
 from pdd_sglang.protocol.messages import (HandoffAck, HandoffReady, HandoffRefused, HandoffTokens,
                                  encode, pack_tokens)
 
@@ -67,7 +73,9 @@ class RelayHandoff(DebugHold):
         self.scheduler = scheduler
         self.args = args
         self.cfg = policy_config(args)
-        self.loop = relay_loop(args)
+        self.ranks = RankInputs.for_scheduler()
+        self.loop = relay_loop(args) if self.ranks.leader else FollowerLoop()
+        self._now = time.monotonic()  # at TP > 1: rank 0's clock at the latest step
         self.stats = HandoffStats("relay")
         self.pending: dict[int, Pending] = {}
         self.active: dict[int, Active] = {}
@@ -96,9 +104,12 @@ class RelayHandoff(DebugHold):
         reqs = {req.bootstrap_room: req for req in running_batch.reqs
                 if is_relay_main(req)}
         self._note_finished(reqs)
-        for peer, message in self.loop.received():
+        messages, now, _ = self.ranks.share(self.loop)
+        self._now = now
+        for peer, message in messages:
             self._on_message(peer, message)
-        now = time.monotonic()
+        if self.ranks.size == 1:
+            now = time.monotonic()
         if self.args.pdd_debug_handoff_hold:
             running_batch = self._hold_out(running_batch, now)
             reqs.update({room: req for room, (req, _) in self.held_out.items()})
@@ -193,7 +204,7 @@ class RelayHandoff(DebugHold):
                 self.stats.refuse("duplicate_ready")
                 logger.warning("PDD relay: duplicate HandoffReady for room %s", room)
             else:
-                self.pending[room] = Pending(peer, time.monotonic(), message)
+                self.pending[room] = Pending(peer, self._clock(), message)
         elif isinstance(message, HandoffAck):
             active = self.active.get(message.room)
             if (active is None or message.seq != active.seq - 1
@@ -295,10 +306,9 @@ class RelayHandoff(DebugHold):
         message = HandoffTokens(room=room, seq=active.seq, start=chunk.start,
                                 token_ids=pack_tokens(tokens), is_last=chunk.is_last)
         self.loop.send(active.peer, message)
-        self.stats.payload_bytes += len(encode(message))
-        self.stats.handed_tokens += len(tokens)
+        self.stats.chunk_sent(active.mode.value, len(tokens), len(encode(message)))
         active.handed, active.seq = chunk.end, active.seq + 1
-        active.last_sent_at = time.monotonic()
+        active.last_sent_at = self._clock()
         active.state = Handing.AWAITING_FINAL_ACK if chunk.is_last else Handing.AWAITING_ACK
 
     def _finish_handed(self, req: Any, handed: int, mode: policy.HandoffMode) -> None:
@@ -338,6 +348,10 @@ class RelayHandoff(DebugHold):
         self.stats.event("resumed")
         logger.warning("PDD relay: room %s: %s; the relay decodes it to the end",
                        req.bootstrap_room, why)
+
+    def _clock(self) -> float:
+        """Now: at TP > 1 rank 0's clock of this step, so every rank decides alike."""
+        return time.monotonic() if self.ranks.size == 1 else self._now
 
     def _note_finished(self, reqs: dict) -> None:
         for room, req in reqs.items():

@@ -40,7 +40,9 @@ is dropped and the relay answers alone. A late registration is refused (told Fai
 its slots). A chunk that fails to a relay drops the relay and the room goes on to main; one that
 fails to a main fails the room and takes that main *out* until a probe over the WAN engine
 answers. A room whose chunk has been in a sender for ``stuck_after_s`` fails, so its KV is freed.
-A prefix claim beyond the prompt fails the room; malformed and repeated hellos are refused.
+A prefix claim beyond the prompt fails the room; malformed and repeated hellos are refused, and
+so is a hello from a destination of another TP size (:func:`tp_mismatch`). At equal TP each
+prefill rank runs its own fan-out and sees one relay and one main session per room, as at TP 1.
 """
 
 from __future__ import annotations
@@ -65,6 +67,14 @@ logger = logging.getLogger(__name__)
 # Mooncake's metadata message has 10 positional frames; a PDD destination appends its hello.
 HELLO_FRAME_INDEX = 10
 CONCLUDED_ROOMS_KEPT = 65536  # to refuse a registration that comes after its room ended
+
+
+def tp_mismatch(role: str, decode_tp: int, prefill_tp: int) -> str:
+    """Why a destination of another TP size is refused (heterogeneous TP, issue 23)."""
+    return (f"the {role} runs --tp-size {decode_tp}, this prefill --tp-size {prefill_tp}: PDD "
+            "needs one TP size on prefill, relay and main (each decode rank registers with the "
+            "prefill rank of its index, and the fan-out counts one session per role and room; "
+            "SGLang's head slicing between TP sizes is not wired into the fan-out)")
 
 
 class PrefillFanout(FanoutDeadlines):
@@ -114,6 +124,10 @@ class PrefillFanout(FanoutDeadlines):
             if (info.decode_prefix_len or 0) != hello.prefix_tokens:
                 raise MessageError("prefix_mismatch", f"hello claims {hello.prefix_tokens}, "
                                    f"metadata {info.decode_prefix_len}")
+            own_tp = int(getattr(self.kv_mgr, "attn_tp_size", 1) or 1)
+            if hello.tp_size != own_tp:
+                raise MessageError("tp_size_mismatch", tp_mismatch(hello.role, hello.tp_size,
+                                                                   own_tp))
         except MessageError as err:
             refusal = str(err)
         self.events.put(Registered(room, session, info, hello, refusal))

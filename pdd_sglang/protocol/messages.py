@@ -29,17 +29,22 @@ class MessageError(ValueError):
         self.reason = reason
 
 
-class DestinationHello(msgspec.Struct, tag=True, frozen=True, forbid_unknown_fields=True):
+class DestinationHello(msgspec.Struct, tag=True, frozen=True, forbid_unknown_fields=True,
+                       omit_defaults=True):
     """A decode server's PDD facts about one room, sent with its transfer metadata to prefill.
 
     ``destinations`` is how many decode servers receive this room's KV (2 on P->RLD->MD), and
     ``prefix_tokens`` the prefix this destination already holds, so prefill sends it only the rest.
+    ``tp_size`` is the sender's attention TP size: prefill refuses a destination of another size
+    (each decode rank must register with the prefill rank of its index). At 1 it is left out of
+    the encoding, which is then the same as before the field existed.
     """
 
     room: int
     role: Role
     destinations: int
     prefix_tokens: int
+    tp_size: int = 1
 
 
 # Bytes of a KV digest (blake2b): what main received across the WAN, checked by the relay.

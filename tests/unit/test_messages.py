@@ -98,3 +98,11 @@ def test_unknown_role_is_malformed():
     with pytest.raises(MessageError) as err:
         decode(data)
     assert err.value.reason == "malformed"
+
+
+def test_a_tp_1_hello_encodes_as_before_tp_size_existed():
+    """``tp_size`` (issue 23) is left out at 1: a TP 1 hello is byte for byte the old one."""
+    hello = DestinationHello(room=5, role="relay", destinations=2, prefix_tokens=16)
+    assert b"tp_size" not in encode(hello)
+    assert decode(encode(DestinationHello(room=5, role="relay", destinations=2, prefix_tokens=16,
+                                          tp_size=2))).tp_size == 2
