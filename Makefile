@@ -6,6 +6,9 @@ PY := .venv/bin/python
 # another clone on the same machine, sharing the venv).
 STANDIN := $(if $(filter cpu,$(PROFILE)),:$(CURDIR)/pdd_sglang/dev/cpu_standin,)
 export PYTHONPATH := $(CURDIR)$(STANDIN)
+# The debug patches (patches/debug/) are the test suite's: the cpu profile applies them, the gpu
+# (serving) profile does not (scripts/setup_env.sh; PDD_DEBUG_PATCHES=0|1 overrides).
+DEBUG_PATCHES := $(if $(filter 1,$(or $(PDD_DEBUG_PATCHES),$(if $(filter cpu,$(PROFILE)),1,0))),--with-debug,)
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
@@ -25,7 +28,7 @@ test-fast: setup
 	$(PY) -m pytest -m "not integration" $(PYTEST_ARGS)
 
 patches-check: setup
-	$(PY) scripts/apply_patches.py --check --with-debug
+	$(PY) scripts/apply_patches.py --check $(DEBUG_PATCHES)
 
 # Re-resolve requirements/$(PROFILE).lock from requirements/$(PROFILE).in (needs the index).
 lock:

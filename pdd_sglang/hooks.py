@@ -98,8 +98,12 @@ def add_internal_state(scheduler: Scheduler, state: dict) -> None:
     if pdd_role() is None:
         return
     from pdd_sglang.diagnostics.server_info import add_pdd_state
+    from pdd_sglang.decode.tp_sync import rank_pools
 
     add_pdd_state(scheduler, state)
+    pools = rank_pools(scheduler, state["pdd"]["pool"])  # None at TP 1
+    if pools is not None:  # every TP rank's pool (rank 0 answers /server_info)
+        state["pdd"]["tp_ranks"] = pools
 
 
 # ---- decode side (relay, main): patch 0005 ------------------------------------------------
@@ -222,6 +226,25 @@ def on_scheduler_exit(scheduler: Scheduler) -> None:
     from pdd_sglang.lifecycle import close_scheduler
 
     close_scheduler(scheduler)
+
+
+# ---- a group SIGTERM reaches the launcher only: patch 0012 -------------------------------------
+def before_children_start() -> None:
+    """The launcher is about to start its scheduler and detokenizer (lifecycle, module docstring)."""
+    if pdd_role() is None:
+        return
+    from pdd_sglang.lifecycle import ignore_sigterm_in_children
+
+    ignore_sigterm_in_children()
+
+
+def after_children_started() -> None:
+    """The launcher's scheduler and detokenizer run: SIGTERM is the launcher's own again."""
+    if pdd_role() is None:
+        return
+    from pdd_sglang.lifecycle import restore_sigterm
+
+    restore_sigterm()
 
 
 # ---- waiting without spinning: patch 0011 ---------------------------------------------------

@@ -17,6 +17,8 @@ main       decode                  decode radix cache on (only the unmatched suf
 
 from __future__ import annotations
 
+import os
+import socket
 import subprocess
 import sys
 from typing import Any, Literal, Optional
@@ -25,6 +27,9 @@ import msgspec
 from sglang.srt.arg_groups.arg_utils import A
 
 ROLE_TO_DISAGGREGATION_MODE = {"prefill": "prefill", "relay": "decode", "main": "decode"}
+# The relay's control channel, beside SGLang's --disaggregation-bootstrap-port (8998), so that
+# firewall rules can be written ahead (README, "Ports and addresses").
+DEFAULT_CONTROL_PORT = 8999
 # Mooncake is the transport PDD's dual-path transfer is built on (an RDMA engine beside P, a TCP
 # engine across the WAN); other backends have no per-destination engine to configure.
 PDD_TRANSFER_BACKENDS = ("mooncake", "mooncake_tcp")
@@ -73,9 +78,26 @@ class PddArgs(msgspec.Struct):
     ] = 30.0
     pdd_control_port: A[
         int,
-        "PDD relay: port of the relay <-> main control channel (ZMQ ROUTER, token-ID handoff). "
-        "0 picks a free port; the router reads the address from /server_info. Default: 0.",
-    ] = 0
+        "PDD relay: port of the relay <-> main control channel (ZMQ ROUTER, token-ID handoff), "
+        "which mains in the other datacenter dial; bound on --host. 0 picks a free port. The "
+        "router reads the address from /server_info. Default: "
+        f"{DEFAULT_CONTROL_PORT}.",
+    ] = DEFAULT_CONTROL_PORT
+    pdd_advertise_host: A[
+        Optional[str],
+        "PDD: the address of this server that peers in the other datacenter dial (an IP or a "
+        "name that resolves there). A relay advertises its control channel at it (needed with "
+        "--host 0.0.0.0); a prefill its WAN engine (unless --pdd-wan-hostname) and, through "
+        "/server_info, the bootstrap address the router gives mains. Sets SGLANG_HOST_IP, "
+        "SGLang's address for its own KV sockets, when that is unset (so it must be an address "
+        "of this host). Default: --host, or SGLANG_HOST_IP, or this host's name.",
+    ] = None
+    pdd_wan_hostname: A[
+        Optional[str],
+        "PDD prefill: host name or IP of the WAN path's Mooncake engine (the interface WAN "
+        "traffic to mains leaves by, and the address mains see). Default: --pdd-advertise-host, "
+        "else SGLang's own Mooncake engine's.",
+    ] = None
     pdd_control_keypair: A[
         Optional[str],
         "PDD relay/main: this server's CURVE keypair file (NAME.key_secret from "
@@ -180,9 +202,15 @@ def resolve_pdd_server_args(server_args: Any) -> None:
         disable_overlap_schedule=cfg.disable_overlap_schedule,
     )
     _check_handoff_flags(cfg)
-    check_parallelism(role, tp_size=cfg.tp_size, pp_size=cfg.pp_size,
+    check_address_flags(cfg.pdd_advertise_host, cfg.pdd_wan_hostname)
+    if cfg.pdd_advertise_host and not os.environ.get("SGLANG_HOST_IP"):
+        # SGLang's bootstrap registration and Mooncake session advertise this address; the
+        # scheduler and its children inherit it from the launcher.
+        os.environ["SGLANG_HOST_IP"] = cfg.pdd_advertise_host
+    check_parallelism(role, tp_size=cfg.tp_size, pp_size=cfg.pp_size, dp_size=cfg.dp_size,
                       enable_dp_attention=cfg.enable_dp_attention,
-                      staging_buffer=_staging_buffer_enabled())
+                      staging_buffer=_staging_buffer_enabled(),
+                      kv_digest=bool(cfg.pdd_enable_kv_digest))
     check_transfer_engine()
     if cfg.pdd_wan_transfer_timeout <= 0:
         raise PddConfigError(
@@ -192,14 +220,19 @@ def resolve_pdd_server_args(server_args: Any) -> None:
         declare_resolution(server_args, "resolve_pdd_server_args", **decisions)
 
 
-# What TP support needs (README, "Tensor parallelism"): the relay's control channel and handoff on
-# rank 0 only, its decisions broadcast through the scheduler's input path so every rank acts at
-# the same step; room completion counted per destination rank set (required_dst_info_num); the
-# prefill waiting for every relay rank before it starts. None of it exists yet.
+# TP runs (issue 23): the handoff's control channel lives on TP rank 0 and its inputs reach every
+# rank each step (pdd_sglang.decode.tp_sync); prefill, relay and main must share one TP size (the
+# fan-out refuses another at bootstrap: pdd_sglang.prefill.fanout.tp_mismatch). The KV digest is
+# still one per server, not per rank.
 _UNSUPPORTED_PARALLELISM = {
-    "tp_size": "--tp-size {value}: PDD supports tensor parallelism 1 only (each TP rank would run "
-               "its own handoff and control loop, and a room would conclude per rank); run "
-               "--tp-size 1 or leave --pdd-role out",
+    "kv_digest_tp": "--tp-size {value} with --pdd-enable-kv-digest: the KV digest is not per TP "
+                    "rank yet (each rank holds its own slice of the heads, and main's "
+                    "HandoffReady carries one digest); drop --pdd-enable-kv-digest or run "
+                    "--tp-size 1",
+    "dp_size": "--dp-size {value}: PDD does not support data parallelism inside one server (each "
+               "DP replica's scheduler would run its own rooms and handoff control channel, and "
+               "the router reads only the first scheduler's state); run one server per replica "
+               "behind the PDD router, or leave --pdd-role out",
     "pp_size": "--pp-size {value}: PDD does not support pipeline parallelism; run --pp-size 1 or "
                "leave --pdd-role out",
     "enable_dp_attention": "--enable-dp-attention: PDD does not support DP attention (its rooms "
@@ -210,10 +243,12 @@ _UNSUPPORTED_PARALLELISM = {
 }
 
 
-def check_parallelism(role: str, *, tp_size: int = 1, pp_size: int = 1,
-                      enable_dp_attention: bool = False, staging_buffer: bool = False) -> None:
+def check_parallelism(role: str, *, tp_size: int = 1, pp_size: int = 1, dp_size: int = 1,
+                      enable_dp_attention: bool = False, staging_buffer: bool = False,
+                      kv_digest: bool = False) -> None:
     """Refuse, one clear message each, what PDD does not support yet (issue 14, item 2)."""
-    given = {"tp_size": tp_size if tp_size != 1 else None,
+    given = {"kv_digest_tp": tp_size if tp_size != 1 and kv_digest else None,
+             "dp_size": dp_size if dp_size != 1 and not enable_dp_attention else None,
              "pp_size": pp_size if pp_size != 1 else None,
              "enable_dp_attention": True if enable_dp_attention else None,
              "staging_buffer": True if staging_buffer else None}
@@ -260,6 +295,32 @@ def _import_engine_in_a_child() -> None:
     if child.returncode != 0:
         lines = child.stderr.strip().splitlines()
         raise ImportError(lines[-1] if lines else f"exit code {child.returncode}")
+
+
+WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "*")
+
+
+def check_address_flags(advertise_host: Optional[str], wan_hostname: Optional[str],
+                        resolve=socket.getaddrinfo) -> None:
+    """An address peers dial must be one host, not a wildcard, a URL or host:port, and resolve."""
+    for flag, value in (("--pdd-advertise-host", advertise_host),
+                        ("--pdd-wan-hostname", wan_hostname)):
+        if value is None:
+            continue
+        if not value.strip() or value != value.strip() or any(c.isspace() for c in value):
+            raise PddConfigError(f"{flag} must be a host name or IP address, got {value!r}")
+        if value in WILDCARD_HOSTS:
+            raise PddConfigError(
+                f"{flag} {value}: a wildcard is what a server binds, not an address a peer can "
+                "dial; give this host's address as the other datacenter reaches it")
+        if "/" in value or value.count(":") == 1:
+            raise PddConfigError(
+                f"{flag} {value!r}: give the host alone (no scheme, path or port); the ports "
+                "have their own flags (--pdd-control-port, --disaggregation-bootstrap-port)")
+        try:
+            resolve(value, None)
+        except (socket.gaierror, UnicodeError) as err:
+            raise PddConfigError(f"{flag} {value!r} does not resolve on this host ({err})") from err
 
 
 def _check_handoff_flags(cfg: Any) -> None:

@@ -80,6 +80,13 @@ if [ -z "${CI:-}" ] || [ ! -f "$site/pdd_sglang_checkout.pth" ]; then
     rm -f "$site/pdd_sglang_cpu_standin.pth"
   fi
 fi
-# --with-debug: the test suite's debug aids (patches/debug/) too; production applies without it.
-"$venv/bin/python" "$repo/scripts/apply_patches.py" --with-debug
+# The production series only on the gpu profile (what a serving host runs); the cpu profile,
+# which runs the test suite, adds its debug aids (patches/debug/). PDD_DEBUG_PATCHES=1 adds them
+# to a gpu venv for tests, PDD_DEBUG_PATCHES=0 leaves them out of a cpu one.
+debug=${PDD_DEBUG_PATCHES:-$([ "$profile" = cpu ] && echo 1 || echo 0)}
+case "$debug" in
+  1) "$venv/bin/python" "$repo/scripts/apply_patches.py" --with-debug ;;
+  0) "$venv/bin/python" "$repo/scripts/apply_patches.py" ;;
+  *) echo "setup_env: PDD_DEBUG_PATCHES must be 0 or 1, got '$debug'" >&2; exit 2 ;;
+esac
 ln -sfn "$venv" "$repo/.venv"

@@ -22,20 +22,30 @@ def curve_config(args: Any) -> Optional[CurveConfig]:
     )
 
 
-def advertised_host(bind_host: str) -> str:
-    """The address peers should dial: the bind host, unless it is a wildcard."""
+def advertised_host(bind_host: str, advertise_host: Optional[str] = None) -> str:
+    """The address peers dial: --pdd-advertise-host; else the bind host, unless it is a
+    wildcard; else SGLang's SGLANG_HOST_IP; else this host's name as it resolves here (which on
+    Debian-style hosts is 127.0.1.1: set --pdd-advertise-host when binding 0.0.0.0)."""
     import os
 
+    if advertise_host:
+        return advertise_host
     if bind_host not in ("0.0.0.0", "::", ""):
         return bind_host
     return os.environ.get("SGLANG_HOST_IP") or socket.gethostbyname(socket.gethostname())
 
 
+def zmq_address(host: str, port) -> str:
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
 def relay_loop(args: Any) -> ControlLoop:
     host = args.host or "127.0.0.1"
-    loop = ControlLoop(relay_bind=f"tcp://{host}:{args.pdd_control_port}", curve=curve_config(args))
+    loop = ControlLoop(relay_bind=zmq_address(host, args.pdd_control_port),
+                       curve=curve_config(args))
     port = loop.address.rsplit(":", 1)[1]
-    loop.address = f"tcp://{advertised_host(host)}:{port}"
+    loop.address = zmq_address(advertised_host(host, getattr(args, "pdd_advertise_host", None)),
+                               port)
     return loop
 
 
@@ -51,15 +61,15 @@ def policy_config(args: Any) -> PolicyConfig:
 
 # /server_info shows the latest this many latency samples; Prometheus keeps the full histogram.
 LATENCY_SAMPLES_KEPT = 256
-# Seconds: a same-host handoff takes milliseconds, a Catch-Up over a slow line many seconds.
-LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class HandoffStats:
     """Counts and latencies shown in /server_info (bounded: the latest samples) and, with
-    --enable-metrics, as Prometheus counters and histograms."""
+    --enable-metrics, in SGLang's /metrics (:mod:`pdd_sglang.diagnostics.metrics`)."""
 
     def __init__(self, role: str):
+        from pdd_sglang.diagnostics.metrics import server_metrics
+
         self.role = role
         self.events: Counter = Counter()
         self.refused: Counter = Counter()
@@ -68,42 +78,34 @@ class HandoffStats:
         # main: HandoffReady sent -> first tokens received; and -> last chunk absorbed.
         self.handoff_latency_s: deque = deque(maxlen=LATENCY_SAMPLES_KEPT)
         self.handoff_duration_s: deque = deque(maxlen=LATENCY_SAMPLES_KEPT)
-        self._prometheus = None
-        import os
-
-        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-            from prometheus_client import Counter as PromCounter
-            from prometheus_client import Histogram
-
-            self._prometheus = (
-                PromCounter("pdd_handoff_events_total", "PDD handoff events", ["role", "event"]),
-                PromCounter("pdd_handoff_refused_total", "PDD handoff messages or requests refused",
-                            ["role", "reason"]),
-                Histogram("pdd_handoff_latency_seconds", "PDD main: HandoffReady sent to the "
-                          "relay's first tokens received", ["role"], buckets=LATENCY_BUCKETS_S),
-                Histogram("pdd_handoff_duration_seconds", "PDD main: HandoffReady sent to the "
-                          "last chunk absorbed", ["role"], buckets=LATENCY_BUCKETS_S),
-            )
+        self._prometheus = server_metrics()  # None without --enable-metrics
 
     def latency(self, seconds: float) -> None:
         self.handoff_latency_s.append(seconds)
         if self._prometheus:
-            self._prometheus[2].labels(self.role).observe(seconds)
+            self._prometheus.latency.observe(seconds)
 
     def duration(self, seconds: float) -> None:
         self.handoff_duration_s.append(seconds)
         if self._prometheus:
-            self._prometheus[3].labels(self.role).observe(seconds)
+            self._prometheus.duration.observe(seconds)
 
     def event(self, name: str, count: int = 1) -> None:
         self.events[name] += count
         if self._prometheus:
-            self._prometheus[0].labels(self.role, name).inc(count)
+            self._prometheus.handoff_event(self.role, name, count)
 
     def refuse(self, reason: str) -> None:
         self.refused[reason] += 1
         if self._prometheus:
-            self._prometheus[1].labels(self.role, reason).inc()
+            self._prometheus.handoff_refused(self.role, reason)
+
+    def chunk_sent(self, mode: str, tokens: int, payload_bytes: int) -> None:
+        """Relay: one HandoffTokens message sent."""
+        self.handed_tokens += tokens
+        self.payload_bytes += payload_bytes
+        if self._prometheus:
+            self._prometheus.handoff_chunk(mode, tokens)
 
     def snapshot(self, loop: ControlLoop) -> dict:
         refused = Counter(self.refused)

@@ -45,11 +45,11 @@ class _PrometheusCounters:
     def __init__(self):
         from prometheus_client import Counter
 
-        self.bytes = Counter("pdd_kv_transfer_bytes_total",
+        self.bytes = Counter("sglang:pdd_kv_transfer_bytes_total",
                              "KV bytes prefill handed to Mooncake, by destination role", ["role"])
-        self.pages = Counter("pdd_kv_transfer_pages_total",
+        self.pages = Counter("sglang:pdd_kv_transfer_pages_total",
                              "KV pages prefill sent, by destination role", ["role"])
-        self.aux_bytes = Counter("pdd_kv_transfer_aux_bytes_total",
+        self.aux_bytes = Counter("sglang:pdd_kv_transfer_aux_bytes_total",
                                  "Aux metadata bytes prefill sent, by destination role", ["role"])
 
     @staticmethod

@@ -4,8 +4,10 @@ SGLang runs one shared Mooncake engine per process, whose transport comes from
 ``MOONCAKE_PROTOCOL``/``--disaggregation-transfer-backend``; on a PDD prefill that engine serves
 the relay, next door (RDMA in production). The main sits across a WAN line that RDMA cannot cross,
 so the prefill opens a second engine with the WAN's own protocol and device
-(``--pdd-wan-transfer-protocol``, ``--pdd-wan-ib-device``), registers the same KV memory with it,
-and sends every batch for a main session through it. Mooncake does the transport on both paths.
+(``--pdd-wan-transfer-protocol``, ``--pdd-wan-ib-device``) and host (``--pdd-wan-hostname``, so
+WAN traffic can leave by its own NIC; default ``--pdd-advertise-host``), registers the same KV
+memory with it, and sends every batch for a main session through it. Mooncake does the transport
+on both paths.
 
 A WAN copy takes seconds, and Mooncake's synchronous batch call (the one SGLang's engine uses)
 waits for it by polling the batch status in a loop without sleeping: a core per waiting worker.
@@ -165,9 +167,18 @@ class WanTransferEngine:
                 self._registered = []
 
 
+def wan_hostname(kv_mgr: Any, wan_host: Optional[str] = None,
+                 advertise_host: Optional[str] = None) -> str:
+    """The WAN engine's host: --pdd-wan-hostname, else --pdd-advertise-host, else the host of
+    SGLang's own engine (then both paths leave by the same interface)."""
+    return (wan_host or advertise_host or getattr(kv_mgr.engine, "hostname", None)
+            or kv_mgr.local_ip)
+
+
 def open_wan_engine(kv_mgr: Any, protocol: str, device: Optional[str], timeout_s: float,
-                    line: WanLine, blocking_wait: bool = False) -> WanTransferEngine:
-    hostname = getattr(kv_mgr.engine, "hostname", None) or kv_mgr.local_ip
+                    line: WanLine, blocking_wait: bool = False, hostname: Optional[str] = None
+                    ) -> WanTransferEngine:
+    hostname = hostname or wan_hostname(kv_mgr)
     engine = WanTransferEngine(hostname, protocol, device, timeout_s, line, blocking_wait)
     engine.register_regions(kv_mgr._registerable_regions())
     logger.info(

@@ -148,7 +148,8 @@ def start_wan_path(kv_mgr: Any, args: Optional[Any] = None) -> WanPath:
     from sglang.srt.environ import envs
     from sglang.srt.runtime_context import get_server_args
 
-    from pdd_sglang.prefill.wan_engine import open_wan_engine
+    from pdd_sglang.diagnostics.metrics import start_prefill_exporter
+    from pdd_sglang.prefill.wan_engine import open_wan_engine, wan_hostname
 
     args = get_server_args() if args is None else args
     fanout = PrefillFanout(kv_mgr)
@@ -163,10 +164,13 @@ def start_wan_path(kv_mgr: Any, args: Optional[Any] = None) -> WanPath:
     fanout.wan_engine = open_wan_engine(
         kv_mgr, args.pdd_wan_transfer_protocol, args.pdd_wan_ib_device,
         timeout_s=float(args.pdd_wan_transfer_timeout), line=fanout.wan_line,
-        blocking_wait=bool(args.pdd_debug_wan_blocking_wait))
+        blocking_wait=bool(args.pdd_debug_wan_blocking_wait),
+        hostname=wan_hostname(kv_mgr, getattr(args, "pdd_wan_hostname", None),
+                              getattr(args, "pdd_advertise_host", None)))
     path = WanPath(fanout)
     kv_mgr.pdd_fanout = fanout
     kv_mgr.pdd_wan_path = path
+    start_prefill_exporter(kv_mgr)  # --enable-metrics only; closed by lifecycle.close_scheduler
     path.start(kv_mgr, WAN_WORKERS, float(args.pdd_debug_wan_delay_ms or 0) / 1e3,
                local_workers=max(len(getattr(kv_mgr, "transfer_queues", ()) or ()), 1))
     return path

@@ -105,7 +105,7 @@ class Dispatcher:
             await asyncio.gather(*list(self._background), return_exceptions=True)
 
     def place(self, job: GenerateJob, avoid: frozenset = frozenset()) -> Placement:
-        return self.placer.place(job.prompt_ids, job.max_new_tokens, avoid)
+        return self.placer.place(job.prompt_ids, job.max_new_tokens, avoid, job.ttft_slo_s)
 
     async def serve(self, job: GenerateJob, placement: Placement, api: str,
                     started: float) -> AsyncIterator[SplicedUpdate]:
@@ -188,13 +188,15 @@ class Dispatcher:
             "input_ids": job.prompt_ids,
             "sampling_params": job.sampling_params,
             "rid": rid,
-            "bootstrap_host": placement.prefill.host,
+            "bootstrap_host": placement.prefill.bootstrap_host,
             "bootstrap_port": placement.prefill.bootstrap_port,
             "bootstrap_room": secrets.randbits(62),
             "kv_hints": route_kv_hints(placement.route_name, **placement.route_fields),
         }
         pipeline = placement.pipeline.label
         self.metrics.requests.labels(pipeline, api).inc()
+        self.metrics.ttft_budget.labels(placement.ttft_budget).inc()
+        self.metrics.placed(placement)
         clock = TokenClock(self.metrics, pipeline, started)
         # Wall-clock marks (comparable with SGLang's own *_ts time stats on this host) for the
         # stage split of TTFT; the prefill's own stats are logged when its answer comes.

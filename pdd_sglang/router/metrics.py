@@ -11,6 +11,25 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 # handoff stall, which can reach the WAN's RTT and more.
 _TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
 _ITL_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10)
+# Predicted over actual WAN time of main's copy: 1 is a perfect prediction, below 1 the line was
+# slower than the router thought (it should have hidden more behind a relay).
+_RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 4, 10)
+# Why a request went where it went (placement_reason).
+PLACEMENT_REASONS = ("wan_below_hide_threshold", "wan_above_hide_threshold", "singular",
+                     "no_relay", "main_unreachable")
+
+
+def placement_reason(placement) -> str:
+    """The rule that chose the pipeline: policy.choose_pipeline's, or a fallback."""
+    from pdd_sglang import policy
+
+    if placement.main_fallback:
+        return "main_unreachable"  # no healthy main: the relay answers alone
+    if placement.relay_fallback:
+        return "no_relay"  # P->RLD->MD wanted (or no main either): P->MD
+    return {policy.Pipeline.PREFILL_MAIN: "wan_below_hide_threshold",
+            policy.Pipeline.RELAY_SINGULAR: "singular"}.get(placement.pipeline,
+                                                            "wan_above_hide_threshold")
 
 
 class RouterMetrics:
@@ -31,6 +50,11 @@ class RouterMetrics:
         self.retries = Counter(
             "pdd_router_retries", "Requests re-sent after a failure before their first token, "
             "by the failure's cause", ["cause"], registry=r)
+        self.ttft_budget = Counter(
+            "pdd_router_ttft_budget", "Requests placed against a TTFT budget (--ttft-slo-ms or "
+            "the request's ttft_slo_ms): within (P->MD predicted within it, or a relay with "
+            "headroom), over (no relay headroom: P->MD over budget), no_budget",
+            ["verdict"], registry=r)
         self.errors = Counter("pdd_router_errors", "Requests failed or refused, by cause "
                               "(relay_lost: recovered by main, not failed)",
                               ["cause"], registry=r)
@@ -61,6 +85,30 @@ class RouterMetrics:
                                  registry=r)
         self.healthy = Gauge("pdd_router_server_healthy", "1 when in rotation", ["role", "url"],
                              registry=r)
+        self.placements = Counter(
+            "pdd_router_placements", "Requests placed, by pipeline and the rule that chose it "
+            "(wan_below_hide_threshold: P->MD, nothing worth hiding; wan_above_hide_threshold: "
+            "P->RLD->MD; singular: the relay alone, short output; no_relay, main_unreachable: "
+            "fallbacks)", ["pipeline", "reason"], registry=r)
+        self.wan_time_ratio = Histogram(
+            "pdd_router_wan_time_predicted_over_actual",
+            "Main's WAN copy: the placement's predicted seconds over the router's measure (from "
+            "prefill's forward done, seen as the relay's first token, or from placement on "
+            "P->MD, to main's first token)", buckets=_RATIO_BUCKETS, registry=r)
+        self.wan_time_actual = Histogram(
+            "pdd_router_wan_time_seconds", "Main's WAN copy as the router measures it (see "
+            "pdd_router_wan_time_predicted_over_actual)", buckets=_TTFT_BUCKETS, registry=r)
+
+    def placed(self, placement) -> None:
+        self.placements.labels(placement.pipeline.label, placement_reason(placement)).inc()
+
+    def wan_copy_landed(self, predicted_s: float, actual_s: float) -> None:
+        """A copy to main landed after ``actual_s``; placement predicted ``predicted_s``."""
+        if actual_s <= 0:
+            return
+        self.wan_time_actual.observe(actual_s)
+        if predicted_s > 0:
+            self.wan_time_ratio.observe(predicted_s / actual_s)
 
     def render(self, pool) -> bytes:
         for upstream in pool.all():

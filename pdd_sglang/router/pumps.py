@@ -61,6 +61,8 @@ class Pumps:
                     splicer.main_cached_tokens = chunk.meta.get("cached_tokens")
                 if copy is not None and copy.open:
                     self.lines.land(copy)  # main ran a forward on the landed KV
+                    self.metrics.wan_copy_landed(placement.predicted_wan_s,
+                                                 time.monotonic() - copy.started)
                 if marks is not None and f"{upstream.role}_first_chunk_ts" not in marks:
                     marks[f"{upstream.role}_first_chunk_ts"] = time.time()
                     if upstream.role == "relay" and copies is not None:

@@ -1,4 +1,10 @@
-"""The servers behind the router: their roles, live load as the router sees it, and health."""
+"""The servers behind the router: their roles, live load as the router sees it, and health.
+
+Each server's actual PDD role (``pdd_role`` in its ``/server_info``) is checked against the list it
+was given in (``--prefill``, ``--relay``, ``--main``) at start and on every health poll
+(:func:`role_mismatch`): a prefill started without ``--pdd-role`` falls back to SGLang's one-prefix
+rule and would send wrong pages, so such a server never serves.
+"""
 
 from __future__ import annotations
 
@@ -34,10 +40,20 @@ class Upstream:
     # A main that a prefill took out after a failed WAN copy (``pdd.fanout.mains_out``), until
     # that prefill's WAN probe reaches it again: healthy over HTTP, but no KV can reach it.
     wan_out: bool = False
+    # Its --pdd-advertise-host (from /server_info): a prefill's is where mains register.
+    advertise_host: Optional[str] = None
+    # Why it is refused (its actual role is not the one it was given); None when it matches.
+    role_error: Optional[str] = None
 
     @property
     def host(self) -> str:
         return urlparse(self.url).hostname or "127.0.0.1"
+
+    @property
+    def bootstrap_host(self) -> str:
+        """Where a main (in the other datacenter) reaches this prefill's bootstrap server: its
+        --pdd-advertise-host, else the host of the URL the router was given for it."""
+        return self.advertise_host or self.host
 
     def learn(self, server_info: dict) -> None:
         """Take capacity and stream format from the server's /server_info."""
@@ -50,6 +66,23 @@ class Upstream:
         handoff = pdd.get("handoff") or {}
         self.control_address = handoff.get("control_address") or self.control_address
         self.mooncake_session = pdd.get("mooncake_session") or self.mooncake_session
+        self.advertise_host = server_info.get("pdd_advertise_host") or None
+
+
+ROLE_FLAGS = {PREFILL: "--prefill", RELAY: "--relay", MAIN: "--main"}
+
+
+def role_mismatch(upstream: Upstream, server_info: dict) -> Optional[str]:
+    """None when the server runs the role it was given to the router as; else why not."""
+    actual = server_info.get("pdd_role")
+    if actual == upstream.role:
+        return None
+    has = (f"runs --pdd-role {actual}" if actual else
+           "runs without --pdd-role (a plain SGLang server: a prefill would send wrong pages "
+           "when relay and main hold different prefixes)")
+    return (f"{upstream.url} {has}, but it was given to the router as a {upstream.role} "
+            f"({ROLE_FLAGS[upstream.role]}); restart it with --pdd-role {upstream.role} or list "
+            "it under " + (ROLE_FLAGS.get(actual, "the flag of its role")))
 
 
 class NoHealthyServer(RuntimeError):
@@ -119,6 +152,8 @@ class HealthMonitor:
         self.on_recovered = None
         # Called with each server the moment it leaves rotation.
         self.on_removed: list[Callable[[Upstream], None]] = []
+        # Called (and awaited) after each healthy poll: the server's role mismatch, or None.
+        self.check_role = None
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._watch(u)) for u in self.pool.all()]
@@ -151,6 +186,9 @@ class HealthMonitor:
 
     async def _check(self, upstream: Upstream) -> None:
         status = await self.http.health(upstream)
+        if status == HEALTH_OK and self.check_role is not None:
+            if not self.refuse_if_wrong_role(upstream, await self.check_role(upstream)):
+                return
         if status == HEALTH_OK:
             if not upstream.healthy and self.on_recovered is not None:
                 if not await self.on_recovered(upstream):
@@ -170,6 +208,21 @@ class HealthMonitor:
                            "kept in rotation", upstream.url, upstream.consecutive_failures)
         else:
             self.report_failure(upstream)
+
+    def refuse_if_wrong_role(self, upstream: Upstream, mismatch: Optional[str]) -> bool:
+        """Take a server whose role is not the one it was given out of rotation (it stays out
+        until a poll finds the right role). True when its role is right."""
+        if mismatch is None:
+            if upstream.role_error is not None:
+                logger.warning("%s %s now runs --pdd-role %s", upstream.role, upstream.url,
+                               upstream.role)
+            upstream.role_error = None
+            return True
+        if mismatch != upstream.role_error:
+            logger.error("refused: %s", mismatch)
+        upstream.role_error = mismatch
+        self._remove(upstream, "has the wrong PDD role")
+        return False
 
     def _last_prefill(self, upstream: Upstream) -> bool:
         return upstream.role == PREFILL and self.pool.healthy(PREFILL) == [upstream]

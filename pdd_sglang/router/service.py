@@ -16,7 +16,8 @@ from pdd_sglang.router.landing import LandingCopies
 from pdd_sglang.router.line_state import LineAccounting, poll_prefill_lines
 from pdd_sglang.router.placement import Placer
 from pdd_sglang.router.prefix_mirror import PrefixMirror
-from pdd_sglang.router.servers import MAIN, PREFILL, HealthMonitor, ServerPool, Upstream
+from pdd_sglang.router.servers import (MAIN, PREFILL, HealthMonitor, ServerPool, Upstream,
+                                       role_mismatch)
 from pdd_sglang.router.upstream import UpstreamClient
 
 logger = logging.getLogger("pdd_sglang.router")
@@ -62,11 +63,12 @@ class RouterService:
                                      self.config.retry_max_retries,
                                      self.config.retry_after_first_token,
                                      self.config.relay_loss_main_grace_s)
-        self.health.on_recovered = self._learn
+        self.health.on_recovered = self._recovered
+        self.health.check_role = self._check_role
         self.health.start()
         if self.config.placement == "congestion-aware":
             self._line_poll = asyncio.create_task(poll_prefill_lines(
-                lines, self.pool.by_role[PREFILL], self.pool.by_role[MAIN], self.client.get_json))
+                lines, self.pool.by_role[PREFILL], self.pool.by_role[MAIN], self.client.get_bytes))
         logger.info("PDD router ready: model %s, context %d, %.0f KV bytes/token, %s",
                     self.model.served_model_name, self.model.context_length,
                     self.model.kv_bytes_per_token,
@@ -82,6 +84,9 @@ class RouterService:
             pending = {u for u, ok in zip(list(pending), results) if not ok}
             if pending:
                 await asyncio.sleep(1.0)
+        wrong = [u.role_error for u in self.pool.all() if u.role_error is not None]
+        if wrong:
+            raise RuntimeError("refusing to start: " + "; ".join(wrong))
         for upstream in pending:
             upstream.healthy = False
             logger.warning("%s %s did not answer during start-up: out of rotation",
@@ -95,11 +100,26 @@ class RouterService:
         if not await self.client.healthy(upstream):
             return False
         try:
-            upstream.learn(await self.client.get_json(upstream, "/server_info"))
+            info = await self.client.get_json(upstream, "/server_info")
+            upstream.learn(info)
         except Exception as err:  # a server mid-start answers /health before /server_info
             logger.debug("server_info of %s: %r", upstream.url, err)
             return False
+        upstream.role_error = role_mismatch(upstream, info)
         return True
+
+    async def _recovered(self, upstream: Upstream) -> bool:
+        return await self._learn(upstream) and upstream.role_error is None
+
+    async def _check_role(self, upstream: Upstream):
+        """Each health poll: re-read the server's /server_info (its role, what it advertises)."""
+        try:
+            info = await self.client.get_json(upstream, "/server_info", timeout_s=10.0)
+        except Exception as err:  # busy past the timeout: its role is what it was
+            logger.debug("server_info of %s: %r", upstream.url, err)
+            return upstream.role_error
+        upstream.learn(info)
+        return role_mismatch(upstream, info)
 
     async def stop(self) -> None:
         await self.health.stop()

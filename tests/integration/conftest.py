@@ -80,7 +80,8 @@ def _pdd_cluster(page_size: int, model_path, log_dir) -> Cluster:
             "--enable-metrics",
             "--pdd-debug-wan-delay-ms", str(WAN_DELAY_MS), *common, *chunking), **forked),
         SGLangServer("relay", model_path, log_dir, extra_args=(
-            "--pdd-role", "relay", "--pdd-debug-handoff-hold", "--pdd-catch-up-chunk",
+            "--pdd-role", "relay", "--pdd-control-port", "0",  # two clusters may overlap
+            "--pdd-debug-handoff-hold", "--pdd-catch-up-chunk",
             str(CATCH_UP_CHUNK), "--enable-metrics", "--pdd-enable-kv-digest", *common,
             *RELAY_CPU_ARGS), **forked),
         SGLangServer("main", model_path, log_dir, extra_args=main_args, **forked),
@@ -112,8 +113,43 @@ def _no_role_pair(model_path, log_dir) -> Cluster:
     return cluster
 
 
+# SGLang's CPU engine at --tp-size 2 (patch 0017: no PyNccl on CPU; the TP group all-reduces over
+# gloo): one core list per rank, or it asserts one rank per NUMA node (this machine has one).
+CPU_TP2_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
+
+
+TP2_CATCH_UP_CHUNK = 8  # several Catch-Up chunks (each one acknowledged) in a short request
+
+
+def _tp2(model_path, log_dir) -> Cluster:
+    """``test_tp.py``'s one TP 2 cluster: a plain SGLang server of the patched venv at --tp-size 2
+    (no role; the reference), and PDD prefill, relay and main, each at --tp-size 2, page size 1,
+    the WAN delay on prefill's path to main and the relay's test-only handoff hold. Each server's
+    two schedulers and detokenizer forked (measured for the plain one: ready in about a minute,
+    2.4 GB RSS in all beside the launcher; the same greedy tokens as spawned)."""
+    bootstrap_port = free_port()
+    tp2 = ("--tp-size", "2", "--disable-custom-all-reduce")
+    common = (*tp2, "--disaggregation-transfer-backend", "mooncake_tcp")
+    forked = dict(env=CPU_TP2_ENV, fork_children=True)
+    cluster = Cluster([
+        SGLangServer("plain_tp2", model_path, log_dir, extra_args=tp2, **forked),
+        SGLangServer("prefill", model_path, log_dir, extra_args=(
+            "--pdd-role", "prefill", "--disaggregation-bootstrap-port", str(bootstrap_port),
+            "--pdd-debug-wan-delay-ms", str(WAN_DELAY_MS), *common), **forked),
+        SGLangServer("relay", model_path, log_dir, extra_args=(
+            "--pdd-role", "relay", "--pdd-control-port", "0", "--pdd-debug-handoff-hold",
+            "--pdd-catch-up-chunk", str(TP2_CATCH_UP_CHUNK), *common, *RELAY_CPU_ARGS),
+            **forked),
+        SGLangServer("main", model_path, log_dir, extra_args=("--pdd-role", "main", *common),
+                     **forked),
+    ])
+    cluster.bootstrap_port = bootstrap_port
+    cluster.log_dir = log_dir
+    return cluster
+
+
 # name -> how to build it: servers a single test owns, started early by ``start_beside``
-BESIDE = {"no_role": _no_role_pair}
+BESIDE = {"no_role": _no_role_pair, "tp2": _tp2}
 
 
 class SharedClusters:
@@ -265,6 +301,27 @@ def pd_pair(page1_cluster):
     return page1_cluster
 
 
+@pytest.fixture(scope="module")
+def tp2_cluster(shared_clusters):
+    """``test_tp.py``'s TP 2 cluster (``_tp2``), started beside the page-16 tests, with P, RLD and
+    MD behind the PDD router; stopped when the module ends (its last test stops its PDD servers
+    itself, checking their shutdown)."""
+    cluster = shared_clusters.take_beside("tp2")
+    router = RouterProcess(cluster.log_dir / "router.log", [
+        "--prefill", cluster["prefill"].url, str(cluster.bootstrap_port),
+        "--relay", cluster["relay"].url, "--main", cluster["main"].url,
+        "--wan-gbps", repr(ROUTER_WAN_GBPS), "--wan-rtt-ms", "0", "--health-interval-s", "1"])
+    try:
+        router.start()
+        cluster.router = router
+        yield cluster
+    finally:
+        try:
+            router.stop()
+        finally:
+            cluster.stop()
+
+
 @pytest.fixture
 def router_cluster(shared_clusters):
     """P, RLD and MD of the page-1 cluster behind the PDD router (the plain server beside)."""
@@ -290,6 +347,9 @@ def router_cluster(shared_clusters):
 # - The no-role pair and the demo's crash run (two servers each) start beside the page-16 tests
 #   (from the second on), which mostly wait on their WAN delay: the CPU was 47-62 % busy there,
 #   against 100 % over the first minutes, where the crash run and the lock used to start.
+# - ``test_tp.py``'s TP 2 cluster (four servers of a launcher, two schedulers and a detokenizer
+#   each) starts beside the shutdown test, which stops the page-16 servers; the TP tests run after
+#   it, before the tail.
 # - The foreground reaches the quick demo's result minutes before the demo ends (the demo's pace
 #   is its line and its CPU quotas), so the Ctrl-C run (four servers cut short in start-up) and
 #   the fault suite's start sit there at no cost to the session.
@@ -300,7 +360,9 @@ QUICK_DEMO_TEST = "test_quick_demo_runs_both_points_and_pdd_hands_off"  # its ru
 DEMO_TESTS = ("test_demo.py",)
 FAULT_SUITE = ("test_fault_suite.py",)
 NO_ROLE = ("test_no_role.py",)
+TP_TESTS = ("test_tp.py",)  # after the shutdown test, beside which its TP 2 cluster starts
 LAST = ("test_shutdown.py",)  # stops the live cluster's servers
+LAST_ORDER = (5,)
 FAULT_SUITE_STARTS_AT = (1,)  # the quick demo's result
 PAGE1_GROUP = (4, 1)
 PAGE16_TESTS = (4, 16, 0)  # the no-role pair starts beside them
@@ -323,8 +385,10 @@ def _order(item) -> tuple:
         return (*PAGE1_GROUP, 1)
     if name in NO_ROLE:
         return (4, 16, 1)
+    if name in TP_TESTS:
+        return (5, 1)
     if name in LAST:
-        return (5,)
+        return LAST_ORDER
     if folder == "integration":
         return (4, _page_size(item), 0)
     if folder == "dev_wan_emulator" or item.get_closest_marker("integration") is not None:
@@ -352,6 +416,9 @@ def _background_and_ahead(request, start_background, still_running):
             clusters = request.getfixturevalue("shared_clusters")
             if clusters.page_size == 1:
                 clusters.start_ahead(16)
+    if order == LAST_ORDER and _collected(request.session, TP_TESTS):
+        # Four TP 2 servers (about 11 GB) fit once the page-16 cluster's servers stop.
+        request.getfixturevalue("shared_clusters").start_beside("tp2")
     if order == PAGE16_TESTS:
         clusters = request.getfixturevalue("shared_clusters")
         if clusters.page_size == 16:  # from the second page-16 test on: its servers are up

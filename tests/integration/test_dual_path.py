@@ -106,7 +106,7 @@ def test_relay_gets_full_prompt_main_gets_uncached_suffix(three_roles, tiny_mode
     with urllib.request.urlopen(three_roles["prefill"].url + "/metrics", timeout=30) as resp:
         metrics = resp.read().decode()
     exported = {role: sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-                          if line.startswith(f'pdd_kv_transfer_bytes_total{{role="{role}"}}'))
+                          if line.startswith(f'sglang:pdd_kv_transfer_bytes_total{{role="{role}"}}'))
                 for role in ("relay", "main")}
     assert exported["relay"] >= relay_total and exported["main"] >= main_total, exported
     assert "PDD room" in three_roles["prefill"].log_path.read_text()

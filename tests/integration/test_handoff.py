@@ -277,5 +277,6 @@ def test_concurrent_handoffs_under_load_splice_consistently(three_roles, baselin
 
     with urllib.request.urlopen(three_roles["main"].url + "/metrics", timeout=30) as resp:
         metrics = resp.read().decode()
-    for name in ("pdd_handoff_latency_seconds_bucket", "pdd_handoff_duration_seconds_count"):
+    for name in ("sglang:pdd_handoff_latency_seconds_bucket",
+                 "sglang:pdd_handoff_duration_seconds_count"):
         assert name in metrics, name

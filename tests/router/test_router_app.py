@@ -46,7 +46,7 @@ class FakeServer:
             if self.role == "relay":
                 state["pdd"] = {"handoff": {"control_address": "tcp://127.0.0.1:1"}}
             return web.json_response({"max_running_requests": 8, "dtype": "float32",
-                                      "internal_states": [state]})
+                                      "pdd_role": self.role, "internal_states": [state]})
 
         async def model_info(request):
             return web.json_response({"model_path": self.model_path,

@@ -35,7 +35,12 @@ answers = {
     "handoff_abort": hooks.handoff_abort(object(), object()),
     "on_scheduler_exit": hooks.on_scheduler_exit(object()),
     "wait_while_stalled": hooks.wait_while_stalled(object()),
+    "before_children_start": hooks.before_children_start(),
+    "after_children_started": hooks.after_children_started(),
 }
+import signal
+assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, set())
+assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 assert state == {}, state
 bad = {k: v for k, v in answers.items() if v not in (None, True)}
 assert not bad, bad

@@ -135,8 +135,12 @@ def test_default_handoff_flags_pass():
 
 
 @pytest.mark.parametrize("setting, message", [
-    ({"tp_size": 2}, "--tp-size 2: PDD supports tensor parallelism 1 only"),
+    ({"tp_size": 2, "kv_digest": True}, "--tp-size 2 with --pdd-enable-kv-digest: the KV digest "
+                                       "is not per TP rank yet"),
     ({"pp_size": 2}, "--pp-size 2: PDD does not support pipeline parallelism"),
+    ({"dp_size": 2}, "--dp-size 2: PDD does not support data parallelism inside one server"),
+    ({"dp_size": 2, "enable_dp_attention": True},
+     "--enable-dp-attention: PDD does not support DP attention"),
     ({"enable_dp_attention": True}, "--enable-dp-attention: PDD does not support DP attention"),
     ({"staging_buffer": True}, "SGLANG_DISAGG_STAGING_BUFFER=1"),
 ])
@@ -153,9 +157,10 @@ def test_the_default_parallelism_is_accepted():
     from pdd_sglang.server_args import check_parallelism
 
     check_parallelism("relay", tp_size=1, pp_size=1, enable_dp_attention=False, staging_buffer=False)
+    check_parallelism("main", tp_size=2)  # issue 23: every role runs at TP > 1
 
 
-def test_sglangs_own_argument_resolution_refuses_a_role_with_tp_2():
+def test_sglangs_own_argument_resolution_refuses_tp_2_with_the_kv_digest():
     """SGLang's resolution step (patch 0001) runs the check, before any server starts."""
     import subprocess
     import sys
@@ -163,10 +168,12 @@ def test_sglangs_own_argument_resolution_refuses_a_role_with_tp_2():
     from pdd_sglang.dev.testing.tiny_model import ensure_tiny_model
 
     argv = ["--model-path", str(ensure_tiny_model()), "--pdd-role", "relay", "--tp-size", "2",
+            "--pdd-enable-kv-digest",
             "--disaggregation-transfer-backend", "mooncake_tcp", "--device", "cpu"]
     proc = subprocess.run(
         [sys.executable, "-c", "import sys; from sglang.srt.server_args import prepare_server_args; "
          "prepare_server_args(sys.argv[1:]).resolve_once()", *argv],
         capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
-    assert "--pdd-role relay with --tp-size 2: PDD supports tensor parallelism 1 only" in proc.stderr
+    assert ("--pdd-role relay with --tp-size 2 with --pdd-enable-kv-digest: the KV digest is not "
+            "per TP rank" in proc.stderr)

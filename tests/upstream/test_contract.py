@@ -84,6 +84,10 @@ HOOKED_SYMBOLS = [
     ("managers/scheduler.py", "run_scheduler_process"),
     ("managers/scheduler.py", "Scheduler.on_idle"),
     ("managers/scheduler_components/ipc_channels.py", "SchedulerIpcChannels.recv_from_tokenizer"),
+    # 0017: the CPU engine's model-parallel groups without PyNccl
+    ("distributed/parallel_state.py", "init_model_parallel_group"),
+    ("distributed/parallel_state.py", "_is_cpu"),
+    ("distributed/parallel_state.py", "GroupCoordinator.all_reduce"),
     # Environment switches that the CPU profile and the tests set
     ("environ.py", "Envs.SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE"),
 ]
@@ -279,3 +283,58 @@ def test_mooncake_exposes_the_asynchronous_transfer_api_the_wan_engine_uses():
     for name in ("transfer_submit_write", "transfer_check_status", "batch_transfer_sync_write",
                  "batch_register_memory", "batch_unregister_memory", "get_rpc_port"):
         assert hasattr(TransferEngine, name), name
+
+
+# Issue 26 (operator): patch 0012's launcher, and the multiprocess metrics PDD's series join.
+OPERATOR_SYMBOLS = [
+    ("entrypoints/engine.py", "Engine._launch_subprocesses"),
+    ("entrypoints/engine.py", "Engine._launch_detokenizer_subprocesses"),
+    ("utils/common.py", "set_prometheus_multiproc_dir"),
+    ("utils/common.py", "kill_itself_when_parent_died"),
+]
+
+
+@pytest.mark.parametrize("rel, symbol", OPERATOR_SYMBOLS, ids=[s for _, s in OPERATOR_SYMBOLS])
+def test_operator_symbol_exists(rel, symbol):
+    assert symbol in definitions(rel), f"sglang/srt/{rel} no longer defines {symbol}"
+
+
+def test_sglang_sets_the_multiprocess_metrics_dir_pdd_reads():
+    source = (SRT / "utils" / "common.py").read_text()
+    assert 'os.environ["PROMETHEUS_MULTIPROC_DIR"]' in source
+    collector = (SRT / "observability" / "metrics_collector.py").read_text()
+    assert 'name="sglang:' in collector  # the prefix PDD's series share
+
+
+# Issue 23 (PDD at TP > 1): what pdd_sglang.decode.tp_sync and the fan-out's TP check rely on.
+def test_the_tp_group_and_broadcast_the_handoff_step_shares_rank_0s_inputs_over():
+    import inspect
+
+    from sglang.srt.distributed.parallel_state import GroupCoordinator
+    from sglang.srt.utils import broadcast_pyobj
+
+    assert list(inspect.signature(broadcast_pyobj).parameters)[:4] == [
+        "data", "rank", "dist_group", "src"]
+    init = inspect.getsource(GroupCoordinator.__init__)
+    for attribute in ("self.ranks", "self.world_size", "self.rank_in_group", "self.cpu_group",
+                      "self.rank "):
+        assert attribute in init, attribute
+    source = (SRT / "runtime_context.py").read_text()
+    assert '("tp_size", "tp_group")' in source  # get_parallel().tp_size / .tp_group
+    receiver = (SRT / "managers" / "scheduler_components" / "request_receiver.py").read_text()
+    assert "src=tp_group.ranks[0]" in receiver  # the call tp_sync mirrors
+
+
+def test_the_handoff_step_runs_once_per_iteration_on_every_rank():
+    """``RankInputs.share`` is a collective inside ``handoff_step``: SGLang's decode loops must
+    call ``get_next_disagg_decode_batch_to_run`` unconditionally after ``ingest_requests``."""
+    source = (SRT / "disaggregation" / "decode.py").read_text()
+    for loop in ("def event_loop_normal_disagg_decode", "def event_loop_overlap_disagg_decode"):
+        body = source.split(loop, 1)[1].split("\n    def ", 1)[0]
+        assert body.index("self.ingest_requests()") < body.index(
+            "plan = self.get_next_disagg_decode_batch_to_run("), loop
+        between = body.split("self.ingest_requests()", 1)[1].split(
+            "plan = self.get_next_disagg_decode_batch_to_run(", 1)[0]
+        assert "continue" in between and "_engine_paused" in between  # the only skip: paused
+    conn = (SRT / "disaggregation" / "common" / "conn.py").read_text()
+    assert "self.attn_tp_size = parallel.attn_tp_size" in conn  # the hello's and fan-out's size
