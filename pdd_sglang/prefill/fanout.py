@@ -82,6 +82,11 @@ class PrefillFanout(FanoutDeadlines):
 
     def __init__(self, kv_mgr: Any, clock: Callable[[], float] = time.monotonic):
         self.kv_mgr = kv_mgr
+        # Mooncake's status message leaves out its reason frame (NIXL's and Mori's carry it), so
+        # a decode told Failed reported SGLang's "it might be dead" whatever PDD said. SGLang's
+        # decode reads the frame when it is there: with it, the reason PDD tells a destination
+        # (a refused hello, a dropped main) is the client's error. This prefill's only.
+        kv_mgr.kv_status_msg_carries_reason = True
         self.clock = clock
         self.events: queue.SimpleQueue = queue.SimpleQueue()
         # Set by WanPath: where work and peer jobs go. Tests plug lists in.

@@ -4,6 +4,11 @@ Each server's actual PDD role (``pdd_role`` in its ``/server_info``) is checked 
 was given in (``--prefill``, ``--relay``, ``--main``) at start and on every health poll
 (:func:`role_mismatch`): a prefill started without ``--pdd-role`` falls back to SGLang's one-prefix
 rule and would send wrong pages, so such a server never serves.
+
+Their TP sizes (``tp_size`` in ``/server_info``) are checked the same way
+(:meth:`ServerPool.tp_mismatch`): PDD needs one TP size on prefill, relay and main, so the router
+refuses to start beside a relay or main whose size differs from the prefill's, and a server whose
+size changed later leaves rotation as a wrong role does.
 """
 
 from __future__ import annotations
@@ -42,8 +47,10 @@ class Upstream:
     wan_out: bool = False
     # Its --pdd-advertise-host (from /server_info): a prefill's is where mains register.
     advertise_host: Optional[str] = None
-    # Why it is refused (its actual role is not the one it was given); None when it matches.
+    # Why it is refused (its actual role is not the one it was given, or its TP size is not the
+    # prefill's); None when it matches.
     role_error: Optional[str] = None
+    tp_size: Optional[int] = None  # its --tp-size (from /server_info); None when not reported
 
     @property
     def host(self) -> str:
@@ -67,6 +74,8 @@ class Upstream:
         self.control_address = handoff.get("control_address") or self.control_address
         self.mooncake_session = pdd.get("mooncake_session") or self.mooncake_session
         self.advertise_host = server_info.get("pdd_advertise_host") or None
+        tp_size = server_info.get("tp_size")
+        self.tp_size = int(tp_size) if tp_size else None
 
 
 ROLE_FLAGS = {PREFILL: "--prefill", RELAY: "--relay", MAIN: "--main"}
@@ -85,6 +94,11 @@ def role_mismatch(upstream: Upstream, server_info: dict) -> Optional[str]:
             "it under " + (ROLE_FLAGS.get(actual, "the flag of its role")))
 
 
+TP_WHY = ("PDD needs one TP size on prefill, relay and main: each decode rank pairs with the "
+          "prefill rank of its index, and slicing heads between TP sizes is not wired into PDD's "
+          "senders")
+
+
 class NoHealthyServer(RuntimeError):
     def __init__(self, role: str):
         super().__init__(f"no healthy {role} server")
@@ -100,9 +114,34 @@ class ServerPool:
             RELAY: [Upstream(RELAY, url) for url in relays],
             MAIN: [Upstream(MAIN, url) for url in mains],
         }
+        # The one TP size, taken at start from the first prefill that reports one, and that
+        # prefill's URL (settle_tp_size); every server is checked against it from then on.
+        self.tp_size: Optional[int] = None
+        self.tp_source: Optional[str] = None
 
     def all(self) -> list[Upstream]:
         return [u for group in self.by_role.values() for u in group]
+
+    def settle_tp_size(self) -> None:
+        """Take the TP size of the first listed prefill that reported one (and has its role)."""
+        for upstream in self.by_role[PREFILL]:
+            if upstream.tp_size is not None and upstream.role_error is None:
+                self.tp_size, self.tp_source = upstream.tp_size, upstream.url
+                return
+
+    def tp_mismatch(self, upstream: Upstream) -> Optional[str]:
+        """None when ``upstream`` runs the prefill's TP size (or either is unknown); else why
+        it is refused, naming both servers and both sizes."""
+        if self.tp_size is None or upstream.tp_size in (None, self.tp_size):
+            return None
+        if upstream.url == self.tp_source:
+            return (f"{upstream.url} (prefill) now runs --tp-size {upstream.tp_size}, but it ran "
+                    f"--tp-size {self.tp_size} when the router started, the size every server "
+                    f"is checked against: {TP_WHY}; restart it with --tp-size {self.tp_size}, or "
+                    "restart the router once every server runs the new size")
+        return (f"{upstream.url} ({upstream.role}) runs --tp-size {upstream.tp_size}, but the "
+                f"prefill {self.tp_source} runs --tp-size {self.tp_size}: {TP_WHY}; restart "
+                f"it with --tp-size {self.tp_size}")
 
     def healthy(self, role: str) -> list[Upstream]:
         return [u for u in self.by_role[role] if u.healthy and not u.wan_out]
@@ -152,7 +191,8 @@ class HealthMonitor:
         self.on_recovered = None
         # Called with each server the moment it leaves rotation.
         self.on_removed: list[Callable[[Upstream], None]] = []
-        # Called (and awaited) after each healthy poll: the server's role mismatch, or None.
+        # Called (and awaited) after each healthy poll: why the server is refused (its role or
+        # its TP size), or None.
         self.check_role = None
 
     def start(self) -> None:
@@ -210,18 +250,19 @@ class HealthMonitor:
             self.report_failure(upstream)
 
     def refuse_if_wrong_role(self, upstream: Upstream, mismatch: Optional[str]) -> bool:
-        """Take a server whose role is not the one it was given out of rotation (it stays out
-        until a poll finds the right role). True when its role is right."""
+        """Take a server whose role is not the one it was given, or whose TP size is not the
+        prefill's, out of rotation (it stays out until a poll finds both right). True when
+        both are right."""
         if mismatch is None:
             if upstream.role_error is not None:
-                logger.warning("%s %s now runs --pdd-role %s", upstream.role, upstream.url,
-                               upstream.role)
+                logger.warning("%s %s now runs --pdd-role %s at the router's TP size",
+                               upstream.role, upstream.url, upstream.role)
             upstream.role_error = None
             return True
         if mismatch != upstream.role_error:
             logger.error("refused: %s", mismatch)
         upstream.role_error = mismatch
-        self._remove(upstream, "has the wrong PDD role")
+        self._remove(upstream, "has the wrong PDD role or TP size")
         return False
 
     def _last_prefill(self, upstream: Upstream) -> bool:

@@ -40,7 +40,11 @@ class RouterService:
 
     async def start(self) -> None:
         await self.client.start()
-        await self._wait_for_servers()
+        try:
+            await self._wait_for_servers()
+        except BaseException:  # a refusal: close the session (no "Unclosed client session")
+            await self.client.close()
+            raise
         main = next(u for u in self.pool.by_role[MAIN] if u.healthy)
         model_info = await self.client.get_json(main, "/model_info")
         server_info = await self.client.get_json(main, "/server_info")
@@ -84,6 +88,10 @@ class RouterService:
             pending = {u for u, ok in zip(list(pending), results) if not ok}
             if pending:
                 await asyncio.sleep(1.0)
+        self.pool.settle_tp_size()  # from the prefills that answered; then everyone against it
+        for upstream in self.pool.all():
+            if upstream not in pending and upstream.role_error is None:
+                upstream.role_error = self.pool.tp_mismatch(upstream)
         wrong = [u.role_error for u in self.pool.all() if u.role_error is not None]
         if wrong:
             raise RuntimeError("refusing to start: " + "; ".join(wrong))
@@ -105,21 +113,23 @@ class RouterService:
         except Exception as err:  # a server mid-start answers /health before /server_info
             logger.debug("server_info of %s: %r", upstream.url, err)
             return False
-        upstream.role_error = role_mismatch(upstream, info)
+        # The TP size too, once the start settled it (a server that was down at start).
+        upstream.role_error = role_mismatch(upstream, info) or self.pool.tp_mismatch(upstream)
         return True
 
     async def _recovered(self, upstream: Upstream) -> bool:
         return await self._learn(upstream) and upstream.role_error is None
 
     async def _check_role(self, upstream: Upstream):
-        """Each health poll: re-read the server's /server_info (its role, what it advertises)."""
+        """Each health poll: re-read the server's /server_info (its role, its TP size, what it
+        advertises)."""
         try:
             info = await self.client.get_json(upstream, "/server_info", timeout_s=10.0)
         except Exception as err:  # busy past the timeout: its role is what it was
             logger.debug("server_info of %s: %r", upstream.url, err)
             return upstream.role_error
         upstream.learn(info)
-        return role_mismatch(upstream, info)
+        return role_mismatch(upstream, info) or self.pool.tp_mismatch(upstream)
 
     async def stop(self) -> None:
         await self.health.stop()

@@ -24,8 +24,8 @@ kept under ``--log-dir``.
 
 Status (issue 23): PDD runs at ``--tp-size`` > 1 when prefill, relay and main share one TP size
 (token-exact on the CPU engine: ``tests/integration/test_tp.py``; not yet run on a GPU). Per-role
-sizes that differ are refused request by request at bootstrap (``tp_size_mismatch``, naming both
-sizes). A build that still refuses TP at start is reported as such (``REFUSED``, exit 3).
+sizes that differ are refused by the PDD router at start and by prefill request by request at
+bootstrap (``tp_size_mismatch``), each naming both sizes. A build that still refuses TP at start is reported as such (``REFUSED``, exit 3).
 """
 
 from __future__ import annotations

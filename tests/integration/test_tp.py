@@ -13,9 +13,11 @@ Issue 23, step 2: PDD's prefill, relay and main, each at ``--tp-size 2``, token 
 the plain TP 2 server, on the module's one TP 2 cluster (``conftest.py``: ``tp2_cluster``).
 Through the PDD router: a P->MD request, a P->RLD->MD request handed off, and one the relay
 finishes alone. One-Shot and Catch-Up at a fixed handoff point go spliced as the router splices
-them (``generate_pdd``), since only a route carries the relay's test-only hold. Then every rank's
-pool and radix locks are back to baseline (``/server_info``: ``pdd.tp_ranks``), and SIGTERM
-closes PDD on every rank of every role.
+them (``generate_pdd``), since only a route carries the relay's test-only hold; then the Catch-Up
+conversation's next turn, where every prefill rank sends the main only the tokens past main's
+cached prefix and the relay all of them (the DRC, checked per rank in prefill's log). Then every
+rank's pool and radix locks are back to baseline (``/server_info``: ``pdd.tp_ranks``), and
+SIGTERM closes PDD on every rank of every role.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 from pdd_sglang.dev.testing.pd_client import generate_pdd
+
+TP = 2
 
 GREEDY = {"max_new_tokens": 48, "temperature": 0, "ignore_eos": True}
 PROMPT_SEED = 23
@@ -102,7 +106,28 @@ def plain(cluster, prompt: list[int], max_new_tokens: int) -> list[int]:
         "max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}})["output_ids"]
 
 
-def test_pdd_at_tp_2_on_every_role_matches_plain_tp_2(tp2_cluster):
+def sent_by_rank(prefill, room: int, timeout_s: float = 30.0) -> dict:
+    """What each prefill rank's fan-out logged it sent for ``room``: {rank: {role: (pages,
+    bytes)}} (``PDD room R sent: relay P pages / B B; main ...``, one line per rank)."""
+    import re
+    import time
+
+    line = re.compile(rf"\bTP(\d+)\] PDD room {room} sent: (.*)$")
+    part = re.compile(r"(\w+) (\d+) pages / (\d+) B")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = {}
+        for text in prefill.log_path.read_text(errors="replace").splitlines():
+            match = line.search(text)
+            if match:
+                found[int(match[1])] = {role: (int(pages), int(nbytes))
+                                        for role, pages, nbytes in part.findall(match[2])}
+        if len(found) == TP or time.monotonic() > deadline:
+            return found
+        time.sleep(0.5)
+
+
+def test_pdd_at_tp_2_on_every_role_matches_plain_tp_2(tp2_cluster, tiny_model):
     cluster = tp2_cluster
     rng = random.Random(PROMPT_SEED + 1)
 
@@ -136,6 +161,7 @@ def test_pdd_at_tp_2_on_every_role_matches_plain_tp_2(tp2_cluster):
     assert answer["output_ids"] == plain(cluster, prompt, 2), f"relay-finished: {pdd}"
 
     # One-Shot and Catch-Up at a fixed point (the relay's test-only hold; several Catch-Up chunks).
+    rooms = []  # (room, prompt, main's cached prefix) of each request routed P->RLD->MD here
     for mode, point in (("one-shot", 5), ("catch-up", 20)):
         prompt = fresh(LONG)
         body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 40, "temperature": 0,
@@ -146,6 +172,34 @@ def test_pdd_at_tp_2_on_every_role_matches_plain_tp_2(tp2_cluster):
         assert got["mode"] == mode and got["handed_tokens"] >= point, (mode, got["handed_tokens"])
         assert got["output_ids"] == plain(cluster, prompt, 40), mode
         seen[mode] = got["handed_tokens"]
+        rooms.append((got["room"], prompt, got["main"]["meta_info"]["cached_tokens"]))
+
+    # The DRC byte ratio at every rank: the Catch-Up conversation's next turn, handed off at
+    # token 2. Prefill sends the relay every token of the prompt and the main only those past the
+    # prefix main's radix cache holds (the previous turn, which main finished), each prefill rank
+    # its own half of the KV heads. Each rank's fan-out logs what it sent; rank 0's ledger is in
+    # /server_info too.
+    turn = prompt + got["output_ids"] + fresh(SHORT)
+    body = {"input_ids": turn, "sampling_params": {"max_new_tokens": 8, "temperature": 0,
+                                                   "ignore_eos": True}}
+    got = generate_pdd(cluster["prefill"], cluster["relay"], cluster["main"], body,
+                       cluster.bootstrap_port, debug_handoff_after_tokens=2)
+    assert got["handed_tokens"] == 2 and got["output_ids"] == plain(cluster, turn, 8), got
+    main_hit = got["main"]["meta_info"]["cached_tokens"]
+    assert main_hit >= len(prompt), (main_hit, len(prompt))  # the previous turn, at least
+    rooms.append((got["room"], turn, main_hit))
+    per_rank_bytes = tiny_model[0].kv_bytes_per_token // TP  # per token: its share of KV heads
+    ledger = cluster["prefill"].pdd_state()["transfers"]["by_request"]
+    drc = {}
+    for room, room_prompt, hit in rooms:
+        tokens = {"relay": len(room_prompt), "main": len(room_prompt) - hit}  # page size 1
+        want = {role: (n, n * per_rank_bytes) for role, n in tokens.items()}
+        rank0 = {r["role"]: (r["pages"], r["bytes"]) for r in ledger if r["room"] == room}
+        assert rank0 == want, (room, hit, rank0, want)
+        assert sent_by_rank(cluster["prefill"], room) == {rank: want for rank in range(TP)}, (
+            room, hit, want)
+        drc[room] = want["main"][1] / want["relay"][1]
+    seen["drc_main_over_relay_bytes"] = [round(ratio, 3) for ratio in drc.values()]
     events = cluster["relay"].pdd_state()["handoff"]["events"]
     for mode in ("one-shot", "catch-up"):
         key = f"mode_{mode}"
@@ -161,7 +215,8 @@ def test_pdd_at_tp_2_on_every_role_matches_plain_tp_2(tp2_cluster):
         state = cluster[name].pdd_state().get("handoff") or {}
         assert not any(state.get(k) for k in ("parked", "pending", "active", "held_out")), state
     assert cluster.dead_servers() == []
-    print("TP 2 handoffs (mode, handed tokens):", seen)
+    print("TP 2 handoffs (mode, handed tokens), and main's KV bytes over the relay's per room "
+          "(the last: the next turn):", seen)
 
     # SIGTERM, as an operator stops SGLang: each rank's scheduler closes its PDD owners. The router
     # goes first: its open connections to prefill would hold prefill's HTTP server in its

@@ -1,6 +1,7 @@
 """The router checks each server's actual PDD role at start and on every health poll (issue 26,
 item 2): a server in the wrong list, or without a role, is refused with a message naming its
-URL, the role it has and the role it was given."""
+URL, the role it has and the role it was given. Its TP size is checked alike (issue 23): one
+size on prefill, relay and main, or a refusal naming both servers and both sizes."""
 
 from __future__ import annotations
 
@@ -120,3 +121,157 @@ def test_a_prefill_advertises_its_bootstrap_host():
     assert prefill.bootstrap_host == "10.1.0.2"
     prefill.learn({"pdd_role": "prefill", "pdd_advertise_host": "p.dc-a.example"})
     assert prefill.bootstrap_host == "p.dc-a.example"
+
+
+# ---- TP size (issue 23): one size on prefill, relay and main ----------------------------------
+class ScriptedServers:
+    """/health always OK; /server_info from ``infos`` (url -> dict), changed by the test."""
+
+    def __init__(self, infos: dict):
+        self.infos = infos
+
+    async def healthy(self, upstream, timeout_s=10.0):
+        return True
+
+    async def health(self, upstream, timeout_s: float = 10.0) -> str:
+        return HEALTH_OK
+
+    async def get_json(self, upstream, path, timeout_s=30.0):
+        assert path == "/server_info"
+        return dict(self.infos[upstream.url])
+
+
+def _service(infos: dict, prefills=("http://p",), relays=("http://r",), mains=("http://m",)):
+    from types import SimpleNamespace
+
+    from pdd_sglang.router.service import RouterService
+
+    config = SimpleNamespace(prefills=[PrefillEndpoint(url, 1) for url in prefills],
+                             relays=list(relays), mains=list(mains), startup_timeout_s=5.0)
+    service = RouterService.__new__(RouterService)
+    service.config = config
+    service.pool = ServerPool(config.prefills, config.relays, config.mains)
+    service.client = ScriptedServers(infos)
+    return service
+
+
+def _infos(p: int, r: int, m: int) -> dict:
+    return {"http://p": {"pdd_role": "prefill", "tp_size": p},
+            "http://r": {"pdd_role": "relay", "tp_size": r},
+            "http://m": {"pdd_role": "main", "tp_size": m}}
+
+
+WHY = ("PDD needs one TP size on prefill, relay and main: each decode rank pairs with the prefill "
+       "rank of its index, and slicing heads between TP sizes is not wired into PDD's senders")
+
+
+@pytest.mark.parametrize("sizes, refused", [
+    ((2, 1, 2), ["http://r (relay) runs --tp-size 1, but the prefill http://p runs --tp-size 2"]),
+    ((1, 1, 2), ["http://m (main) runs --tp-size 2, but the prefill http://p runs --tp-size 1"]),
+    ((2, 4, 1), ["http://r (relay) runs --tp-size 4, but the prefill http://p runs --tp-size 2",
+                 "http://m (main) runs --tp-size 1, but the prefill http://p runs --tp-size 2"]),
+])
+def test_the_router_refuses_to_start_beside_a_decode_of_another_tp_size(sizes, refused):
+    service = _service(_infos(*sizes))
+    with pytest.raises(RuntimeError) as err:
+        asyncio.run(service._wait_for_servers())
+    assert str(err.value) == "refusing to start: " + "; ".join(
+        f"{r}: {WHY}; restart it with --tp-size {sizes[0]}" for r in refused)
+
+
+def test_a_second_prefill_of_another_tp_size_is_refused_too():
+    infos = {**_infos(2, 2, 2), "http://p2": {"pdd_role": "prefill", "tp_size": 1}}
+    service = _service(infos, prefills=("http://p", "http://p2"))
+    with pytest.raises(RuntimeError, match=r"http://p2 \(prefill\) runs --tp-size 1, but the "
+                                           r"prefill http://p runs --tp-size 2: PDD needs"):
+        asyncio.run(service._wait_for_servers())
+
+
+@pytest.mark.parametrize("infos", [_infos(2, 2, 2), _infos(1, 1, 1),
+                                   {u: {"pdd_role": i["pdd_role"]}  # no tp_size: not checked
+                                    for u, i in _infos(1, 2, 4).items()}])
+def test_one_tp_size_everywhere_starts(infos):
+    service = _service(infos)
+    asyncio.run(service._wait_for_servers())
+    assert all(u.healthy and u.role_error is None for u in service.pool.all())
+    assert service.pool.tp_size == infos["http://p"].get("tp_size")
+
+
+def test_a_wrong_role_is_reported_as_such_not_as_a_tp_size():
+    infos = _infos(2, 1, 2)
+    infos["http://r"]["pdd_role"] = "main"
+    service = _service(infos)
+    with pytest.raises(RuntimeError) as err:
+        asyncio.run(service._wait_for_servers())
+    assert "http://r runs --pdd-role main" in str(err.value)
+    assert "--tp-size" not in str(err.value)
+
+
+def test_a_poll_takes_out_a_server_whose_tp_size_changed_and_returns_it_when_right(caplog):
+    infos = _infos(2, 2, 2)
+    service = _service(infos)
+    asyncio.run(service._wait_for_servers())
+    monitor = HealthMonitor(service.pool, service.client, interval_s=1.0, failures_to_remove=2)
+    monitor.check_role = service._check_role
+    monitor.on_recovered = service._recovered
+    removed = []
+    monitor.on_removed.append(removed.append)
+    (prefill,), (main,) = service.pool.by_role[PREFILL], service.pool.by_role[MAIN]
+
+    infos["http://m"]["tp_size"] = 1  # main restarted at another size
+    with caplog.at_level("ERROR", logger="pdd_sglang.router"):
+        asyncio.run(monitor._check(main))
+        asyncio.run(monitor._check(main))  # still wrong: refused once, logged once
+    assert not main.healthy and removed == [main] and service.pool.healthy(MAIN) == []
+    assert main.role_error == (f"http://m (main) runs --tp-size 1, but the prefill http://p runs "
+                               f"--tp-size 2: {WHY}; restart it with --tp-size 2")
+    assert [r.message for r in caplog.records].count(f"refused: {main.role_error}") == 1
+    infos["http://m"]["tp_size"] = 2
+    asyncio.run(monitor._check(main))
+    assert main.healthy and main.role_error is None
+
+    infos["http://p"]["tp_size"] = 4  # the prefill the size was taken from changed
+    asyncio.run(monitor._check(prefill))
+    assert not prefill.healthy and removed == [main, prefill]
+    assert prefill.role_error.startswith("http://p (prefill) now runs --tp-size 4, but it ran "
+                                         "--tp-size 2 when the router started")
+    infos["http://p"]["tp_size"] = 2
+    asyncio.run(monitor._check(prefill))
+    assert prefill.healthy and prefill.role_error is None
+
+
+def test_a_server_down_at_start_is_checked_against_the_tp_size_when_it_returns():
+    infos = _infos(2, 2, 2)
+    service = _service(infos)
+    down = {"http://r"}
+    healthy = service.client.healthy
+
+    async def maybe_healthy(upstream, timeout_s=10.0):
+        return upstream.url not in down and await healthy(upstream, timeout_s)
+
+    service.client.healthy = maybe_healthy
+    service.config.startup_timeout_s = 0.01
+    asyncio.run(service._wait_for_servers())
+    (relay,) = service.pool.by_role[RELAY]
+    assert not relay.healthy and service.pool.tp_size == 2
+    down.clear()
+    infos["http://r"]["tp_size"] = 1
+    monitor = HealthMonitor(service.pool, service.client, interval_s=1.0, failures_to_remove=2)
+    monitor.check_role = service._check_role
+    monitor.on_recovered = service._recovered
+    asyncio.run(monitor._check(relay))
+    assert not relay.healthy and "http://r (relay) runs --tp-size 1" in relay.role_error
+
+
+def test_a_refused_start_closes_the_router_s_http_session():
+    service = _service(_infos(2, 1, 2))
+    calls = []
+    service.client.start = lambda: _note(calls, "start")
+    service.client.close = lambda: _note(calls, "close")
+    with pytest.raises(RuntimeError, match="refusing to start"):
+        asyncio.run(service.start())
+    assert calls == ["start", "close"]
+
+
+async def _note(calls, what):
+    calls.append(what)

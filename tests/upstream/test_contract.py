@@ -338,3 +338,14 @@ def test_the_handoff_step_runs_once_per_iteration_on_every_rank():
         assert "continue" in between and "_engine_paused" in between  # the only skip: paused
     conn = (SRT / "disaggregation" / "common" / "conn.py").read_text()
     assert "self.attn_tp_size = parallel.attn_tp_size" in conn  # the hello's and fan-out's size
+
+
+def test_a_status_message_carries_its_reason_when_the_manager_says_so():
+    """The PDD prefill turns on ``kv_status_msg_carries_reason`` (off for Mooncake upstream) so a
+    decode's error names why prefill failed the room; the encoder must still read that switch."""
+    import inspect
+
+    from sglang.srt.disaggregation.common.conn import CommonKVManager
+
+    assert CommonKVManager.kv_status_msg_carries_reason is False
+    assert "kv_status_msg_carries_reason" in inspect.getsource(CommonKVManager._encode_kv_status_message)
