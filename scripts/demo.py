@@ -15,17 +15,24 @@ three setups, at two operating points: latency (one conversation at a time) and 
                --placement (congestion-aware by default); at the load point PDD runs a second
                time with the other placement (setups.pdd_idle_line or pdd_congestion_aware).
 
+TTFT budget (--ttft-slo-ms MS, or --ttft-slo-x F: F x same-DC PD's TTFT P50 at the same point,
+measured earlier in the run): every PDD setup's router places by it (P->MD only when the TTFT
+predicted through main fits it). Every setup reports the share of its requests within the budget,
+and PDD the relay's busy share (the relay's decode tokens over all decode tokens: the cost side).
+--frontier runs the load point only: same-DC and naive cross-DC PD, then PDD at four budgets
+(1.0, 1.15, 1.5, 3.0 x same-DC's P50; the bar applies at 1.15), and draws frontier.png.
+
 Equal compute per role: every SGLang server runs in its own cgroup v1 CPU group with the same
 quota (pdd_sglang.dev.cpu_budget), the rest of the machine is headroom for the router, the line's
 forwarder and the clients; per-server CPU, run-queue wait and throttled time go to demo.json.
 
-Writes DIR/demo.json, DIR/ttft.png and DIR/stages.png (DIR: --out, default out/demo).
+Writes DIR/demo.json, DIR/ttft.png and DIR/stages.png (and DIR/frontier.png with --frontier;
+DIR: --out, default out/demo).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import signal
@@ -39,13 +46,13 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from pdd_sglang.dev import cpu_budget  # noqa: E402
-from pdd_sglang.dev.demo import figures, report  # noqa: E402
-from pdd_sglang.dev.demo.progress import Progress  # noqa: E402
+from pdd_sglang.dev.demo import budget, figures, report  # noqa: E402
+from pdd_sglang.dev.demo.setup_run import Aborted, cleanup, leftovers, run_setup  # noqa: E402
 from pdd_sglang.dev.testing import agentic  # noqa: E402
 from pdd_sglang.dev.testing.cluster import RELAY_CPU_ARGS, Cluster, free_port  # noqa: E402
 from pdd_sglang.dev.testing.tiny_model import WAN_DEMO_MODEL, ensure_tiny_model  # noqa: E402
-from pdd_sglang.dev.testing.wan_cluster import NetnsServer, RouterProcess, in_namespace  # noqa: E402
-from pdd_sglang.dev.wan_emulator import WanLine, check_prerequisites, netns  # noqa: E402
+from pdd_sglang.dev.testing.wan_cluster import NetnsServer  # noqa: E402
+from pdd_sglang.dev.wan_emulator import WanLine, check_prerequisites  # noqa: E402
 
 DEMO_MODEL = WAN_DEMO_MODEL  # 8 KiB of KV per token: a 1000-token document is 8 MB on the wire
 # The line: at 10 Mbit/s a 1000-token document's KV (8.2 MB) takes about 6.6 s to cross, a
@@ -75,98 +82,39 @@ MAX_TOTAL_TOKENS = 32768  # per server: the conversations in flight and the syst
 TRANSPORT = ("--disaggregation-transfer-backend", "mooncake_tcp")
 # SGLang's own per-request time stats: in the prefill's answer (the stage split) and in the logs.
 TIME_STATS = ("--enable-metrics", "--enable-request-time-stats-logging")
+# Relay and mains: SGLang's /metrics, for their decode work (the relay's busy share).
+METRICS = ("--enable-metrics",)
 SERVERS_AT_ONCE = 3  # PDD's prefill, relay and main: the most one setup keeps busy
 OTHER_PLACEMENT = {"congestion-aware": "idle-line", "idle-line": "congestion-aware"}
 
 
-class Aborted(RuntimeError):
-    pass
+def _multiples(text: str) -> tuple:
+    try:
+        return tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers separated by commas, got {text!r}")
 
 
 def _raise_exit(signum, frame):
     raise SystemExit(128 + signum)
 
 
-def line_bytes(line: WanLine) -> dict:
-    a, b = line.counters("a"), line.counters("b")
-    return {"a_to_b": a["tx_bytes"], "b_to_a": b["tx_bytes"]}
-
-
-def ledger_main_bytes(prefill: NetnsServer) -> int:
-    by_role = prefill.pdd_state()["transfers"]["by_role"]
-    return sum(v["bytes"] + v.get("aux_bytes", 0) for role, v in by_role.items() if role != "relay")
-
-
-def run_setup(label: str, line: WanLine, prefill: NetnsServer, main: NetnsServer,
-              relay: NetnsServer | None, placement: str, servers: list, groups: dict,
-              workload: tuple, log_dir: Path, bootstrap_port: int,
-              crash_after: int | None) -> dict:
-    system, conversations, spec = workload
-    ns_a = line.namespace("a")
-    relay_args = ("--relay", relay.url) if relay is not None else ()
-    log_path = log_dir / f"router-{label}.log"
-    router = RouterProcess(log_path, [
-        "--prefill", prefill.url, str(bootstrap_port), *relay_args, "--main", main.url,
-        "--wan-gbps", repr(line.rate_mbit / 1e3), "--wan-rtt-ms", repr(line.rtt_ms),
-        "--placement", placement, "--health-interval-s", "5", "--read-timeout-s", "180"],
-        exec_prefix=line.exec_prefix("a"), netns_name=ns_a)
-    try:
-        router.start()
-        # Warm-up, not measured: the shared system prompt once, so both caches hold it and the
-        # transfer connections exist, as in a service that has been running.
-        warm = agentic.RequestResult(-1, 0, len(system) + 8, 8, 4)
-        with in_namespace(ns_a):
-            agentic.stream_generate(router.host, router.port, {
-                "input_ids": system + [5, 6, 7, 8, 9, 10, 11, 12],
-                "sampling_params": {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}},
-                300.0, warm)
-        if warm.error:
-            raise Aborted(f"{label}: warm-up request failed: {warm.error}\n"
-                          f"router log:\n{router.log_tail()}")
-        for server in (prefill, main, *([relay] if relay else [])):
-            server.wait_idle(60)
-        wan_before, kv_before = line_bytes(line), ledger_main_bytes(prefill)
-        cpu_before = {name: group.snapshot() for name, group in groups.items()}
-        progress = Progress(label, spec.conversations * spec.turns)
-        crashed: list[str] = []
-
-        def on_result(result):
-            progress.update(result)
-            if crash_after is not None and progress.done == crash_after:
-                os.killpg(main.process.pid, signal.SIGKILL)  # --inject-crash: test the cleanup
-
-        def should_abort() -> bool:
-            if not crashed:
-                crashed.extend([s.name for s in servers if not s.alive()]
-                               + ([] if router.alive() else ["router"]))
-            return bool(crashed)
-
-        started = time.perf_counter()
-        results = agentic.run(system, conversations, spec, router.host, router.port,
-                              thread_setup=lambda: in_namespace(ns_a), on_result=on_result,
-                              should_abort=should_abort, timeout_s=180.0)
-        duration = time.perf_counter() - started
-        progress.close()
-        if any(r.error for r in results):
-            # A server SIGKILLed mid-run can fail the last requests before its process has
-            # exited (a 2.7 GB process takes a moment): give a death the time to show.
-            deadline = time.monotonic() + 15
-            while not should_abort() and time.monotonic() < deadline:
-                time.sleep(0.2)
-        if crashed:
-            logs = "\n".join(f"--- {s.name} ({s.log_path}):\n{s.log_tail(15)}"
-                             for s in servers if s.name in crashed)
-            raise Aborted(f"{label}: {', '.join(crashed)} died during the run\n{logs}")
-        cpu = {name: group.usage_between(cpu_before[name], group.snapshot())
-               for name, group in groups.items()}
-        wan_after, kv_after = line_bytes(line), ledger_main_bytes(prefill)
-    finally:
-        router.stop()
-    wan = {k: wan_after[k] - wan_before[k] for k in wan_before}
-    location = "cluster B" if main.netns == line.namespace("b") else "cluster A"
-    summary = report.summarize(results, report.prefill_stats_from_log(log_path), wan,
-                               kv_after - kv_before, duration, location, line.rate_mbit)
-    return {**summary, "placement": placement if relay is not None else None, "cpu": cpu}
+def plan_setups(args, main_a, main_b, relay, other: str | None) -> list[tuple]:
+    """(point, setup, main, relay, placement, budget as a multiple of same-DC's P50 or None),
+    in the order they run: same-DC PD first at each point, so its P50 is known before PDD's."""
+    if args.frontier:
+        return [("load", "same_dc_pd", main_a, None, args.placement, None),
+                ("load", "cross_dc_pd", main_b, None, args.placement, None),
+                *[("load", budget.setup_name(x), main_b, relay, args.placement, x)
+                  for x in sorted(set(args.frontier_x))]]
+    x = args.ttft_slo_x
+    return [("latency", "same_dc_pd", main_a, None, args.placement, None),
+            ("latency", "cross_dc_pd", main_b, None, args.placement, None),
+            ("latency", "pdd", main_b, relay, args.placement, x),
+            ("load", "same_dc_pd", main_a, None, args.placement, None),
+            ("load", "cross_dc_pd", main_b, None, args.placement, None),
+            ("load", "pdd", main_b, relay, args.placement, x),
+            ("load", other, main_b, relay, OTHER_PLACEMENT[args.placement], x)]
 
 
 def check_machine(cgroup_root: Path) -> str | None:
@@ -193,11 +141,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--server-cpu", type=float, default=None,
                         help="CPU quota of every SGLang server in cores (default: the machine "
                              "less 0.5 core of headroom, over the 3 servers PDD runs at once)")
+    slo = parser.add_mutually_exclusive_group()
+    slo.add_argument("--ttft-slo-ms", type=float, default=None, metavar="MS",
+                     help="TTFT budget of every PDD setup's router (its --ttft-slo-ms)")
+    slo.add_argument("--ttft-slo-x", type=float, default=None, metavar="F",
+                     help="TTFT budget of every PDD setup: F x same-DC PD's TTFT P50 at the same "
+                          "point, measured first in the same run")
+    parser.add_argument("--prefill-tokens-per-s", type=float, default=None,
+                        help="the router's prefill rate for the budget's prediction (default: "
+                             "measured in this run from same-DC PD's prefill forwards)")
+    parser.add_argument("--frontier", action="store_true",
+                        help="the load point only: same-DC and naive cross-DC PD, then PDD at "
+                             "each budget of --frontier-x (x same-DC P50); draws frontier.png")
+    parser.add_argument("--frontier-x", type=_multiples,
+                        default=budget.FRONTIER_X, metavar="F,F,...",
+                        help="the frontier's budgets, multiples of same-DC's P50 (default "
+                             f"{','.join(map(str, budget.FRONTIER_X))})")
     parser.add_argument("--cgroup-cpu-root", type=Path, default=cpu_budget.CPU_ROOT,
                         help=argparse.SUPPRESS)  # tests: a missing controller
     parser.add_argument("--inject-crash", type=int, default=None, metavar="N",
                         help=argparse.SUPPRESS)  # kill main after N requests of the first setup (tests)
     args = parser.parse_args(argv)
+    for flag, value in (("--ttft-slo-ms", args.ttft_slo_ms), ("--ttft-slo-x", args.ttft_slo_x),
+                        ("--prefill-tokens-per-s", args.prefill_tokens_per_s)):
+        if value is not None and not value > 0:
+            parser.error(f"{flag} must be > 0, got {value:g}")
+    if args.frontier and (args.ttft_slo_ms is not None or args.ttft_slo_x is not None):
+        parser.error("--frontier sets each PDD setup's budget itself (--frontier-x)")
+    if not args.frontier_x or not all(x > 0 for x in args.frontier_x):
+        parser.error(f"--frontier-x must be positive multiples, got {args.frontier_x}")
 
     reason = check_machine(args.cgroup_cpu_root)
     if reason:
@@ -225,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     servers: list = []
     cluster = None
     failure = None
-    other = f"pdd_{OTHER_PLACEMENT[args.placement].replace('-', '_')}"
+    other = None if args.frontier else f"pdd_{OTHER_PLACEMENT[args.placement].replace('-', '_')}"
     try:
         print(f"CPU budget: every SGLang server {server_cpu:g} core (cgroup cpu quota, "
               f"{cpu_budget.PERIOD_US // 1000} ms period) of {len(os.sched_getaffinity(0))}; "
@@ -248,31 +220,27 @@ def main(argv: list[str] | None = None) -> int:
                                   "--pdd-role", "prefill", "--disaggregation-bootstrap-port",
                                   str(bootstrap_port), *TRANSPORT, *TIME_STATS), **common)
         main_a = NetnsServer("main-a", host="127.0.0.1", exec_prefix=where("a", "main-a"),
-                             netns=ns_a, extra_args=("--pdd-role", "main", *TRANSPORT), **common)
+                             netns=ns_a, extra_args=("--pdd-role", "main", *TRANSPORT, *METRICS),
+                             **common)
         main_b = NetnsServer("main-b", host=line.address("b"), exec_prefix=where("b", "main-b"),
-                             netns=ns_b, extra_args=("--pdd-role", "main", *TRANSPORT), **common)
+                             netns=ns_b, extra_args=("--pdd-role", "main", *TRANSPORT, *METRICS),
+                             **common)
         # Beside prefill in cluster A; it binds cluster A's line address, so main-b reaches its
         # control channel only across the line.
         relay = NetnsServer("relay", host=line.address("a"), exec_prefix=where("a", "relay"),
-                            netns=ns_a, extra_args=("--pdd-role", "relay", *TRANSPORT,
+                            netns=ns_a, extra_args=("--pdd-role", "relay", *TRANSPORT, *METRICS,
                                                     *RELAY_CPU_ARGS), **common)
-        plan = [("latency", "same_dc_pd", main_a, None, args.placement),
-                ("latency", "cross_dc_pd", main_b, None, args.placement),
-                ("latency", "pdd", main_b, relay, args.placement),
-                ("load", "same_dc_pd", main_a, None, args.placement),
-                ("load", "cross_dc_pd", main_b, None, args.placement),
-                ("load", "pdd", main_b, relay, args.placement),
-                ("load", other, main_b, relay, OTHER_PLACEMENT[args.placement])]
+        plan = plan_setups(args, main_a, main_b, relay, other)
         if args.inject_crash is not None:  # the crash run ends in its first setup: start only
             plan = plan[:1]                # that setup's servers
-        needed = {s.name for _, _, *used, _ in plan for s in used if s is not None}
+        needed = {s.name for _, _, *used, _, _ in plan for s in used if s is not None}
         servers = [s for s in (prefill, main_a, main_b, relay) if s.name in needed | {"prefill"}]
         cluster = Cluster(servers).__enter__()
         for group in groups.values():  # the fairness rule holds from the first request on
             group.limit()
         timings["startup_s"] = round(time.perf_counter() - t0, 1)
         print(f"servers ready in {timings['startup_s']:.0f} s", flush=True)
-        for index, (point, name, main_server, relay_server, placement) in enumerate(plan):
+        for index, (point, name, main_server, relay_server, placement, slo_x) in enumerate(plan):
             if index:  # shared servers start each setup with an empty cache
                 for server in (prefill, main_server):
                     server.wait_idle(60)
@@ -283,10 +251,16 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{point} point: {spec.conversations} conversations x {spec.turns} turns, "
                       f"{spec.concurrency} at a time", flush=True)
             started = time.perf_counter()
+            try:
+                budget_s, rate = budget.setup_budget(
+                    args.ttft_slo_ms, slo_x, args.prefill_tokens_per_s,
+                    results[point].get("same_dc_pd"), len(workloads[point][0]))
+            except ValueError as err:
+                raise Aborted(f"{point}-{name}: {err}") from None
             results[point][name] = run_setup(
                 f"{point}-{name}", line, prefill, main_server, relay_server, placement, servers,
                 groups, workloads[point], log_dir, bootstrap_port,
-                args.inject_crash if index == 0 else None)
+                args.inject_crash if index == 0 else None, budget_s, rate)
             timings[f"{point}_{name}_s"] = round(time.perf_counter() - started, 1)
         dead = [s.name for s in servers if not s.alive()]
         if dead:
@@ -298,40 +272,61 @@ def main(argv: list[str] | None = None) -> int:
         failure = f"{type(err).__name__}: {err}"
         if not isinstance(err, Exception):  # Ctrl-C, SIGTERM: clean up, then leave
             pids = [s.process.pid for s in servers if s.process is not None]
-            _cleanup(cluster, line, groups)
+            cleanup(cluster, line, groups)
             print(f"\ndemo interrupted ({failure}); servers, cgroups and the WAN line stopped",
                   file=sys.stderr)
-            _leftovers(line, pids, groups, report_to=sys.stderr)
+            leftovers(line, pids, groups, report_to=sys.stderr)
             raise
     finally:
         pids = [s.process.pid for s in servers if s.process is not None]
-        _cleanup(cluster, line, groups)
+        cleanup(cluster, line, groups)
 
     leaks = {n: p for n, p in pools.items() if p["in_use_tokens"] or p["locked_tokens"]}
     timings["total_s"] = round(time.perf_counter() - t0, 1)
     if failure:
         print(f"\ndemo FAILED: {failure}", file=sys.stderr)
-        _leftovers(line, pids, groups, report_to=sys.stderr)
+        leftovers(line, pids, groups, report_to=sys.stderr)
         return 1
-    left = _leftovers(line, pids, groups)
+    left = leftovers(line, pids, groups)
     return write_and_print(args, results, line, server_cpu, workloads, pools, leaks, left,
                            timings, log_dir, model, other)
 
 
 def write_and_print(args, results: dict, line: WanLine, server_cpu: float, workloads: dict,
                     pools: dict, leaks: dict, left: dict, timings: dict, log_dir: Path, model,
-                    other: str) -> int:
+                    other: str | None) -> int:
     load = results["load"]
+    references = {point: budget.reference_budget(
+        args.ttft_slo_ms, args.ttft_slo_x or (budget.BAR_X if args.frontier else None),
+        setups.get("same_dc_pd")) for point, setups in results.items()}
+    for point, setups in results.items():
+        budget.annotate(setups, references[point])
     line_info = {"rate_mbit": args.rate_mbit, "rtt_ms": args.rtt_ms, "jitter_ms": args.jitter_ms,
                  "queue_bytes": line.queue_bytes(), "mtu": line.mtu,
                  "kv_bytes_per_token": DEMO_MODEL.kv_bytes_per_token,
                  "seconds_per_1000_uncached_tokens": round(
                      1000 * DEMO_MODEL.kv_bytes_per_token * 8 / (args.rate_mbit * 1e6), 3),
                  "forwarder_stats": line.last_stats}
-    bar = report.the_bar(load, leaks)
+    frontier_x = {budget.setup_name(x): x for x in set(args.frontier_x)} if args.frontier else {}
+    bar_setup = "pdd"
+    if args.frontier:  # the bar at the budget nearest 1.15 x same-DC's P50
+        bar_setup = min(frontier_x, key=lambda n: abs(frontier_x[n] - budget.BAR_X))
+    # PDD's place in the bar: the setup at ~1.15 x (frontier); errors: every setup's, once.
+    bar = report.the_bar({**{n: s for n, s in load.items() if n != bar_setup},
+                          "pdd": load[bar_setup]}, leaks)
+    bar["pdd_setup"] = bar_setup
+    bar["pdd_relay_busy_share"] = load[bar_setup].get("relay_busy_share")
+    bar["pdd_within_budget_share"] = load[bar_setup].get("within_budget_share")
     summary = {
         "setups": load, "latency_setups": results["latency"], "placement": args.placement,
         "other_placement_setup": other, "bar": bar,
+        "ttft_budget": {"slo_ms": args.ttft_slo_ms, "slo_x_of_same_dc_p50": args.ttft_slo_x,
+                        "reference_budget_s": {p: None if b is None else round(b, 4)
+                                               for p, b in references.items()},
+                        "within_budget": "share of a setup's requests with a client TTFT <= its "
+                                         "budget (its own; the reference one without)",
+                        "relay_busy_share": budget.frontier({}, {})["busy_share"]},
+        **({"frontier": budget.frontier(load, frontier_x)} if args.frontier else {}),
         # The load point's workload at the top (what scripts/validate_sim.py reads), the latency
         # point's under "latency".
         "workload": {**report.workload_stats(*workloads["load"], load),
@@ -360,15 +355,25 @@ def write_and_print(args, results: dict, line: WanLine, server_cpu: float, workl
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "demo.json").write_text(json.dumps(summary, indent=2))
-    for name, plot in (("ttft.png", lambda p: figures.plot_ttft(load, line_info, p)),
-                       ("stages.png", lambda p: figures.plot_stages(load, p))):
+    plots = [("ttft.png", lambda p: figures.plot_ttft(load, line_info, p)),
+             ("stages.png", lambda p: figures.plot_stages(load, p))]
+    if args.frontier:
+        plots.append(("frontier.png", lambda p: figures.plot_frontier(summary["frontier"], p)))
+    for name, plot in plots:
         try:
             plot(args.out / name)
         except Exception as err:  # noqa: BLE001 - the numbers matter more than the figures
             print(f"warning: {name} not written: {err}", file=sys.stderr)
 
-    report.print_table(results["latency"], "latency point (one conversation at a time)")
+    if results["latency"]:
+        report.print_table(results["latency"], "latency point (one conversation at a time)")
+        budget.print_budget_table(results["latency"])
     report.print_table(load, "load point (4 conversations at a time)")
+    budget.print_budget_table(load)
+    if args.frontier:
+        budget.print_frontier(summary["frontier"])
+    if bar_setup != "pdd":
+        print(f"\nthe bar with PDD = {bar_setup}")
     report.print_bar(bar)
     print(f"timings: {timings}")
     busy = {n: s["line_utilisation_a_to_b"] for n, s in load.items() if s["line_utilisation_a_to_b"]}
@@ -382,33 +387,9 @@ def write_and_print(args, results: dict, line: WanLine, server_cpu: float, workl
     no_handoff = bar["pdd_handoff_share"] == 0
     if no_handoff:
         print("FAILED: PDD made no handoff at the load point (outcomes "
-              f"{load['pdd']['outcomes']}): the demo does not show PDD working")
-    print(f"wrote {args.out / 'demo.json'}, {args.out / 'ttft.png'} and {args.out / 'stages.png'}")
+              f"{load[bar_setup]['outcomes']}): the demo does not show PDD working")
+    print(f"wrote {args.out / 'demo.json'} and {', '.join(name for name, _ in plots)}")
     return 1 if (bar["errors"] or leaks or leftovers or no_handoff) else 0
-
-
-def _leftovers(line: WanLine, pids: list, groups: dict, report_to=None) -> dict:
-    """What cleanup left behind (nothing, or a defect); printed where a test can read it."""
-    left = {"namespaces_left": [n for n in line.namespaces.values() if netns.exists(n)],
-            "server_processes_left": [p for p in pids if netns._alive(p)],
-            "cgroups_left": [g.name for g in groups.values() if g.exists()]}
-    if report_to is not None:
-        print(f"cleanup: namespaces {sorted(line.namespaces.values())} left "
-              f"{left['namespaces_left']}, server processes {pids} left "
-              f"{left['server_processes_left']}, cgroups {[g.name for g in groups.values()]} "
-              f"left {left['cgroups_left']}", file=report_to)
-    return left
-
-
-def _cleanup(cluster, line: WanLine, groups: dict) -> None:
-    with contextlib.suppress(Exception):
-        if cluster is not None:
-            cluster.stop()
-    with contextlib.suppress(Exception):
-        line.stop()
-    for group in groups.values():
-        with contextlib.suppress(Exception):
-            group.remove()
 
 
 if __name__ == "__main__":

@@ -96,3 +96,40 @@ def plot_stages(setups: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_frontier(table: dict, path: Path) -> None:
+    """frontier.png: PDD's TTFT P50 and P99 against the relay's busy share, one point per TTFT
+    budget (labelled with its multiple of same-DC's P50); same-DC and naive cross-DC PD as
+    reference lines (no relay)."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(10, 5))
+    points = sorted((p for p in table["points"] if p["relay_busy_share"] is not None),
+                    key=lambda p: p["relay_busy_share"])
+    for q, marker in (("p50", "o"), ("p99", "s")):
+        xs = [p["relay_busy_share"] for p in points]
+        ys = [p[f"ttft_{q}_s"] for p in points]
+        ax.plot(xs, ys, marker=marker, color="tab:green", linestyle="-" if q == "p50" else "--",
+                label=f"PDD TTFT {q.upper()}")
+        if q == "p50":
+            for p in points:
+                ax.annotate(f"{p['budget_x']:g}x", (p["relay_busy_share"], p["ttft_p50_s"]),
+                            textcoords="offset points", xytext=(4, -12), fontsize=8)
+    for name, color in (("same_dc_pd", "tab:blue"), ("cross_dc_pd", "tab:red")):
+        ref = table["references"].get(name)
+        if not ref:
+            continue
+        for q, style in (("p50", "-"), ("p99", "--")):
+            if ref[f"ttft_{q}_s"] is not None:
+                ax.axhline(ref[f"ttft_{q}_s"], color=color, linestyle=style, linewidth=0.8,
+                           label=f"{name} {q.upper()}")
+    ax.set_xlabel("relay's busy share (relay decode tokens / all decode tokens)")
+    ax.set_ylabel("TTFT at the client (s)")
+    shares = [p["relay_busy_share"] for p in points]
+    ax.set_xlim(0, max(shares + [0.1]) * 1.15)
+    ax.set_title("load point: TTFT against relay capacity, one point per TTFT budget "
+                 "(x same-DC P50)", fontsize=10)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,171 @@
+"""One demo setup: the PDD router in front of a prefill, a main and maybe a relay, the agentic
+workload through it, and what the run cost (CPU per server, line bytes, decode work per server,
+the router's verdicts against the TTFT budget). scripts/demo.py runs one per setup."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+import urllib.request
+from pathlib import Path
+from typing import Optional
+
+from pdd_sglang.dev.demo import budget as budgets
+from pdd_sglang.dev.demo import report
+from pdd_sglang.dev.demo.progress import Progress
+from pdd_sglang.dev.testing import agentic
+from pdd_sglang.dev.testing.wan_cluster import NetnsServer, RouterProcess, in_namespace
+from pdd_sglang.dev.wan_emulator import WanLine, netns
+
+
+class Aborted(RuntimeError):
+    pass
+
+
+def line_bytes(line: WanLine) -> dict:
+    a, b = line.counters("a"), line.counters("b")
+    return {"a_to_b": a["tx_bytes"], "b_to_a": b["tx_bytes"]}
+
+
+def ledger_main_bytes(prefill: NetnsServer) -> int:
+    by_role = prefill.pdd_state()["transfers"]["by_role"]
+    return sum(v["bytes"] + v.get("aux_bytes", 0) for role, v in by_role.items() if role != "relay")
+
+
+def metrics_text(server: NetnsServer) -> str:
+    with in_namespace(server.netns):
+        with urllib.request.urlopen(server.url + "/metrics", timeout=30) as resp:
+            return resp.read().decode()
+
+
+def decode_tokens(servers: dict) -> dict:
+    """name -> the tokens its decode iterations generated so far (None: not exported, or no
+    answer: the figure is left out, the run goes on)."""
+    counts = {}
+    for name, server in servers.items():
+        try:
+            counts[name] = budgets.decode_tokens(metrics_text(server)) if server else 0.0
+        except OSError:
+            counts[name] = None
+    return counts
+
+
+def router_verdicts(router: RouterProcess) -> dict:
+    try:
+        return budgets.router_verdicts(router.get_text("/metrics"))
+    except OSError:
+        return {}
+
+
+def run_setup(label: str, line: WanLine, prefill: NetnsServer, main: NetnsServer,
+              relay: Optional[NetnsServer], placement: str, servers: list, groups: dict,
+              workload: tuple, log_dir: Path, bootstrap_port: int,
+              crash_after: Optional[int], budget_s: Optional[float] = None,
+              prefill_rate: Optional[float] = None) -> dict:
+    system, conversations, spec = workload
+    ns_a = line.namespace("a")
+    relay_args = ("--relay", relay.url) if relay is not None else ()
+    budget_args = () if budget_s is None else ("--ttft-slo-ms", f"{budget_s * 1e3:.1f}")
+    if budget_s is not None and prefill_rate:
+        budget_args += ("--prefill-tokens-per-s", f"{prefill_rate:.1f}")
+    log_path = log_dir / f"router-{label}.log"
+    router = RouterProcess(log_path, [
+        "--prefill", prefill.url, str(bootstrap_port), *relay_args, "--main", main.url,
+        "--wan-gbps", repr(line.rate_mbit / 1e3), "--wan-rtt-ms", repr(line.rtt_ms),
+        "--placement", placement, "--health-interval-s", "5", "--read-timeout-s", "180",
+        *budget_args], exec_prefix=line.exec_prefix("a"), netns_name=ns_a)
+    decoders = {"relay": relay, "main": main}
+    try:
+        router.start()
+        # Warm-up, not measured: the shared system prompt once, so both caches hold it and the
+        # transfer connections exist, as in a service that has been running.
+        warm = agentic.RequestResult(-1, 0, len(system) + 8, 8, 4)
+        with in_namespace(ns_a):
+            agentic.stream_generate(router.host, router.port, {
+                "input_ids": system + [5, 6, 7, 8, 9, 10, 11, 12],
+                "sampling_params": {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}},
+                300.0, warm)
+        if warm.error:
+            raise Aborted(f"{label}: warm-up request failed: {warm.error}\n"
+                          f"router log:\n{router.log_tail()}")
+        for server in (prefill, main, *([relay] if relay else [])):
+            server.wait_idle(60)
+        wan_before, kv_before = line_bytes(line), ledger_main_bytes(prefill)
+        cpu_before = {name: group.snapshot() for name, group in groups.items()}
+        decode_before, verdicts_before = decode_tokens(decoders), router_verdicts(router)
+        progress = Progress(label, spec.conversations * spec.turns)
+        crashed: list[str] = []
+
+        def on_result(result):
+            progress.update(result)
+            if crash_after is not None and progress.done == crash_after:
+                os.killpg(main.process.pid, signal.SIGKILL)  # --inject-crash: test the cleanup
+
+        def should_abort() -> bool:
+            if not crashed:
+                crashed.extend([s.name for s in servers if not s.alive()]
+                               + ([] if router.alive() else ["router"]))
+            return bool(crashed)
+
+        started = time.perf_counter()
+        results = agentic.run(system, conversations, spec, router.host, router.port,
+                              thread_setup=lambda: in_namespace(ns_a), on_result=on_result,
+                              should_abort=should_abort, timeout_s=180.0)
+        duration = time.perf_counter() - started
+        progress.close()
+        if any(r.error for r in results):
+            # A server SIGKILLed mid-run can fail the last requests before its process has
+            # exited (a 2.7 GB process takes a moment): give a death the time to show.
+            deadline = time.monotonic() + 15
+            while not should_abort() and time.monotonic() < deadline:
+                time.sleep(0.2)
+        if crashed:
+            logs = "\n".join(f"--- {s.name} ({s.log_path}):\n{s.log_tail(15)}"
+                             for s in servers if s.name in crashed)
+            raise Aborted(f"{label}: {', '.join(crashed)} died during the run\n{logs}")
+        cpu = {name: group.usage_between(cpu_before[name], group.snapshot())
+               for name, group in groups.items()}
+        wan_after, kv_after = line_bytes(line), ledger_main_bytes(prefill)
+        for server in (main, *([relay] if relay else [])):  # every decode step counted
+            server.wait_idle(60)
+        decode_after, verdicts_after = decode_tokens(decoders), router_verdicts(router)
+    finally:
+        router.stop()
+    wan = {k: wan_after[k] - wan_before[k] for k in wan_before}
+    location = "cluster B" if main.netns == line.namespace("b") else "cluster A"
+    summary = report.summarize(results, report.prefill_stats_from_log(log_path), wan,
+                               kv_after - kv_before, duration, location, line.rate_mbit)
+    decoded = {name: (None if decode_after[name] is None or decode_before[name] is None
+                      else int(decode_after[name] - decode_before[name])) for name in decoders}
+    return {**summary, "placement": placement if relay is not None else None, "cpu": cpu,
+            "ttft_budget_s": None if budget_s is None else round(budget_s, 4),
+            "router_prefill_tokens_per_s": prefill_rate if budget_s is not None else None,
+            "decode_tokens": decoded,
+            "relay_busy_share": budgets.busy_share(decoded["relay"], decoded["main"]),
+            "router_verdicts": budgets.counter_delta(verdicts_before, verdicts_after)}
+
+
+def leftovers(line: WanLine, pids: list, groups: dict, report_to=None) -> dict:
+    """What cleanup left behind (nothing, or a defect); printed where a test can read it."""
+    left = {"namespaces_left": [n for n in line.namespaces.values() if netns.exists(n)],
+            "server_processes_left": [p for p in pids if netns._alive(p)],
+            "cgroups_left": [g.name for g in groups.values() if g.exists()]}
+    if report_to is not None:
+        print(f"cleanup: namespaces {sorted(line.namespaces.values())} left "
+              f"{left['namespaces_left']}, server processes {pids} left "
+              f"{left['server_processes_left']}, cgroups {[g.name for g in groups.values()]} "
+              f"left {left['cgroups_left']}", file=report_to)
+    return left
+
+
+def cleanup(cluster, line: WanLine, groups: dict) -> None:
+    with contextlib.suppress(Exception):
+        if cluster is not None:
+            cluster.stop()
+    with contextlib.suppress(Exception):
+        line.stop()
+    for group in groups.values():
+        with contextlib.suppress(Exception):
+            group.remove()
