@@ -64,9 +64,12 @@ class Upstream:
 
     def learn(self, server_info: dict) -> None:
         """Take capacity and stream format from the server's /server_info."""
-        self.max_running_requests = max(1, int(server_info.get("max_running_requests") or 1))
-        self.incremental_streaming_output = bool(server_info.get("incremental_streaming_output"))
         states = server_info.get("internal_states") or [{}]
+        # The server argument is None unless set; the scheduler's effective limit is in its state.
+        capacity = (server_info.get("max_running_requests")
+                    or states[0].get("effective_max_running_requests_per_dp"))
+        self.max_running_requests = max(1, int(capacity or 1))
+        self.incremental_streaming_output = bool(server_info.get("incremental_streaming_output"))
         pool = states[0].get("max_total_num_tokens") or server_info.get("max_total_tokens")
         self.kv_pool_tokens = int(pool) if pool else None
         pdd = states[0].get("pdd") or {}

@@ -123,6 +123,20 @@ def test_a_prefill_advertises_its_bootstrap_host():
     assert prefill.bootstrap_host == "p.dc-a.example"
 
 
+def test_a_servers_capacity_is_its_schedulers_effective_limit_when_the_argument_is_unset():
+    """SGLang's /server_info has ``max_running_requests`` None unless it was given; the limit the
+    scheduler runs with is in its internal state. Read as 1, one request made a relay 'full'."""
+    relay = Upstream(RELAY, "http://10.1.0.3:30000")
+    relay.learn({"pdd_role": "relay", "max_running_requests": None,
+                 "internal_states": [{"effective_max_running_requests_per_dp": 2048}]})
+    assert relay.max_running_requests == 2048
+    relay.learn({"pdd_role": "relay", "max_running_requests": 16,
+                 "internal_states": [{"effective_max_running_requests_per_dp": 2048}]})
+    assert relay.max_running_requests == 16  # the operator's own limit wins
+    relay.learn({"pdd_role": "relay"})
+    assert relay.max_running_requests == 1
+
+
 # ---- TP size (issue 23): one size on prefill, relay and main ----------------------------------
 class ScriptedServers:
     """/health always OK; /server_info from ``infos`` (url -> dict), changed by the test."""

@@ -349,3 +349,12 @@ def test_a_status_message_carries_its_reason_when_the_manager_says_so():
 
     assert CommonKVManager.kv_status_msg_carries_reason is False
     assert "kv_status_msg_carries_reason" in inspect.getsource(CommonKVManager._encode_kv_status_message)
+
+
+def test_the_scheduler_state_carries_its_effective_running_request_limit():
+    """The router takes a server's capacity from it when --max-running-requests is unset."""
+    import inspect
+
+    from sglang.srt.managers.scheduler_components import internal_state
+
+    assert "effective_max_running_requests_per_dp" in inspect.getsource(internal_state)
