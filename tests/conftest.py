@@ -121,15 +121,6 @@ def _gpu_lock_resolution(out: Path) -> BackgroundRun:
                          env={**os.environ, "PIP_FIND_LINKS": ""})
 
 
-# The simulator's profile (issue 25): one SGLang server under the demo's CPU quota and a line of
-# its own, then a busy neighbour; mostly waiting on its quota, so it runs beside the fault suite.
-PROFILE_TEST = "test_profile_cpu_quick_then_validate_end_to_end"
-
-
-def _profile_cpu(out: Path) -> BackgroundRun | None:
-    return _script(out, "profile_cpu.py", "--quick", "--out-dir", str(out / "profile"))
-
-
 # test name -> how to start its run; these start once the session has collected the test
 BACKGROUND = {"test_quick_demo_runs_both_points_and_pdd_hands_off": _quick_demo}
 # name -> how to start it; these start when start_background() is first called for them, or, for
@@ -138,7 +129,6 @@ ON_DEMAND = {
     "fault_suite": _fault_suite,
     "test_server_crash_mid_run_still_cleans_up": _crash_demo,
     "test_the_lock_resolves_against_the_index_with_hashes_required": _gpu_lock_resolution,
-    PROFILE_TEST: _profile_cpu,
 }
 
 

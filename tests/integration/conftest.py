@@ -340,8 +340,7 @@ def router_cluster(shared_clusters):
 #   page-1 tests on their WAN delays and timeouts: CPU 30-50 % busy there), and its three servers
 #   fit in memory beside the demo's four or the page-1 cluster's five. After its quick faults the
 #   chaos soak runs on the same three servers; its reference check then starts one plain server
-#   of its own, once those three have stopped. The simulator's CPU profile (one quota'd server,
-#   a line of its own, then a busy neighbour) starts with it; its result is read at the tail.
+#   of its own, once those three have stopped.
 # - Once it has ended, the page-16 servers start ahead, beside the page-1 cluster's last tests
 #   (eight servers: they fit where the fault suite's three were), and the GPU lock's resolution
 #   (pip, no server) with them.
@@ -356,8 +355,7 @@ def router_cluster(shared_clusters):
 #   the fault suite's start sit there at no cost to the session.
 CRASH_TEST = "test_server_crash_mid_run_still_cleans_up"  # its run: tests/conftest.py
 GPU_LOCK_TEST = "test_the_lock_resolves_against_the_index_with_hashes_required"  # its run too
-PROFILE_TEST = "test_profile_cpu_quick_then_validate_end_to_end"  # its run: tests/conftest.py
-TAIL = {CRASH_TEST: (6, 1), GPU_LOCK_TEST: (6, 2), PROFILE_TEST: (6, 3)}  # after LAST
+TAIL = {CRASH_TEST: (6, 1), GPU_LOCK_TEST: (6, 2)}  # after LAST
 QUICK_DEMO_TEST = "test_quick_demo_runs_both_points_and_pdd_hands_off"  # its run: tests/conftest.py
 DEMO_TESTS = ("test_demo.py",)
 FAULT_SUITE = ("test_fault_suite.py",)
@@ -411,8 +409,6 @@ def _background_and_ahead(request, start_background, still_running):
     order = _order(request.node)
     if order >= FAULT_SUITE_STARTS_AT and _collected(request.session, FAULT_SUITE):
         start_background("fault_suite")  # once; later calls find it running
-        if _named(request.session, PROFILE_TEST):
-            start_background(PROFILE_TEST)  # beside it: a quota'd server that mostly waits
     if order[:2] == PAGE1_GROUP and not still_running("fault_suite"):
         if _named(request.session, GPU_LOCK_TEST):
             start_background(GPU_LOCK_TEST)

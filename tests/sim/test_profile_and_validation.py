@@ -90,13 +90,12 @@ def _can_profile() -> str | None:
 
 @pytest.mark.integration
 @pytest.mark.skipif(_can_profile() is not None, reason=str(_can_profile()))
-def test_profile_cpu_quick_then_validate_end_to_end(tmp_path, background):
-    # `profile_cpu.py --quick --out-dir RUN/profile`, started in the background (tests/conftest.py)
-    # beside the fault suite in a whole run, or now when this test runs alone.
-    profile = background.result(timeout_s=900)
+def test_profile_cpu_quick_then_validate_end_to_end(tmp_path):
+    profile = subprocess.run([sys.executable, "scripts/profile_cpu.py", "--quick", "--out-dir",
+                              str(tmp_path / "profile")], cwd=ROOT, capture_output=True,
+                             text=True, timeout=600)
     assert profile.returncode == 0, profile.stderr[-3000:]
-    profile_dir = background.out / "profile"
-    profiles = MeasuredProfiles.under(profile_dir)
+    profiles = MeasuredProfiles.under(tmp_path / "profile")
     assert profiles.missing() == []
     hardware = load_hardware(profiles.hardware)
     assert hardware.prefill_s_per_token > 0
@@ -108,7 +107,7 @@ def test_profile_cpu_quick_then_validate_end_to_end(tmp_path, background):
     demo = tmp_path / "demo.json"
     shutil.copy(DEMO, demo)
     validate = subprocess.run([sys.executable, "scripts/validate_sim.py", "--measured", str(demo),
-                               "--profile-dir", str(profile_dir)], cwd=ROOT,
+                               "--profile-dir", str(tmp_path / "profile")], cwd=ROOT,
                               capture_output=True, text=True, timeout=300)
     assert validate.returncode == 0, validate.stderr[-3000:]
     assert "calibrated at the latency point" in validate.stdout
