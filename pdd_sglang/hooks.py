@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Iterable, Optional
 
 if TYPE_CHECKING:
-    from sglang.srt.disaggregation.common.conn import CommonKVReceiver
+    from sglang.srt.disaggregation.common.conn import AbortNotification, CommonKVReceiver
     from sglang.srt.disaggregation.common.utils import TransferKVChunk
     from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
     from sglang.srt.managers.io_struct import AbortReq
@@ -142,6 +142,14 @@ def claim_registration(kv_mgr: MooncakeKVManager, room: int, session: str,
     if pdd_role() != "prefill":
         return False
     return kv_mgr.pdd_fanout.claim_registration(room, session, frames)
+
+
+def claim_abort(kv_mgr: MooncakeKVManager, notification: AbortNotification) -> bool:
+    """SGLang's bootstrap thread: True when a decode's ABORT is for a PDD room; the fan-out acks
+    it once no PDD sender still writes that decode's pages (SGLang's worker never held them)."""
+    if pdd_role() != "prefill" or getattr(kv_mgr, "pdd_fanout", None) is None:
+        return False
+    return kv_mgr.pdd_fanout.claim_abort(notification)
 
 
 def take_transfer_request(kv_mgr: MooncakeKVManager, chunk: TransferKVChunk) -> bool:

@@ -11,6 +11,18 @@ from typing import Any, Optional
 from pdd_sglang.protocol.messages import HandoffAck, HandoffRefused
 
 
+def ended_by_abort(req: Any) -> bool:
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    return isinstance(req.finished_reason, FINISH_ABORT) or bool(getattr(req, "to_abort", False))
+
+
+def finish_type(req: Any) -> str:
+    """``length``, ``stop``, ...: SGLang's own name for how a request ended."""
+    reason = req.finished_reason
+    return (reason.to_json().get("type") if reason is not None else None) or "unknown"
+
+
 class Held(enum.Enum):
     DIGESTING = "digesting"  # --pdd-enable-kv-digest: hashing the KV that crossed, off-thread
     AWAITING_TOKENS = "awaiting_tokens"  # HandoffReady sent, or a middle chunk acknowledged
@@ -119,16 +131,21 @@ class ExtendSteps:
             parked.chunks_absorbed += 1
             if parked.is_last:
                 self.parked.pop(room, None)
-                if parked.req.finished():  # aborted meanwhile: the relay answers it
+                if ended_by_abort(parked.req):  # aborted meanwhile: the relay answers it
                     self.loop.send(parked.relay, HandoffRefused(room=room,
                                                                 reason="aborted_at_main"))
                     continue
+                if parked.req.finished():
+                    # Its first token after the handoff ended it (a stop token, its length):
+                    # SGLang streamed and freed it with the extend; main has every handed token.
+                    self.stats.event(f"finished_at_extend_{finish_type(parked.req)}")
                 # The relay keeps the request until this ack: main has every handed token.
                 self.loop.send(parked.relay, HandoffAck(room=room, seq=parked.chunk_seq))
                 self.stats.event("handoffs_absorbed")
                 self.stats.duration(now - parked.ready_at)
-                keep.append(index)
-            elif parked.req.finished():  # aborted meanwhile
+                if not parked.req.finished():
+                    keep.append(index)
+            elif parked.req.finished():  # aborted meanwhile, or ended at a middle chunk
                 self.parked.pop(room, None)
             else:
                 # Progress: the relay has until a full timeout from now for the next chunk.

@@ -95,6 +95,7 @@ class FanoutDeadlines:
                     self._fail_destination(room, dest, "PDD: the KV transfer stopped making "
                                            "progress", wan=dest.role == "main")
                 room.in_flight.remove(stuck)  # its sender may never report: not waited for
+                self._ack_if_drained(room, dest)
                 if room.pending is not None and not room.in_flight:
                     self._conclude(room, *room.pending)
         self._probe_mains_out(now)

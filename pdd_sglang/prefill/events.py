@@ -2,7 +2,7 @@
 
 Posted on :attr:`PrefillFanout.events <pdd_sglang.prefill.fanout.PrefillFanout>` by SGLang's
 bootstrap thread (:class:`Registered`), the scheduler (:class:`ChunkReady`, :class:`RoomCleared`), the senders
-(:class:`ChunkSent`) and the peer thread (:class:`ProbeAnswered`); applied in order by the owner.
+(:class:`ChunkSent`), the bootstrap thread again (:class:`AbortNotified`) and the peer thread (:class:`ProbeAnswered`); applied in order by the owner.
 """
 
 from __future__ import annotations
@@ -46,3 +46,13 @@ class ChunkSent:
 class ProbeAnswered:
     session: str
     ok: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class AbortNotified:
+    """A destination aborted its request (SGLang's ABORT to the prefill's bootstrap thread)."""
+
+    room: int
+    decode_ip: Optional[str]
+    decode_port: Optional[int]
+    ack_target: Any  # SGLang's AckTarget, or None: that decode waits for no ack

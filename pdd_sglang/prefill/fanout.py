@@ -25,7 +25,9 @@ Ownership (the one rule): every :class:`~pdd_sglang.prefill.room.Room`, and ever
 makes to SGLang's per-room tables (``request_status`` through ``update_status`` /
 ``conclude_transfer``, ``req_to_decode_prefix_len``), happens on the owner thread
 (``pdd-fanout``). Other threads only post events to it: the bootstrap thread (registrations),
-the scheduler (chunks), the senders (chunk reports), the peer thread (probe answers). The owner
+the scheduler (chunks), the senders (chunk reports), the peer thread (probe answers), and the
+bootstrap thread again with a destination's ABORT (:mod:`pdd_sglang.prefill.aborts`: acked only
+once no sender still writes that destination's pages). The owner
 never blocks on a peer: status messages and WAN probes go to the ``pdd-peer-io`` thread, which
 touches no table. The senders read SGLang's ``request_status`` (to skip a room that ended) and
 ``decode_kv_args_table`` (the destination's buffers), and write nothing of SGLang's. The owner
@@ -54,9 +56,11 @@ import time
 from collections import OrderedDict
 from typing import Any, Callable, Optional
 
+from pdd_sglang.prefill.aborts import FanoutAborts
 from pdd_sglang.prefill.deadlines import FanoutDeadlines
 from pdd_sglang.prefill.destination_chunks import skip_prefix_pages
-from pdd_sglang.prefill.events import ChunkReady, ChunkSent, ProbeAnswered, Registered, RoomCleared
+from pdd_sglang.prefill.events import (AbortNotified, ChunkReady, ChunkSent, ProbeAnswered,
+                                       Registered, RoomCleared)
 from pdd_sglang.prefill.ledger import LEDGER
 from pdd_sglang.prefill.room import Destination, DestinationState, Room, RoomPhase, Work
 from pdd_sglang.prefill.wan_line import WanLine
@@ -77,7 +81,7 @@ def tp_mismatch(role: str, decode_tp: int, prefill_tp: int) -> str:
             "SGLang's head slicing between TP sizes is not wired into the fan-out)")
 
 
-class PrefillFanout(FanoutDeadlines):
+class PrefillFanout(FanoutDeadlines, FanoutAborts):
     """The owner of every PDD room of one prefill KV manager (see the module docstring)."""
 
     def __init__(self, kv_mgr: Any, clock: Callable[[], float] = time.monotonic):
@@ -107,10 +111,12 @@ class PrefillFanout(FanoutDeadlines):
         self._outs: dict[str, tuple] = {}  # main session -> (times out in a row, last back in)
         self.counters = dict.fromkeys((
             "refused_hellos", "refused_late", "relays_dropped", "mains_dropped", "relays_failed",
-            "mains_failed", "rooms_stuck", "rooms_abandoned", "rooms_succeeded", "rooms_failed"), 0)
+            "mains_failed", "rooms_stuck", "rooms_abandoned", "rooms_succeeded", "rooms_failed",
+            "destinations_aborted"), 0)
         # Written by the owner only; tested by other threads.
         self.pdd_rooms: set[int] = set()
         self.main_sessions: set[str] = set()
+        self._init_aborts()
         self.published: dict = self._snapshot()
 
     # ---- entry points on other threads: they post, and never touch a Room ---------------------
@@ -135,6 +141,7 @@ class PrefillFanout(FanoutDeadlines):
                                                                    own_tp))
         except MessageError as err:
             refusal = str(err)
+        self._note_claimed(room)  # its ABORT, on this thread later, is the fan-out's too
         self.events.put(Registered(room, session, info, hello, refusal))
         return True
 
@@ -170,6 +177,8 @@ class PrefillFanout(FanoutDeadlines):
             self._on_probe(event)
         elif isinstance(event, RoomCleared):
             self._on_cleared(event.room)
+        elif isinstance(event, AbortNotified):
+            self._on_abort(event)
         else:
             raise TypeError(f"unknown fan-out event {event!r}")
         self.published = self._snapshot()
@@ -277,6 +286,8 @@ class PrefillFanout(FanoutDeadlines):
                 dest.state = DestinationState.DONE
                 # It starts decoding now (the relay eagerly) while the other copy flies.
                 self._tell_destination(room, dest, "Success")
+        if dest is not None:
+            self._ack_if_drained(room, dest)
         if room.phase is RoomPhase.CONCLUDED:
             return
         if room.pending is not None and not room.in_flight:

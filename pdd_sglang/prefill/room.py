@@ -13,6 +13,7 @@ A destination moves through :class:`DestinationState`:
 
     REGISTERED -> DONE (its last chunk and the aux landed, every chunk before it too)
                -> FAILED (a chunk to it failed, or it was refused)
+               -> ABORTED (it aborted its request: :mod:`pdd_sglang.prefill.aborts`)
     and a destination that never registered in time is *dropped* (the room's flag, not a state).
 """
 
@@ -34,6 +35,7 @@ class DestinationState(enum.Enum):
     REGISTERED = "registered"
     DONE = "done"
     FAILED = "failed"
+    ABORTED = "aborted"
 
 
 @dataclasses.dataclass(eq=False)
@@ -63,6 +65,7 @@ class Destination:
     completed: int = 0  # of those, reported back
     last_routed: bool = False  # the room's last chunk is among them
     told: Optional[str] = None  # the status it was told ("Success" / "Failed"), once
+    abort_acks: list = dataclasses.field(default_factory=list)  # SGLang AckTargets, not sent yet
 
     @property
     def target(self) -> tuple:

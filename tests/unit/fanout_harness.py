@@ -61,6 +61,34 @@ class Kv:
         self.sent_kv: list = []  # (session, first source page, pages)
         self.fail_kv, self.fail_aux = set(), set()  # sessions whose sends fail
         self.engine = SimpleNamespace(name="sglang-engine")
+        self.enable_deferred_decode_kv_release = True
+        self.abort_acks: list = []  # (room, decode ip, decode port, generation) sent
+
+    def handle_abort(self, room, session, generation=1):
+        """A decode's ABORT of ``room`` (it registered as ``session``), as SGLang's bootstrap
+        thread handles it: the installed, patched ``_handle_abort_notification``."""
+        from sglang.srt.disaggregation.common.conn import AbortNotification
+        from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+
+        ip, port = session.rsplit(":", 1)
+        msg = AbortNotification(room=room, decode_ip=ip, decode_port=int(port),
+                                generation=generation).to_zmq()
+        assert MooncakeKVManager._handle_abort_notification(self, msg)
+
+    def _send_abort_ack(self, room, target):
+        self.abort_acks.append((room, target.ip, target.port, target.generation))
+
+    def __getattr__(self, name):
+        # SGLang's deferred-ack bookkeeping, run as the installed code has it.
+        from sglang.srt.disaggregation.common.conn import CommonKVManager
+
+        if name in ("_handle_deferred_abort_notification", "_handle_legacy_abort_notification",
+                    "register_deferred_ack_target", "_maybe_ack_drained_abort",
+                    "_send_abort_acks", "poison_deferred_ack_room"):
+            from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+
+            return getattr(MooncakeKVManager, name).__get__(self)
+        raise AttributeError(name)
 
     # SGLang's own logic, from the installed (patched) wheel.
     def update_status(self, room, status):

@@ -25,6 +25,7 @@ answers = {
     "receiver_metadata": hooks.receiver_metadata(receiver, 0) == (1, []),
     "start_prefill_fanout": hooks.start_prefill_fanout(kv_mgr),
     "claim_registration": hooks.claim_registration(kv_mgr, 1, "s", []) is False,
+    "claim_abort": hooks.claim_abort(kv_mgr, object()) is False,
     "take_transfer_request": hooks.take_transfer_request(kv_mgr, chunk) is False,
     "on_sender_cleared": hooks.on_sender_cleared(kv_mgr, 1),
     "engine_for_session": hooks.engine_for_session(kv_mgr, "s") is engine,

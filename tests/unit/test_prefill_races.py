@@ -252,3 +252,91 @@ def test_race9_a_main_out_after_a_wan_failure_comes_back_on_a_wan_probe():
     drain(fanout)
     send_all(fanout, kv, fanout.wan_queues[0])
     assert fanout.mains_out[MAIN] - fanout.clock() > 3.0  # twice PROBE_INTERVAL_S
+
+
+def _room_with_main_chunk_in_a_sender(kv, fanout, room):
+    """Relay and main registered, two chunks routed to each; main's sender is writing the first."""
+    open_room(kv, room)
+    register(fanout, kv, room, RELAY, "relay")
+    register(fanout, kv, room, MAIN, "main")
+    for c in (chunk(room, 0, 8), chunk(room, 8, 16, last=True)):
+        fanout.take_chunk(c)
+    drain(fanout)
+    writing = fanout.wan_queues[0].pop(0)
+    writing.started_at = fanout.clock()
+    return writing
+
+
+def test_race10_sglangs_own_abort_path_acks_a_pdd_room_at_once_and_fails_the_relay(monkeypatch):
+    """The race as it was (the claim off): SGLang acks main's ABORT while a PDD sender still
+    writes main's pages (its worker never held them, so nothing is outstanding), main frees and
+    reuses them, and the room is marked Failed under the relay too. The soak's three token
+    mismatches (main copies aborted during a relay outage) came from here."""
+    monkeypatch.setattr(hooks, "claim_abort", lambda kv_mgr, notification: False)
+    kv = Kv()
+    fanout = make_fanout(kv)
+    writing = _room_with_main_chunk_in_a_sender(kv, fanout, 20)
+    kv.handle_abort(20, MAIN)
+    assert kv.abort_acks == [(20, "127.0.0.1", 2002, 1)]  # while main's chunk is being written
+    assert status_name(kv, 20) == "Failed"
+    fanout.tick()
+    fanout.handle(ChunkSent(writing, True))
+    for queue in (fanout.wan_queues[0], fanout.local_queues[0]):
+        send_all(fanout, kv, queue)
+    assert ((("127.0.0.1", 1001),), 20, "Failed") in kv.messages  # the relay failed with it
+
+
+def test_race10_a_mains_abort_is_acked_once_no_sender_writes_its_pages_and_the_relay_goes_on():
+    """Failed before (the test above is that code): the fan-out claims a PDD room's ABORT
+    (patch 0006), cancels main's queued chunk and acks only on the report of the one being
+    written; the relay is neither failed nor held."""
+    kv = Kv()
+    fanout = make_fanout(kv)
+    writing = _room_with_main_chunk_in_a_sender(kv, fanout, 21)
+    kv.handle_abort(21, MAIN)
+    drain(fanout)
+    assert kv.abort_acks == [] and status_name(kv, 21) == "WaitingForInput"
+    assert kv._deferred_ack_targets == {}  # SGLang's own table never held it
+    queued = list(fanout.wan_queues[0])
+    assert [w.cancelled for w in queued] == [True]
+    fanout.handle(ChunkSent(writing, True))  # the write in progress lands
+    assert kv.abort_acks == []  # the queued one is still in a sender
+    send_all(fanout, kv, fanout.wan_queues[0])  # skipped: cancelled
+    assert kv.abort_acks == [(21, "127.0.0.1", 2002, 1)]
+    assert not [s for s, first, n in kv.sent_kv if s == MAIN and first == 8]
+    send_all(fanout, kv, fanout.local_queues[1])
+    assert status_name(kv, 21) == "Success"
+    assert kv.messages == [((("127.0.0.1", 1001),), 21, "Success")]  # main is told nothing
+    assert fanout.published["destinations_aborted"] == 1
+
+
+def test_race10_an_abort_after_the_destination_has_all_its_kv_is_acked_at_once():
+    kv = Kv()
+    fanout = make_fanout(kv)
+    open_room(kv, 22)
+    register(fanout, kv, 22, MAIN, "main", destinations=1)
+    fanout.take_chunk(chunk(22, 0, 8, last=True))
+    drain(fanout)
+    send_all(fanout, kv, fanout.wan_queues[0])
+    assert status_name(kv, 22) == "Success"
+    kv.handle_abort(22, MAIN, generation=3)
+    drain(fanout)
+    assert kv.abort_acks == [(22, "127.0.0.1", 2002, 3)]
+    kv.handle_abort(99, MAIN)  # a room this prefill never saw: SGLang's own path
+    assert 99 in kv._deferred_ack_targets or kv.abort_acks[-1][0] == 99
+
+
+def test_race10_when_every_destination_aborts_the_room_fails_and_prefill_frees_its_kv():
+    kv = Kv()
+    fanout = make_fanout(kv)
+    writing = _room_with_main_chunk_in_a_sender(kv, fanout, 23)
+    kv.handle_abort(23, RELAY)
+    kv.handle_abort(23, MAIN)
+    drain(fanout)
+    assert status_name(kv, 23) == "WaitingForInput"  # a chunk is still being written
+    send_all(fanout, kv, fanout.local_queues[1])
+    fanout.handle(ChunkSent(writing, True))
+    send_all(fanout, kv, fanout.wan_queues[0])
+    assert status_name(kv, 23) == "Failed"
+    assert sorted(a[2] for a in kv.abort_acks) == [1001, 2002]
+    assert kv.messages == []  # neither is told anything: both let the request go
