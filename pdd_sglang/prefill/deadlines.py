@@ -107,6 +107,9 @@ class FanoutDeadlines:
             return
         if room.phase is not RoomPhase.CONCLUDED:  # aborted, or failed at SGLang: let go too
             self._conclude(room, "Failed", "PDD: prefill ended the request", force=True)
+        if room.in_flight and any(d.abort_acks for d in room.destinations.values()):
+            room.forget_when_drained = True  # an aborted destination's ack waits on a sender
+            return
         self._forget(room)
 
     def _forget(self, room: Room) -> None:

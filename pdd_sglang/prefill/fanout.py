@@ -289,6 +289,8 @@ class PrefillFanout(FanoutDeadlines, FanoutAborts):
         if dest is not None:
             self._ack_if_drained(room, dest)
         if room.phase is RoomPhase.CONCLUDED:
+            if room.forget_when_drained and not room.in_flight:
+                self._forget(room)
             return
         if room.pending is not None and not room.in_flight:
             self._conclude(room, *room.pending)

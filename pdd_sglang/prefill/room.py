@@ -91,6 +91,7 @@ class Room:
     started_at: float = 0.0  # when prefill was let compute (WaitingForInput)
     chunk_seen: bool = False  # prefill has computed and handed over at least one chunk
     pending: Optional[tuple] = None  # (status, reason) decided while chunks were in a sender
+    forget_when_drained: bool = False  # SGLang cleared it while an abort's ack waited on a sender
 
     def of_role(self, role: str) -> Optional[Destination]:
         return next((d for d in self.destinations.values() if d.role == role), None)

@@ -340,3 +340,23 @@ def test_race10_when_every_destination_aborts_the_room_fails_and_prefill_frees_i
     assert status_name(kv, 23) == "Failed"
     assert sorted(a[2] for a in kv.abort_acks) == [1001, 2002]
     assert kv.messages == []  # neither is told anything: both let the request go
+
+
+def test_race10_an_abort_is_acked_when_prefill_cleared_the_room_before_its_sender_reported():
+    """Failed before its fix (ci run of 13:30, the singular filter's teardown waited SGLang's
+    30 s release timeout): the client's abort reaches prefill too, SGLang clears the room, and
+    the owner forgot it with main's ack still waiting on a sender, so the ack never went."""
+    kv = Kv()
+    fanout = make_fanout(kv)
+    writing = _room_with_main_chunk_in_a_sender(kv, fanout, 24)
+    kv.handle_abort(24, MAIN)
+    drain(fanout)
+    kv.request_status.pop(24)  # prefill's own abort: SGLang's sender.clear()
+    fanout.sender_cleared(24)
+    drain(fanout)
+    assert kv.abort_acks == []
+    fanout.handle(ChunkSent(writing, True))
+    send_all(fanout, kv, fanout.wan_queues[0])
+    assert kv.abort_acks == [(24, "127.0.0.1", 2002, 1)]
+    send_all(fanout, kv, fanout.local_queues[0])
+    assert fanout.published["rooms_tracked"] == 0 and 24 not in fanout.pdd_rooms
