@@ -89,8 +89,10 @@ def _script(out: Path, script: str, *args: str, env: dict | None = None) -> Back
                          env=None if env is None else {**os.environ, **env})
 
 
-# The demo's servers fork their children here (pdd_sglang/dev/testing/fork_launch.py: 20 CPU-s
-# and 0.9 GB less per server); the fault suite's run, as `make demo`'s, keeps SGLang's spawn.
+# The demo's and the fault suite's servers fork their children here
+# (pdd_sglang/dev/testing/fork_launch.py: 20 CPU-s and 0.9 GB less per server, and the fault suite
+# restarts its relay and main); `make demo` and `scripts/fault_suite.py` run alone keep SGLang's
+# spawn, and so do the no-role pair and the two-datacenter test's servers.
 FORKED_SERVERS = {FORK_CHILDREN_ENV: "1"}
 
 
@@ -105,12 +107,12 @@ def _crash_demo(out: Path) -> BackgroundRun | None:
 
 
 # The chaos soak's minutes of load, run on the quick fault suite's servers right after it.
-SOAK_MINUTES = "2"
+SOAK_MINUTES = "1"
 
 
 def _fault_suite(out: Path) -> BackgroundRun | None:
     return _script(out, "fault_suite.py", "--quick", "--soak", SOAK_MINUTES, "--out", str(out),
-                   "--logs", str(out / "logs"))
+                   "--logs", str(out / "logs"), env=FORKED_SERVERS)
 
 
 def _gpu_lock_resolution(out: Path) -> BackgroundRun:

@@ -146,17 +146,20 @@ def test_small_message_round_trip_matches_the_set_rtt(steady_line):
     rtts = measure.round_trips(steady_line, count=50, size=64)
     stats = measure.summarize(rtts)
     # A round trip can never beat the line; it can be stretched by the measuring threads
-    # being descheduled (other servers share the 2 cores), so the typical value is checked
-    # with the median and the mean only loosely.
+    # being descheduled (the suite's background servers share the 2 cores: a median of 43.7 ms
+    # on a 40 ms line in the ci run of 13:30), so the line's own delay is read from the fastest
+    # round trips, and the median and the mean only bound the stretch.
     assert stats["min"] >= RTT_MS - 0.2, f"faster than the line allows: {stats}"
-    assert abs(stats["p50"] - RTT_MS) <= RTT_TOLERANCE_MS, stats
-    assert stats["mean"] - RTT_MS <= 3 * RTT_TOLERANCE_MS, stats
+    assert stats["min"] - RTT_MS <= RTT_TOLERANCE_MS, f"the line adds delay: {stats}"
+    assert stats["p50"] - RTT_MS <= 3 * RTT_TOLERANCE_MS, stats
+    assert stats["mean"] - RTT_MS <= 5 * RTT_TOLERANCE_MS, stats
 
 
 def test_round_trip_follows_the_setting_not_a_constant():
     with WanLine(RATE_MBIT, 10.0, 0.0) as line:
         stats = measure.summarize(measure.round_trips(line, count=20))
-    assert stats["min"] >= 9.8 and abs(stats["p50"] - 10.0) <= RTT_TOLERANCE_MS, stats
+    assert stats["min"] >= 9.8 and stats["min"] - 10.0 <= RTT_TOLERANCE_MS, stats
+    assert stats["p50"] - 10.0 <= 3 * RTT_TOLERANCE_MS, stats
 
 
 # (c) jitter and order ---------------------------------------------------------------------------

@@ -4,7 +4,7 @@ then the chaos soak on the same servers: nothing lost, mismatched, leaked or dea
 Real prefill, relay and main (the tiny CPU model) and the router, main behind the emulated WAN
 line; a steady load while the relay dies, main dies before its handoffs, and the line stalls past
 the WAN transfer timeout; then two minutes of multi-turn load under seeded random faults, every
-answer checked against a plain server (``scripts/fault_suite.py --quick --soak 2``, run in the
+answer checked against a plain server (``scripts/fault_suite.py --quick --soak 1``, run in the
 background).
 """
 
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def run(request, start_background):
-    """The suite's run. It runs as ``scripts/fault_suite.py --quick --soak 2`` in the background,
+    """The suite's run. It runs as ``scripts/fault_suite.py --quick --soak 1`` in the background,
     started once the foreground reached the quick demo's result (``conftest.py``), or here when
     that did not happen."""
     if os.geteuid() != 0 or not Path("/dev/net/tun").exists():

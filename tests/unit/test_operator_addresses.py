@@ -79,15 +79,22 @@ def test_the_advertise_host_becomes_sglangs_host_ip_when_unset(monkeypatch, tmp_
 
     from pdd_sglang.dev.testing.tiny_model import ensure_tiny_model
 
-    code = ("import os, sys; from sglang.srt.server_args import prepare_server_args; "
-            "prepare_server_args(sys.argv[1:]).resolve_once(); print(os.environ['SGLANG_HOST_IP'])")
+    # One child for both (it imports SGLang once): the good address, then the wildcard.
+    code = ("import os, sys\n"
+            "from sglang.srt.server_args import prepare_server_args\n"
+            "prepare_server_args(sys.argv[1:] + ['--pdd-advertise-host', '127.0.0.1']).resolve_once()\n"
+            "print('host_ip', os.environ['SGLANG_HOST_IP'])\n"
+            "try:\n"
+            "    prepare_server_args(sys.argv[1:] + ['--pdd-advertise-host', '0.0.0.0']).resolve_once()\n"
+            "except BaseException as err:\n"
+            "    print('refused', err)\n")
     base = ["--model-path", str(ensure_tiny_model()), "--pdd-role", "relay", "--device", "cpu",
             "--disaggregation-transfer-backend", "mooncake_tcp", "--host", "0.0.0.0"]
     env = {k: v for k, v in __import__("os").environ.items() if k != "SGLANG_HOST_IP"}
-    ok = subprocess.run([sys.executable, "-c", code, *base, "--pdd-advertise-host", "127.0.0.1"],
-                        capture_output=True, text=True, timeout=120, env=env)
-    assert ok.returncode == 0, ok.stderr[-2000:]
-    assert ok.stdout.strip().splitlines()[-1] == "127.0.0.1"
-    bad = subprocess.run([sys.executable, "-c", code, *base, "--pdd-advertise-host", "0.0.0.0"],
-                         capture_output=True, text=True, timeout=120, env=env)
-    assert bad.returncode != 0 and "--pdd-advertise-host 0.0.0.0: a wildcard" in bad.stderr
+    done = subprocess.run([sys.executable, "-c", code, *base], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.strip().splitlines()
+    assert "host_ip 127.0.0.1" in lines, done.stdout[-2000:]
+    refused = next(line for line in lines if line.startswith("refused"))
+    assert "--pdd-advertise-host 0.0.0.0: a wildcard" in refused + done.stderr, done.stdout
