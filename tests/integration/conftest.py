@@ -19,8 +19,9 @@ collection order below runs every page-1 test, then every page-16 test, so each 
 clusters' servers fork their scheduler and detokenizer from the launcher
 (``pdd_sglang/dev/testing/fork_launch.py``): about 15 CPU-seconds and 1.3 GB each, against 35-50
 and 2.2 GB with SGLang's spawn, where each of the three processes imports torch, transformers
-and sglang. The reference, the no-role pair and the fault suite's servers keep spawn, so the
-suite still starts servers exactly as SGLang does. One reference for both page sizes, and for the
+and sglang (the fault suite's background run and the simulator's profile run fork theirs too).
+The reference, the no-role pair and the two-datacenter test's servers keep spawn, so the suite
+still starts servers exactly as SGLang does. One reference for both page sizes, and for the
 no-role test, saves two server starts; greedy tokens do not depend on the page size (float32,
 torch-native attention).
 

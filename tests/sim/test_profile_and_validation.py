@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from pdd_sglang.dev.testing.cluster import FORK_CHILDREN_ENV
 from pdd_sglang.sim.profiles import InstanceCost, load_hardware, load_model
 from pdd_sglang.sim.records import STAGES
 from pdd_sglang.sim.validation import QUANTITIES, MeasuredProfiles, Validator, validation_json
@@ -91,9 +92,10 @@ def _can_profile() -> str | None:
 @pytest.mark.integration
 @pytest.mark.skipif(_can_profile() is not None, reason=str(_can_profile()))
 def test_profile_cpu_quick_then_validate_end_to_end(tmp_path):
+    # Its server forks its children, as the suite's clusters do (20 CPU-s less; same engine).
     profile = subprocess.run([sys.executable, "scripts/profile_cpu.py", "--quick", "--out-dir",
                               str(tmp_path / "profile")], cwd=ROOT, capture_output=True,
-                             text=True, timeout=600)
+                             text=True, timeout=600, env={**os.environ, FORK_CHILDREN_ENV: "1"})
     assert profile.returncode == 0, profile.stderr[-3000:]
     profiles = MeasuredProfiles.under(tmp_path / "profile")
     assert profiles.missing() == []

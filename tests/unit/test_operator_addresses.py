@@ -71,30 +71,11 @@ def test_the_wan_engine_host_prefers_its_own_flag_then_the_advertised_one():
     assert wan_hostname(kv_mgr, "wan0.example", "a.example") == "wan0.example"
 
 
-def test_the_advertise_host_becomes_sglangs_host_ip_when_unset(monkeypatch, tmp_path):
+def test_the_advertise_host_becomes_sglangs_host_ip_when_unset():
     """SGLang's own resolution step (patch 0001) runs the checks and sets SGLANG_HOST_IP for the
     scheduler it then starts."""
-    import subprocess
-    import sys
+    from sglang_resolution import outcomes
 
-    from pdd_sglang.dev.testing.tiny_model import ensure_tiny_model
-
-    # One child for both (it imports SGLang once): the good address, then the wildcard.
-    code = ("import os, sys\n"
-            "from sglang.srt.server_args import prepare_server_args\n"
-            "prepare_server_args(sys.argv[1:] + ['--pdd-advertise-host', '127.0.0.1']).resolve_once()\n"
-            "print('host_ip', os.environ['SGLANG_HOST_IP'])\n"
-            "try:\n"
-            "    prepare_server_args(sys.argv[1:] + ['--pdd-advertise-host', '0.0.0.0']).resolve_once()\n"
-            "except BaseException as err:\n"
-            "    print('refused', err)\n")
-    base = ["--model-path", str(ensure_tiny_model()), "--pdd-role", "relay", "--device", "cpu",
-            "--disaggregation-transfer-backend", "mooncake_tcp", "--host", "0.0.0.0"]
-    env = {k: v for k, v in __import__("os").environ.items() if k != "SGLANG_HOST_IP"}
-    done = subprocess.run([sys.executable, "-c", code, *base], capture_output=True, text=True,
-                          timeout=120, env=env)
-    assert done.returncode == 0, done.stderr[-2000:]
-    lines = done.stdout.strip().splitlines()
-    assert "host_ip 127.0.0.1" in lines, done.stdout[-2000:]
-    refused = next(line for line in lines if line.startswith("refused"))
-    assert "--pdd-advertise-host 0.0.0.0: a wildcard" in refused + done.stderr, done.stdout
+    good, wildcard = outcomes()["advertise_host"], outcomes()["advertise_wildcard"]
+    assert good["ok"] and good["host_ip"] == "127.0.0.1", good
+    assert not wildcard["ok"] and "--pdd-advertise-host 0.0.0.0: a wildcard" in wildcard["error"]
