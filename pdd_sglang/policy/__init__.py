@@ -4,6 +4,9 @@ The router, the relay decode server and the simulator all import their decisions
 policy change is tested once and behaves the same in simulation and in production.  Pure Python,
 stdlib only, no I/O, no clocks: every function is a deterministic function of its arguments.
 
+The rules for a TTFT budget (``place_by_ttft_budget`` and its types) are in
+:mod:`pdd_sglang.policy.ttft_budget`, re-exported here.
+
 Vocabulary (the brief's roles, spelled out):
   prefill  (P)   computes the prompt's KV, in datacenter A.
   relay    (RLD) decodes eagerly next to prefill (RDMA) while the WAN copy is in flight.
@@ -15,7 +18,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 
 def _require_non_negative(name: str, value: float) -> None:
@@ -265,69 +268,6 @@ def choose_pipeline(uncached_tokens: int, max_new_tokens: int, kv_bytes_per_toke
     return Pipeline.PREFILL_RELAY_MAIN
 
 
-@dataclass(frozen=True)
-class MainTtft:
-    """The TTFT predicted through main alone (P->MD): queue at prefill, prefill's forward over
-    the uncached prompt, and main's copy behind the line (predict_wan_seconds_on_line)."""
-
-    queue_s: float
-    prefill_s: float
-    wan_s: float
-
-    def __post_init__(self) -> None:
-        for name in ("queue_s", "prefill_s", "wan_s"):
-            _require_non_negative(name, getattr(self, name))
-
-    @property
-    def total_s(self) -> float:
-        return self.queue_s + self.prefill_s + self.wan_s
-
-
-class BudgetVerdict(str, enum.Enum):
-    """How a placement stands against the request's TTFT budget (the router counts them)."""
-    WITHIN = "within"  # P->MD predicted within it, or the relay hides the WAN
-    OVER = "over"  # neither: the relay had no headroom (or none is there), P->MD over budget
-    NO_BUDGET = "no_budget"  # no budget given: hide_wan_below_s decided
-
-
-class BudgetPlacement(NamedTuple):
-    pipeline: Pipeline
-    verdict: BudgetVerdict
-
-
-def prefill_seconds(tokens: float, tokens_per_s: float | None) -> float:
-    """Prefill time of ``tokens`` at a measured or configured rate; 0 when no rate is known."""
-    _require_non_negative("tokens", tokens)
-    return tokens / tokens_per_s if tokens_per_s and tokens_per_s > 0 else 0.0
-
-
-def place_by_ttft_budget(main: MainTtft, budget_s: float | None, relay_utilisation: float | None,
-                         cfg: PolicyConfig = DEFAULT_POLICY) -> BudgetPlacement:
-    """P->MD or P->RLD->MD for a TTFT budget, trading relay capacity for TTFT only when needed.
-
-    - no budget (``budget_s`` None): hide_wan_below_s decides, as choose_pipeline does;
-    - P->MD when the predicted TTFT through main (queue + prefill + WAN copy) fits the budget:
-      the relay, whose GPUs sit in the expensive datacenter, is kept for requests that need it;
-    - otherwise P->RLD->MD while the relay has headroom (``relay_utilisation`` below
-      cfg.relay_full_utilisation; None: no usable relay): its first token comes after queue and
-      prefill alone, no WAN (over budget only if those alone miss it);
-    - a full relay (or none): P->MD anyway, counted over budget.
-    """
-    if budget_s is None:
-        pipeline = (Pipeline.PREFILL_MAIN if main.wan_s < cfg.hide_wan_below_s
-                    else Pipeline.PREFILL_RELAY_MAIN)
-        return BudgetPlacement(pipeline, BudgetVerdict.NO_BUDGET)
-    if not budget_s > 0:
-        raise ValueError(f"budget_s must be > 0, got {budget_s!r}")
-    if main.total_s <= budget_s:
-        return BudgetPlacement(Pipeline.PREFILL_MAIN, BudgetVerdict.WITHIN)
-    if relay_utilisation is not None and relay_utilisation < cfg.relay_full_utilisation:
-        fits = main.queue_s + main.prefill_s <= budget_s
-        return BudgetPlacement(Pipeline.PREFILL_RELAY_MAIN,
-                               BudgetVerdict.WITHIN if fits else BudgetVerdict.OVER)
-    return BudgetPlacement(Pipeline.PREFILL_MAIN, BudgetVerdict.OVER)
-
-
 def choose_handoff_mode(tokens_held: int, relay_load: RelayLoad,
                         cfg: PolicyConfig = DEFAULT_POLICY) -> HandoffMode:
     """Pick the handoff mode when main reports it holds the prompt's KV.
@@ -417,3 +357,9 @@ def choose_main(candidates: Sequence[MainCandidate],
         if score > best_score:
             best_index, best_score = index, score
     return best_index
+
+
+# At the end: ttft_budget builds on Pipeline and PolicyConfig above.
+from pdd_sglang.policy.ttft_budget import (  # noqa: E402
+    BudgetPlacement, BudgetVerdict, MainTtft, place_by_ttft_budget, prefill_seconds)
+
