@@ -64,6 +64,10 @@ class FanoutDeadlines:
                 if room.awaits_relay() and age > self.relay_bootstrap_timeout_s:
                     room.relay_dropped = True
                     self.counters["relays_dropped"] += 1
+                    if not room.active():  # main let the request go while the relay was awaited
+                        self._conclude(room, "Failed", "PDD: no relay registered, and the main "
+                                       "aborted its request")
+                        continue
                     logger.warning("PDD: no relay registered for room %s within %.1f s of its "
                                    "main; sending to the main alone", room.room,
                                    self.relay_bootstrap_timeout_s)

@@ -142,8 +142,8 @@ def test_race3_a_registration_after_the_room_was_forgotten_is_refused():
 def test_race4_and_5_pdd_senders_never_touch_sglangs_worker_bookkeeping():
     """Failed before (5): a chunk for relay and main was counted in _staging_outstanding by a
     local and a WAN worker (two threads, one read-modify-write), and both tore the room down
-    with check-then-pop (4). PDD's senders count nothing of SGLang's and tear nothing down: the
-    owner concludes the room once every chunk is reported."""
+    with check-then-pop (4, the next test). PDD's senders count nothing of SGLang's and tear
+    nothing down: the owner concludes the room once every chunk is reported."""
     kv = Kv()
     fanout = make_fanout(kv)
     open_room(kv, 10)
@@ -159,9 +159,59 @@ def test_race4_and_5_pdd_senders_never_touch_sglangs_worker_bookkeeping():
     assert {w[0] for w in kv.writes} == {"request_status", "req_to_decode_prefix_len"}
 
 
+def test_race4_a_room_whose_relay_and_main_land_at_once_is_concluded_once(caplog):
+    """Failed before, on c07d3c0's fan-out: the relay's last chunk on SGLang's transfer worker and
+    main's copy of it on the WAN worker (SGLang's transfer_worker on a WAN queue) each ran
+    SGLang's teardown, ``if room in transfer_infos: transfer_infos.pop(room)``; with both past the
+    test before either popped, the second pop raised KeyError and killed its worker ("Transfer
+    thread failed ... Prefill instance ... is dead"). The housekeeping thread's drop_silent_mains
+    popped the same entry under the relay's worker the same way. Now, with the real threads and
+    both senders inside their last write at once, the owner concludes the room exactly once,
+    nothing raises, and both senders live to send the next room."""
+    import logging
+
+    from pdd_sglang.prefill.wan_path import WanPath
+
+    kv = Kv()
+    kv.executors = [None]
+    fanout = make_fanout(kv)
+    fanout.local_queues, fanout.wan_queues = [], []
+    both_writing = threading.Barrier(2, timeout=10)
+    send_aux, concluded = kv.send_aux, []
+
+    def last_write(info, aux_index, dst_aux_ptrs):  # both senders in it before either reports
+        if info.room == 16:
+            both_writing.wait()
+        return send_aux(info, aux_index, dst_aux_ptrs)
+
+    def conclude(**kwargs):
+        concluded.append((kwargs["bootstrap_room"], threading.current_thread().name))
+        return Kv.conclude_transfer(kv, **kwargs)
+
+    kv.send_aux, kv.conclude_transfer = last_write, conclude
+    path = WanPath(fanout)
+    path.start(kv, workers=1, delay_s=0, local_workers=1)
+    try:
+        for room in (16, 17):
+            open_room(kv, room)
+            for session, role in ((RELAY, "relay"), (MAIN, "main")):
+                assert fanout.claim_registration(room, session, hello_frames(kv, room, session, role))
+            assert _wait(lambda: room in fanout.pdd_rooms)
+            assert fanout.take_chunk(chunk(room, 0, 16, last=True))
+            assert _wait(lambda: status_name(kv, room) == "Success"), status_name(kv, room)
+        alive = {t.name for t in path.threads if t.is_alive()}
+    finally:
+        assert path.close() == []
+    assert concluded == [(16, "pdd-fanout"), (17, "pdd-fanout")]
+    assert {"pdd-local-xfer-0", "pdd-wan-xfer-0", "pdd-fanout"} <= alive
+    assert sorted(s for s, first, n in kv.sent_kv) == [RELAY, RELAY, MAIN, MAIN]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
 def test_race6_only_the_owner_thread_writes_sglangs_status_for_a_pdd_room():
-    """Failed before: the housekeeping thread's update_status / conclude_transfer raced the
-    workers'. Now, with the real threads of WanPath, every write PDD makes to request_status and
+    """Failed before (the next test: the housekeeping thread's read-modify-write of
+    request_status lost a Failed written by another thread). Now, with the real threads of
+    WanPath, every write PDD makes to request_status and
     req_to_decode_prefix_len comes from ``pdd-fanout``. (SGLang's own scheduler still writes the
     status of its requests, Bootstrapping and an abort's Failed; an abort that meets the owner's
     Success is kept by the sender's conclude_state, SGLang's own rule.)"""
@@ -185,6 +235,43 @@ def test_race6_only_the_owner_thread_writes_sglangs_status_for_a_pdd_room():
     writers = {thread for table, thread in kv.writes if table != "transfer_infos"}
     assert writers == {"MainThread", "pdd-fanout"}  # MainThread: the test's open_room
     assert [t for table, t in kv.writes if t != "pdd-fanout"] == [("MainThread")]
+
+
+@pytest.mark.parametrize("abort_first", [False, True])
+def test_race6_mains_abort_during_the_relay_wait_stands_against_the_relay_deadline(abort_first):
+    """Failed before, on c07d3c0's fan-out: main registered, the relay did not; past
+    --pdd-relay-bootstrap-timeout the housekeeping thread's drop_silent_relays ran
+    ``update_status(room, WaitingForInput)`` (read the status, write ``max(read, ...)``) while
+    SGLang's bootstrap thread handled main's ABORT (``update_status(room, Failed)``, then the ack at
+    once: nothing was in flight, so main freed the pages). The Failed landed between that read and
+    that write and was lost: the room went WaitingForInput, and prefill would have written its KV
+    into pages main had freed. Now main's ABORT of a PDD room is the owner's event (patch 0006
+    claims it) and the relay deadline is the owner's tick: the bootstrap thread writes no status,
+    and in either order the room ends Failed, main acked once, nothing sent. With the abort first,
+    the relay deadline once started the room with no destination left, and it never concluded
+    (prefill's KV held for good): that order failed before the deadline concluded such a room."""
+    kv = Kv()
+    fanout = make_fanout(kv)
+    fanout.relay_bootstrap_timeout_s = 0.0
+    open_room(kv, 25)
+    register(fanout, kv, 25, MAIN, "main")  # the relay never comes
+    bootstrap = threading.Thread(target=kv.handle_abort, args=(25, MAIN), name="bootstrap")
+    if not abort_first:
+        fanout.tick(now=fanout.clock() + 1)  # the relay deadline
+    bootstrap.start()
+    bootstrap.join(5)
+    drain(fanout)
+    if abort_first:
+        fanout.tick(now=fanout.clock() + 1)
+    fanout.take_chunk(chunk(25, 0, 8, last=True))  # prefill's chunk, had the room started
+    drain(fanout)
+    for queue in fanout.local_queues + fanout.wan_queues:
+        send_all(fanout, kv, queue)
+    fanout.tick(now=fanout.clock() + 400)
+    drain(fanout)
+    assert not [w for w in kv.writes if w[1] == "bootstrap"]
+    assert kv.abort_acks == [(25, "127.0.0.1", 2002, 1)] and kv.sent_kv == []
+    assert status_name(kv, 25) == "Failed"
 
 
 def _wait(condition, timeout_s=10.0):
