@@ -23,6 +23,12 @@ from pdd_sglang.prefill.room import Work
 
 logger = logging.getLogger(__name__)
 
+# A copy to a main goes out in batches of at most this many bytes, and a copy the owner cancels
+# (its destination aborted, its room concluded) stops at the next batch: one batch in flight
+# cannot be called back, and a whole chunk (up to --chunked-prefill-size tokens) would hold the
+# WAN line for tens of seconds after nobody wants it. Each batch costs about one RTT more.
+WAN_SLICE_BYTES = 4 << 20
+
 
 def run_sender(kv_mgr: Any, work_queue: Any, executor: Any, report: Callable[[Any], None],
                pause: Optional[Callable[[Work], None]] = None) -> None:
@@ -44,12 +50,29 @@ def run_sender(kv_mgr: Any, work_queue: Any, executor: Any, report: Callable[[An
         report(ChunkSent(work, ok, reason))
 
 
-def send_work(kv_mgr: Any, work: Work, executor: Any) -> tuple[Optional[bool], Optional[str]]:
-    """``(True, None)`` sent, ``(False, reason)`` failed, ``(None, None)`` skipped."""
+def _let_go(kv_mgr: Any, work: Work) -> bool:
+    """The owner cancelled this work, or SGLang ended its room: skip what is left of it."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     status = kv_mgr.request_status.get(work.room)
-    if work.cancelled or status is None or status == KVPoll.Failed:
+    return work.cancelled or status is None or status == KVPoll.Failed
+
+
+def _send_pages(kv_mgr: Any, work: Work, peer: Any, src: Any, dst: Any, executor: Any) -> int:
+    """SGLang's own write of ``src`` pages to ``dst`` pages of the destination; 0 when sent."""
+    if kv_mgr.is_mla_backend or kv_mgr.attn_tp_size == peer.dst_attn_tp_size:
+        return kv_mgr.send_kvcache(
+            work.session, src, peer.dst_kv_ptrs, dst, executor,
+            dst_layer_ids=peer.dst_kv_layer_ids, dst_kv_item_len=peer.dst_kv_item_len,
+            dst_attn_tp_size=peer.dst_attn_tp_size)
+    return kv_mgr.send_kvcache_slice(
+        work.session, src, peer.dst_kv_ptrs, dst, peer.dst_tp_rank, peer.dst_attn_tp_size,
+        peer.dst_kv_item_len, executor, peer.dst_kv_layer_ids)
+
+
+def send_work(kv_mgr: Any, work: Work, executor: Any) -> tuple[Optional[bool], Optional[str]]:
+    """``(True, None)`` sent, ``(False, reason)`` failed, ``(None, None)`` skipped."""
+    if _let_go(kv_mgr, work):
         return None, None
     chunk, info = work.chunk, work.destination
     if chunk.wait_event is not None:  # overlap scheduling: the forward that wrote this KV
@@ -67,19 +90,16 @@ def send_work(kv_mgr: Any, work: Work, executor: Any) -> tuple[Optional[bool], O
     dst = info.dst_kv_indices[chunk.index_slice]
     src = src[: len(dst)]
     LEDGER.begin(work.room, work.session, len(src))
-    ret = 0
     if len(src) and kv_mgr.kv_args.kv_data_ptrs:
-        if (kv_mgr.is_mla_backend or kv_mgr.attn_tp_size == peer.dst_attn_tp_size):
-            ret = kv_mgr.send_kvcache(
-                work.session, src, peer.dst_kv_ptrs, dst, executor,
-                dst_layer_ids=peer.dst_kv_layer_ids, dst_kv_item_len=peer.dst_kv_item_len,
-                dst_attn_tp_size=peer.dst_attn_tp_size)
-        else:
-            ret = kv_mgr.send_kvcache_slice(
-                work.session, src, peer.dst_kv_ptrs, dst, peer.dst_tp_rank,
-                peer.dst_attn_tp_size, peer.dst_kv_item_len, executor, peer.dst_kv_layer_ids)
-    if ret != 0:
-        return False, f"PDD: a KV chunk of room {work.room} to {work.role} {work.session} failed"
+        page_bytes = sum(kv_mgr.kv_args.kv_item_lens) or 1
+        step = (max(WAN_SLICE_BYTES // page_bytes, 1) if work.role == "main" else len(src))
+        for start in range(0, len(src), step):
+            if start and _let_go(kv_mgr, work):  # free the line now, not after the chunk
+                return None, None
+            if _send_pages(kv_mgr, work, peer, src[start:start + step], dst[start:start + step],
+                           executor) != 0:
+                return False, (f"PDD: a KV chunk of room {work.room} to {work.role} "
+                               f"{work.session} failed")
     if chunk.is_last_chunk:
         if kv_mgr.send_aux(info, chunk.prefill_aux_index, peer.dst_aux_ptrs) != 0:
             return False, f"PDD: the aux data of room {work.room} to {work.role} {work.session} failed"

@@ -1,0 +1,63 @@
+"""The prefill's PDD senders: a copy to a main goes out in bounded batches, so a copy nobody wants
+any more stops holding the WAN line at the next batch, not at the end of its chunk."""
+
+import pytest
+
+import pdd_sglang.hooks as hooks
+from fanout_harness import MAIN, RELAY, Kv, chunk, drain, make_fanout, register
+from pdd_sglang.prefill import senders
+from pdd_sglang.prefill.events import ChunkSent
+
+PAGE_BYTES = 200  # the harness's kv_item_lens, summed
+
+
+@pytest.fixture(autouse=True)
+def prefill_role(monkeypatch):
+    monkeypatch.setattr(hooks, "_role", "prefill")
+    monkeypatch.setattr(senders, "WAN_SLICE_BYTES", 4 * PAGE_BYTES)
+
+
+def _room_of_ten_pages(kv, fanout, room):
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    kv.update_status(room, KVPoll.Bootstrapping)
+    register(fanout, kv, room, RELAY, "relay")
+    register(fanout, kv, room, MAIN, "main")
+    fanout.take_chunk(chunk(room, 0, 10, last=True))
+    drain(fanout)
+    return fanout.local_queues[room % 2].pop(0), fanout.wan_queues[0].pop(0)
+
+
+def test_a_copy_to_main_goes_out_in_batches_of_the_slice_and_a_relays_in_one():
+    kv = Kv()
+    fanout = make_fanout(kv)
+    to_relay, to_main = _room_of_ten_pages(kv, fanout, 40)
+    assert senders.send_work(kv, to_relay, None) == (True, None)
+    assert senders.send_work(kv, to_main, None) == (True, None)
+    assert kv.sent_kv == [(RELAY, 0, 10), (MAIN, 0, 4), (MAIN, 4, 4), (MAIN, 8, 2)]
+
+
+def test_a_copy_to_main_aborted_while_it_is_written_stops_at_the_next_batch():
+    """Failed before: the whole chunk went out after main had aborted (one batch of 10 pages),
+    holding the line for a copy nobody reads; its ABORT's ack waited for all of it."""
+    kv = Kv()
+    fanout = make_fanout(kv)
+    to_relay, to_main = _room_of_ten_pages(kv, fanout, 41)
+    sglang_send = kv.send_kvcache
+
+    def send_while_main_aborts(session, src, *args, **kwargs):
+        result = sglang_send(session, src, *args, **kwargs)
+        if len(kv.sent_kv) == 1:  # main's ABORT arrives during the first batch
+            kv.handle_abort(41, MAIN)
+            drain(fanout)  # the owner cancels main's work
+        return result
+
+    kv.send_kvcache = send_while_main_aborts
+    assert senders.send_work(kv, to_main, None) == (None, None)
+    assert kv.sent_kv == [(MAIN, 0, 4)]
+    assert kv.abort_acks == []  # the write in progress had not reported yet
+    fanout.handle(ChunkSent(to_main, None, None))
+    assert kv.abort_acks == [(41, "127.0.0.1", 2002, 1)]
+    kv.send_kvcache = sglang_send
+    fanout.handle(ChunkSent(to_relay, *senders.send_work(kv, to_relay, None)))
+    assert fanout.published["destinations_aborted"] == 1
