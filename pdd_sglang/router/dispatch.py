@@ -35,10 +35,9 @@ from pdd_sglang.router.upstream import UpstreamClient, UpstreamError
 logger = logging.getLogger("pdd_sglang.router")
 
 
-def _gone(err: BaseException) -> bool:
-    """A failure that means the server is gone (or hung), not that it refused the request."""
-    return isinstance(err, StreamEndedEarly) or (isinstance(err, UpstreamError) and err.cause in (
-        "upstream_connection", "upstream_timeout"))
+def _never_reached(err: BaseException) -> bool:
+    """The connection itself was refused: the server never saw the request."""
+    return isinstance(err, UpstreamError) and err.refused
 
 
 async def _next_item(queue: asyncio.Queue, timeout_s: float | None):
@@ -249,11 +248,13 @@ class Dispatcher:
                                          else item)
                         self.metrics.errors.labels("relay_lost").inc()
                         self._report(relay_failure)
-                        if _gone(relay_failure) and not splicer.emitted:
-                            # Nothing sent yet: a fresh placement without this relay beats
-                            # prefill waiting for its registration and main for its handoff.
+                        if _never_reached(relay_failure) and not splicer.emitted:
+                            # The relay never had the request, so it never registered: a fresh
+                            # placement without it beats prefill waiting for its registration.
                             raise RelayLost(placement.relay, relay_failure, 0,
-                                            "gone before its first token")
+                                            "refused before its first token")
+                        # It had the request: prefill went on to main, whose copy is already
+                        # on the line ahead of any fresh one (relay_loss.py, step 2).
                         # The relay died before any handoff: main decodes from the first
                         # token; the client sees a pause, not an error.
                         logger.warning("%s: relay %s lost (%s); going on with main %s", rid,

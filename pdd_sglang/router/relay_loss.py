@@ -4,10 +4,13 @@ What the router does, in the order a relay's death shows:
 
 1. A relay that refuses a connection is out of rotation at once (nothing listens on its port);
    one whose stream breaks is probed at once (``HealthMonitor.probe``), not at its next poll.
-2. A request whose relay is gone before it streamed a token is placed again at once, from
-   scratch, without that relay (P->MD unless another relay is up): the client has nothing yet.
-   Left on its placement, prefill would wait ``--pdd-relay-bootstrap-timeout`` for a relay that
-   never registers, and main ``--pdd-handoff-timeout`` for a handoff that never comes.
+2. A request whose relay refused its connection (it never saw the request) is placed again at
+   once, from scratch, without that relay (P->MD unless another relay is up): left on its
+   placement, prefill would wait ``--pdd-relay-bootstrap-timeout`` for a relay that never
+   registers. A relay that had the request and died before its first token is step 3 with no
+   token emitted: prefill goes on to main, whose copy is already on the line, partly sent; a
+   fresh placement would put a second full copy behind it (the first one's batch in flight
+   cannot be called back), and the line is what a relay's loss makes scarce.
 3. A request whose relay is gone mid-answer goes on with main's stream: main decodes it from the
    first token once it sees the relay's control connection drop, and the client gets main's
    tokens from the next position it lacks (splice.py). But main only sees the drop of a

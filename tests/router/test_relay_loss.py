@@ -197,6 +197,64 @@ def test_a_relay_dying_mid_answer_goes_on_at_main_from_the_clients_last_token():
     run(test())
 
 
+def test_a_relay_dying_before_its_first_token_leaves_the_request_to_mains_copy():
+    """The relay had the request (its stream broke, the connection was not refused), so prefill
+    went on to main: the router waits for main's copy to land rather than putting a second full
+    copy on the line behind it, then goes on P->MD with the prompt cached at main."""
+    async def test():
+        died, copy_may_land, fresh_main = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+        async def relay_resets(upstream):
+            died.set()
+            raise UpstreamError(upstream, "ServerDisconnectedError", "upstream_connection")
+            yield
+
+        async def waits_for_a_handoff(upstream):
+            await forever()
+            yield
+
+        async def answers(upstream):
+            fresh_main.set()
+            yield chunk([10], completion=1)
+            yield chunk([10, 11], LENGTH, completion=2)
+
+        async def lands_when_let(upstream):
+            await copy_may_land.wait()
+            return {}
+
+        async def answered(upstream):
+            return {}
+
+        client = ScriptedClient({RELAY: [relay_resets], MAIN: [waits_for_a_handoff, answers]},
+                                [lands_when_let, answered])
+        client.health_of["http://r"] = HEALTH_UNREACHABLE
+        dispatcher = make_dispatcher(client, grace_s=0.0)
+        serving = asyncio.ensure_future(answer(dispatcher, max_new_tokens=2))
+        await died.wait()
+        # A fresh placement would reach main within a few turns of the loop; none may come
+        # while main's first copy is still on the line.
+        try:
+            await asyncio.wait_for(fresh_main.wait(), 0.5)
+        except asyncio.TimeoutError:
+            pass
+        assert not fresh_main.is_set(), "placed again with main's first copy still on the line"
+        copy_may_land.set()
+        updates = await serving
+        assert updates[-1].output_ids == [10, 11] and updates[-1].finished
+        assert updates[-1].meta["pdd"]["outcome"] == "relay_lost"
+        first, second = client.bodies[MAIN]
+        assert pipeline_of(first) == "prefill_relay_main"
+        assert pipeline_of(second) == "prefill_main"
+        assert second["input_ids"] == PROMPT  # the client had nothing yet
+        # Main's first copy was aborted once landed (main keeps its KV in the radix cache)
+        # before the fresh placement reached main: the prompt does not cross the line again.
+        assert client.log.index(("abort", MAIN, first["rid"])) < client.log.index(
+            ("generate", MAIN, second["rid"]))
+        assert dispatcher.mirrors["http://m"].match_length(PROMPT) == len(PROMPT)
+
+    run(test())
+
+
 def test_a_main_that_noticed_the_relay_loss_is_left_to_answer():
     async def test():
         landed = asyncio.Event()

@@ -16,6 +16,7 @@ cluster B, reachable only through the line. Timeouts are the WAN-fitting values 
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,6 +141,8 @@ def run_fault(cluster: FaultCluster, fault: Fault, *, warmup_s: float, after_s: 
         wait_for(lambda: len(load.in_flight()) >= min(2, fault.profile.concurrency), 30)
         progress(f"{fault.name}: injecting ({len(load.in_flight())} requests in flight)")
         injected = time.monotonic()
+        backlog = LineBacklog(cluster, injected)
+        backlog.start()
         fault.inject(cluster)
         time.sleep(fault.hold_s)
         progress(f"{fault.name}: recovering")
@@ -157,8 +160,10 @@ def run_fault(cluster: FaultCluster, fault: Fault, *, warmup_s: float, after_s: 
             return min(firsts) if firsts else None
 
         wait_for(lambda: first_good_answer() is not None, answer_timeout_s)
+        backlog.stop()
         time.sleep(after_s)
     finally:
+        backlog_samples = backlog.stop() if "backlog" in locals() else []
         progress(f"{fault.name}: draining")
         load.stop()
     good = first_good_answer()
@@ -185,7 +190,57 @@ def run_fault(cluster: FaultCluster, fault: Fault, *, warmup_s: float, after_s: 
                     "output_tokens": fault.profile.output_tokens,
                     "concurrency": fault.profile.concurrency},
         "hold_s": fault.hold_s,
+        "first_request_after": first_request_after(load.sent, injected),
+        "wan_backlog": backlog_samples,
     }
+
+
+def first_request_after(sent: list, injected: float) -> Optional[dict]:
+    """The first request sent after the injection that completed: what it went through."""
+    done = sorted((s for s in sent if s.started > injected and s.status == "completed"),
+                  key=lambda s: s.started)
+    if not done:
+        return None
+    first = done[0]
+    return {"sent_after_s": round(first.started - injected, 2),
+            "outcome": first.result.outcome,
+            "ttft_s": first.result.ttft_s and round(first.result.ttft_s, 2),
+            "answer_s": round(first.ended - first.started, 2)}
+
+
+class LineBacklog(threading.Thread):
+    """Samples the prefill's WAN backlog (bytes queued or in flight to main) after a fault: the
+    mechanism behind a recovery time (a new P->MD request's KV waits behind these bytes)."""
+
+    INTERVAL_S = 0.5
+    MAX_SAMPLES = 240
+
+    def __init__(self, cluster: FaultCluster, injected: float):
+        super().__init__(name="fault-wan-backlog", daemon=True)
+        self.cluster, self.injected = cluster, injected
+        self.samples: list = []
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.is_set() and len(self.samples) < self.MAX_SAMPLES:
+            at = round(time.monotonic() - self.injected, 1)
+            try:
+                state = self.cluster.prefill.pdd_state()
+                lines = state.get("wan_line") or {}
+                self.samples.append({
+                    "t_s": at,
+                    "bytes_ahead": sum(v.get("bytes_ahead", 0) for v in lines.values()),
+                    "in_flight_bytes": sum(v.get("in_flight_bytes", 0) for v in lines.values()),
+                    "rooms_open": (state.get("fanout") or {}).get("rooms_open")})
+            except Exception:  # noqa: BLE001 - a dead prefill is a fault being measured
+                self.samples.append({"t_s": at, "bytes_ahead": None})
+            self._stop_event.wait(self.INTERVAL_S)
+
+    def stop(self) -> list:
+        self._stop_event.set()
+        if self.is_alive():
+            self.join(timeout=5)
+        return self.samples
 
 
 def line_floor_s(rate_mbit: float, uncached_tokens: int) -> Optional[float]:
