@@ -19,7 +19,9 @@ Life cycle of a group:
    instruction.
 4. ``.snapshot()`` reads what the group used: CPU time (``cpuacct.usage``), time its tasks waited
    runnable on a run queue (field 2 of ``/proc/<tid>/schedstat``, per thread; a share counts the
-   threads alive at both snapshots), and time the quota throttled it (``cpu.stat``). Two snapshots give a setup's share.
+   threads alive at both snapshots), time each thread ran (field 1, summed per thread name: which
+   thread used the quota), and time the quota throttled it (``cpu.stat``). Two snapshots give a
+   setup's share.
 5. ``.remove()`` SIGKILLs anything still in the group (only processes this module put there) and
    removes the directories; the caller stops its servers first.
 """
@@ -30,7 +32,7 @@ import contextlib
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 CPU_ROOT = Path("/sys/fs/cgroup/cpu")
@@ -72,6 +74,8 @@ class CpuSnapshot:
     throttled_s: float
     throttled_periods: int
     periods: int
+    run_ns_by_tid: dict = field(default_factory=dict)
+    name_by_tid: dict = field(default_factory=dict)
 
 
 class CpuGroup:
@@ -112,15 +116,18 @@ class CpuGroup:
     def snapshot(self) -> CpuSnapshot:
         stat = dict(line.split() for line in (self.cpu_dir / "cpu.stat").read_text().splitlines()
                     if len(line.split()) == 2)
-        wait_ns = {}
+        wait_ns, run_ns, names = {}, {}, {}
         for tid in self.tids():
             with contextlib.suppress(OSError, ValueError, IndexError):
-                wait_ns[tid] = int(Path(f"/proc/{tid}/schedstat").read_text().split()[1])
+                fields = Path(f"/proc/{tid}/schedstat").read_text().split()
+                run_ns[tid], wait_ns[tid] = int(fields[0]), int(fields[1])
+                names[tid] = Path(f"/proc/{tid}/comm").read_text().strip()
         usage_ns = int((self.acct_dir / "cpuacct.usage").read_text()) \
             if (self.acct_dir / "cpuacct.usage").exists() else int(stat.get("usage_usec", 0)) * 1000
         return CpuSnapshot(time.monotonic(), usage_ns / 1e9, wait_ns,
                            int(stat.get("throttled_time", 0)) / 1e9,
-                           int(stat.get("nr_throttled", 0)), int(stat.get("nr_periods", 0)))
+                           int(stat.get("nr_throttled", 0)), int(stat.get("nr_periods", 0)),
+                           run_ns, names)
 
     def usage_between(self, before: CpuSnapshot, after: CpuSnapshot) -> dict:
         """What the group used between two snapshots (run-queue wait: threads alive at both)."""
@@ -133,7 +140,8 @@ class CpuGroup:
                 "run_queue_wait_s": round(wait_ns / 1e9, 2),
                 "throttled_s": round(after.throttled_s - before.throttled_s, 2),
                 "throttled_periods": after.throttled_periods - before.throttled_periods,
-                "periods": after.periods - before.periods}
+                "periods": after.periods - before.periods,
+                "cpu_s_by_thread": _by_thread_name(before, after)}
 
     def remove(self, timeout_s: float = 10.0) -> None:
         if not self.created:
@@ -154,6 +162,18 @@ class CpuGroup:
 
     def exists(self) -> bool:
         return any(path.exists() for path in self.dirs)
+
+
+def _by_thread_name(before: CpuSnapshot, after: CpuSnapshot, top: int = 8) -> dict:
+    """CPU seconds on the CPU between the snapshots, summed per thread name (``comm``), the
+    ``top`` largest: which of a server's threads used its quota (threads alive at both)."""
+    by_name: dict = {}
+    for tid, ns in after.run_ns_by_tid.items():
+        if tid in before.run_ns_by_tid:
+            name = after.name_by_tid.get(tid, "?")
+            by_name[name] = by_name.get(name, 0) + ns - before.run_ns_by_tid[tid]
+    ranked = sorted(by_name.items(), key=lambda kv: (-kv[1], kv[0]))[:top]
+    return {name: round(ns / 1e9, 2) for name, ns in ranked}
 
 
 def _pids(path: Path) -> list[int]:
