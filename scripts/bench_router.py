@@ -4,14 +4,18 @@
     .venv/bin/python scripts/bench_router.py                 # the issue's figures (minutes)
     .venv/bin/python scripts/bench_router.py --quick         # a smoke run (under a minute)
     .venv/bin/python scripts/bench_router.py --pdd-root-before /tmp/old-tree   # before/after
+    .venv/bin/python scripts/bench_router.py --profile       # + where the PDD router's CPU goes
 
 Writes router_bench.json (``runs``: one row per router, mode, concurrency and answer length) and
 prints a table. See pdd_sglang/dev/router_bench/bench.py for what is measured and how.
+With --profile, also router_profile.json beside it (py-spy samples of each PDD router during the
+256-stream load run and the saturation run, in buckets: pdd_sglang/dev/router_bench/profiling.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -69,6 +73,10 @@ def parse_args(argv=None) -> Settings:
                         "too, as build 'before'")
     p.add_argument("--no-cgroup", action="store_true",
                    help="no CPU quota (CPU time read from /proc instead)")
+    p.add_argument("--profile", action="store_true",
+                   help="sample each PDD router with py-spy during the 256-stream load run (the "
+                        "highest concurrency when 256 is not run) and the saturation run; writes "
+                        "router_profile.json beside --out")
     p.add_argument("--out", type=Path, default=Path("router_bench.json"))
     p.add_argument("--log-dir", type=Path, default=Path("router_bench_logs"))
     a = p.parse_args(argv)
@@ -76,8 +84,11 @@ def parse_args(argv=None) -> Settings:
     unknown = set(routers) - set(ROUTERS)
     if unknown:
         p.error(f"unknown router(s) {sorted(unknown)}; choose from {','.join(ROUTERS)}")
+    if a.profile and not any(r.startswith("pdd_") for r in routers):
+        p.error("--profile samples the PDD router: --routers must name pdd_p_md or pdd_p_rld_md")
     s = Settings(routers=routers, out=a.out, log_dir=a.log_dir, cgroup=not a.no_cgroup,
-                 incremental=not a.cumulative, pdd_root_before=a.pdd_root_before)
+                 incremental=not a.cumulative, pdd_root_before=a.pdd_root_before,
+                 profile=a.profile)
     if a.quick:
         s.concurrency, s.duration_s, s.answer_tokens, s.prompt_tokens = [1, 8], 2.0, 20, 256
         s.token_rate, s.long_answer_tokens, s.long_token_rate = 100.0, 1000, 1000.0
@@ -99,6 +110,11 @@ def main(argv=None) -> int:
     report = run_bench(settings)
     print(table(report))
     print(f"wrote {settings.out}")
+    if report.get("router_profile"):
+        from pdd_sglang.dev.router_bench.profiling import profile_table
+        path = Path(report["router_profile"])
+        print(profile_table(json.loads(path.read_text())))
+        print(f"wrote {path}")
     return 0
 
 

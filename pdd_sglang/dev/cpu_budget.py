@@ -141,7 +141,8 @@ class CpuGroup:
                 "throttled_s": round(after.throttled_s - before.throttled_s, 2),
                 "throttled_periods": after.throttled_periods - before.throttled_periods,
                 "periods": after.periods - before.periods,
-                "cpu_s_by_thread": _by_thread_name(before, after)}
+                "cpu_s_by_thread": _by_thread_name(before, after),
+                "busiest_threads": _busiest_threads(before, after)}
 
     def remove(self, timeout_s: float = 10.0) -> None:
         if not self.created:
@@ -174,6 +175,15 @@ def _by_thread_name(before: CpuSnapshot, after: CpuSnapshot, top: int = 8) -> di
             by_name[name] = by_name.get(name, 0) + ns - before.run_ns_by_tid[tid]
     ranked = sorted(by_name.items(), key=lambda kv: (-kv[1], kv[0]))[:top]
     return {name: round(ns / 1e9, 2) for name, ns in ranked}
+
+
+def _busiest_threads(before: CpuSnapshot, after: CpuSnapshot, top: int = 6) -> list:
+    """``[name, tid, CPU seconds]`` of the ``top`` busiest threads: a thread a library starts
+    inherits its creator's name, so a name's sum can hide which thread it was."""
+    used = [(ns - before.run_ns_by_tid[tid], tid) for tid, ns in after.run_ns_by_tid.items()
+            if tid in before.run_ns_by_tid]
+    ranked = sorted(used, key=lambda u: (-u[0], u[1]))[:top]
+    return [[after.name_by_tid.get(tid, "?"), tid, round(ns / 1e9, 2)] for ns, tid in ranked]
 
 
 def _pids(path: Path) -> list[int]:

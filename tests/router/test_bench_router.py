@@ -23,7 +23,7 @@ def test_quick_bench_writes_one_row_per_router_mode_and_concurrency(tmp_path):
     cmd = [sys.executable, str(REPO / "scripts/bench_router.py"), "--quick", "--no-cgroup",
            "--routers", "pdd_p_rld_md,sglang_router", "--concurrency", "1,4",
            "--duration-s", "0.7", "--long-answer-tokens", "120", "--out", str(out),
-           "--log-dir", str(tmp_path / "logs")]
+           "--log-dir", str(tmp_path / "logs"), "--profile"]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -40,3 +40,15 @@ def test_quick_bench_writes_one_row_per_router_mode_and_concurrency(tmp_path):
     long_row = next(r for r in runs if r["kind"] == "long" and r["router"] == "pdd")
     assert long_row["answer_tokens"] == 120
     assert "| pdd | p_rld_md |" in done.stdout  # the table
+    # --profile: py-spy on the PDD router in its highest-concurrency load run and saturation run
+    profile = json.loads((tmp_path / "router_profile.json").read_text())
+    assert report["router_profile"] == str(tmp_path / "router_profile.json")
+    assert {(e["mode"], e["kind"], e["concurrency"]) for e in profile["runs"]} == {
+        ("p_rld_md", "load", 4), ("p_rld_md", "saturation", 4)}
+    for entry in profile["runs"]:
+        assert entry["error"] is None and entry["samples"] > 0, entry
+        assert sum(entry["buckets"].values()) == pytest.approx(1.0, abs=1e-3)
+        assert entry["top_own"] and entry["top_cumulative"]
+    assert {(r["kind"], r["concurrency"]) for r in runs if r.get("profiled")} == {
+        ("load", 4), ("saturation", 4)}
+    assert "| p_rld_md | after | load | 4 |" in done.stdout  # the profile's table

@@ -14,6 +14,10 @@ Life cycle of a bench run:
 4. rows into ``router_bench.json`` (``runs``: one row per router, mode, concurrency and answer
    length), a table on stdout; every process and group is removed on every exit path.
 
+With ``profile`` each PDD router is sampled by py-spy during the 256-stream load run (the highest
+concurrency when 256 is not run) and the saturation run, and ``router_profile.json`` is written
+beside the report (router_bench/profiling.py); those rows say ``"profiled": true``.
+
 Added TTFT and ITL are a router's percentile minus the direct one at the same concurrency.
 """
 
@@ -83,6 +87,7 @@ class Settings:
     out: Path = Path("router_bench.json")
     log_dir: Path = Path("router_bench_logs")
     cgroup: bool = True
+    profile: bool = False  # py-spy on the PDD routers (router_bench/profiling.py)
 
 
 def _python() -> str:
@@ -231,8 +236,27 @@ def _measure(router: Router | None, url: str, concurrency: int, duration_s: floa
     return res, cpu
 
 
+def _profiled(s: Settings, router: Router, kind: str, concurrency: int) -> bool:
+    """The runs the profile covers: the 256-stream load run (else the highest concurrency's)
+    and the saturation run, of each PDD router."""
+    load_level = 256 if 256 in s.concurrency else max(s.concurrency)
+    return s.profile and router.name == "pdd" and (
+        kind == "saturation" or (kind == "load" and concurrency == load_level))
+
+
+def _write_profile(s: Settings, entries: list) -> Path:
+    from pdd_sglang.dev.router_bench import profiling
+    path = s.out.with_name("router_profile.json")
+    profiling.write_profile([profiling.complete(e) for e in entries], path,
+                            {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(s).items()})
+    return path
+
+
 def run_bench(s: Settings) -> dict:
     s.log_dir.mkdir(parents=True, exist_ok=True)
+    if s.profile:
+        from pdd_sglang.dev.router_bench.profiling import py_spy
+        py_spy()  # refuse before anything starts when it is missing
     if "sglang_router" in s.routers and shutil.which("sglang_router") is None:
         try:
             import sglang_router  # noqa: F401
@@ -259,7 +283,7 @@ def run_bench(s: Settings) -> dict:
     fake_log = s.log_dir / "fake_servers.log"
     routers = _routers(s, fake)
     fake_proc = None
-    runs, direct_rows = [], []
+    runs, direct_rows, profiles = [], [], []
     try:
         with open(fake_log, "wb") as log:
             fake_proc = subprocess.Popen(fake_argv, stdout=log, stderr=subprocess.STDOUT,
@@ -284,8 +308,18 @@ def run_bench(s: Settings) -> dict:
             for router in routers:
                 if kind == "long" and router.mode == "p_md":
                     continue  # long answers are about the handoff's splice
+                sampler = None
+                if _profiled(s, router, kind, conc):
+                    from pdd_sglang.dev.router_bench.profiling import Sampler
+                    sampler = Sampler(router.proc.pid, s.log_dir / (
+                        f"profile-{router.mode}-{router.build}-{kind}-c{conc}.txt"), duration, {
+                        "router": router.name, "mode": router.mode, "build": router.build,
+                        "kind": kind, "concurrency": conc, "answer_tokens": answer}).start()
                 res, cpu = _measure(router, router.url, conc, duration, answer, s)
                 runs.append(_row(router, kind, conc, answer, res, direct, cpu))
+                if sampler is not None:
+                    runs[-1]["profiled"] = True
+                    profiles.append(sampler.finish())
                 print(f"[bench] {router.key:28s} {kind:10s} c={conc:<5d} answer={answer:<5d} "
                       f"done={res.completed} errors={res.errors} cpu={cpu:.2f}s", flush=True)
     finally:
@@ -299,6 +333,8 @@ def run_bench(s: Settings) -> dict:
                            for k, v in vars(s).items()},
               "machine": {"cpus": os.cpu_count(), "loadavg_at_end": os.getloadavg()},
               "runs": runs, "direct": direct_rows}
+    if s.profile:
+        report["router_profile"] = str(_write_profile(s, profiles))
     s.out.write_text(json.dumps(report, indent=1))
     return report
 
