@@ -77,7 +77,8 @@ def parse_args(argv=None) -> Settings:
                    help="sample each PDD router with py-spy during the 256-stream load run (the "
                         "highest concurrency when 256 is not run) and the saturation run; writes "
                         "router_profile.json beside --out")
-    p.add_argument("--out", type=Path, default=Path("router_bench.json"))
+    p.add_argument("--out", type=Path, default=Path("router_bench.json"),
+                   help="the JSON file to write (a directory: router_bench.json in it)")
     p.add_argument("--log-dir", type=Path, default=Path("router_bench_logs"))
     a = p.parse_args(argv)
     routers = tuple(r for r in a.routers.split(",") if r)
@@ -86,6 +87,12 @@ def parse_args(argv=None) -> Settings:
         p.error(f"unknown router(s) {sorted(unknown)}; choose from {','.join(ROUTERS)}")
     if a.profile and not any(r.startswith("pdd_") for r in routers):
         p.error("--profile samples the PDD router: --routers must name pdd_p_md or pdd_p_rld_md")
+    if a.out.is_dir() or not a.out.suffix:  # a folder, said or meant: the runs take minutes
+        a.out = a.out / "router_bench.json"
+    try:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        p.error(f"--out {a.out}: {err}")
     s = Settings(routers=routers, out=a.out, log_dir=a.log_dir, cgroup=not a.no_cgroup,
                  incremental=not a.cumulative, pdd_root_before=a.pdd_root_before,
                  profile=a.profile)

@@ -19,10 +19,11 @@ ROW_FIELDS = {"router", "mode", "concurrency", "answer_tokens", "added_ttft_p50_
 
 def test_quick_bench_writes_one_row_per_router_mode_and_concurrency(tmp_path):
     pytest.importorskip("sglang_router")
-    out = tmp_path / "router_bench.json"
+    out = tmp_path / "bench" / "router_bench.json"
+    # --out a folder that does not exist yet: made first, the report written in it
     cmd = [sys.executable, str(REPO / "scripts/bench_router.py"), "--quick", "--no-cgroup",
            "--routers", "pdd_p_rld_md,sglang_router", "--concurrency", "1,4",
-           "--duration-s", "0.7", "--long-answer-tokens", "120", "--out", str(out),
+           "--duration-s", "0.7", "--long-answer-tokens", "120", "--out", str(tmp_path / "bench"),
            "--log-dir", str(tmp_path / "logs"), "--profile"]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -41,8 +42,8 @@ def test_quick_bench_writes_one_row_per_router_mode_and_concurrency(tmp_path):
     assert long_row["answer_tokens"] == 120
     assert "| pdd | p_rld_md |" in done.stdout  # the table
     # --profile: py-spy on the PDD router in its highest-concurrency load run and saturation run
-    profile = json.loads((tmp_path / "router_profile.json").read_text())
-    assert report["router_profile"] == str(tmp_path / "router_profile.json")
+    profile = json.loads((out.parent / "router_profile.json").read_text())
+    assert report["router_profile"] == str(out.parent / "router_profile.json")
     assert {(e["mode"], e["kind"], e["concurrency"]) for e in profile["runs"]} == {
         ("p_rld_md", "load", 4), ("p_rld_md", "saturation", 4)}
     for entry in profile["runs"]:
