@@ -165,14 +165,19 @@ class CpuGroup:
         return any(path.exists() for path in self.dirs)
 
 
+def _thread_cpu_ns(before: CpuSnapshot, after: CpuSnapshot) -> list:
+    """``(ns on the CPU, tid)`` between the snapshots, for the threads alive at both."""
+    return [(ns - before.run_ns_by_tid[tid], tid) for tid, ns in after.run_ns_by_tid.items()
+            if tid in before.run_ns_by_tid]
+
+
 def _by_thread_name(before: CpuSnapshot, after: CpuSnapshot, top: int = 8) -> dict:
-    """CPU seconds on the CPU between the snapshots, summed per thread name (``comm``), the
-    ``top`` largest: which of a server's threads used its quota (threads alive at both)."""
+    """CPU seconds summed per thread name (``comm``), the ``top`` largest: which of a server's
+    threads used its quota."""
     by_name: dict = {}
-    for tid, ns in after.run_ns_by_tid.items():
-        if tid in before.run_ns_by_tid:
-            name = after.name_by_tid.get(tid, "?")
-            by_name[name] = by_name.get(name, 0) + ns - before.run_ns_by_tid[tid]
+    for ns, tid in _thread_cpu_ns(before, after):
+        name = after.name_by_tid.get(tid, "?")
+        by_name[name] = by_name.get(name, 0) + ns
     ranked = sorted(by_name.items(), key=lambda kv: (-kv[1], kv[0]))[:top]
     return {name: round(ns / 1e9, 2) for name, ns in ranked}
 
@@ -180,9 +185,7 @@ def _by_thread_name(before: CpuSnapshot, after: CpuSnapshot, top: int = 8) -> di
 def _busiest_threads(before: CpuSnapshot, after: CpuSnapshot, top: int = 6) -> list:
     """``[name, tid, CPU seconds]`` of the ``top`` busiest threads: a thread a library starts
     inherits its creator's name, so a name's sum can hide which thread it was."""
-    used = [(ns - before.run_ns_by_tid[tid], tid) for tid, ns in after.run_ns_by_tid.items()
-            if tid in before.run_ns_by_tid]
-    ranked = sorted(used, key=lambda u: (-u[0], u[1]))[:top]
+    ranked = sorted(_thread_cpu_ns(before, after), key=lambda u: (-u[0], u[1]))[:top]
     return [[after.name_by_tid.get(tid, "?"), tid, round(ns / 1e9, 2)] for ns, tid in ranked]
 
 

@@ -26,6 +26,11 @@ def _require_non_negative(name: str, value: float) -> None:
         raise ValueError(f"{name} must be >= 0, got {value!r}")
 
 
+def _require_at_least_one(name: str, value: int) -> None:
+    if value is None or value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value!r}")
+
+
 class Pipeline(str, enum.Enum):
     """Which servers a request passes through: the one pipeline vocabulary of PDD.
 
@@ -117,8 +122,7 @@ class PolicyConfig:
     def __post_init__(self) -> None:
         _require_non_negative("hide_wan_below_s", self.hide_wan_below_s)
         _require_non_negative("catch_up_threshold_tokens", self.catch_up_threshold_tokens)
-        if self.catch_up_chunk_tokens < 1:
-            raise ValueError(f"catch_up_chunk_tokens must be >= 1, got {self.catch_up_chunk_tokens}")
+        _require_at_least_one("catch_up_chunk_tokens", self.catch_up_chunk_tokens)
         if not 0.0 <= self.relay_load_watermark:
             raise ValueError(f"relay_load_watermark must be >= 0, got {self.relay_load_watermark}")
         _require_non_negative("singular_min_uncached_tokens", self.singular_min_uncached_tokens)
@@ -148,10 +152,8 @@ class RelayLoad:
     def __post_init__(self) -> None:
         _require_non_negative("running_requests", self.running_requests)
         _require_non_negative("kv_used_tokens", self.kv_used_tokens)
-        if self.max_running_requests < 1:
-            raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
-        if self.kv_capacity_tokens < 1:
-            raise ValueError(f"kv_capacity_tokens must be >= 1, got {self.kv_capacity_tokens}")
+        _require_at_least_one("max_running_requests", self.max_running_requests)
+        _require_at_least_one("kv_capacity_tokens", self.kv_capacity_tokens)
 
     @property
     def utilisation(self) -> float:
@@ -184,8 +186,7 @@ class MainCandidate:
     def __post_init__(self) -> None:
         _require_non_negative("cached_prefix_tokens", self.cached_prefix_tokens)
         _require_non_negative("running_requests", self.running_requests)
-        if self.max_running_requests < 1:
-            raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        _require_at_least_one("max_running_requests", self.max_running_requests)
 
     @property
     def utilisation(self) -> float:
@@ -255,8 +256,7 @@ def choose_pipeline(uncached_tokens: int, max_new_tokens: int, kv_bytes_per_toke
     placement); the default, IDLE_LINE, predicts an idle line.  With cfg.singular_predictive, a long uncached input with a very short
     max_new_tokens goes to the relay alone (RELAY_SINGULAR), saving the WAN copy altogether.
     """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    _require_at_least_one("max_new_tokens", max_new_tokens)
     wan_s = predict_wan_seconds_on_line(uncached_tokens, kv_bytes_per_token, wan_bytes_per_s, rtt_s,
                                         line)
     if wan_s < cfg.hide_wan_below_s:

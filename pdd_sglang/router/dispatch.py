@@ -253,10 +253,9 @@ class Dispatcher:
                             # placement without it beats prefill waiting for its registration.
                             raise RelayLost(placement.relay, relay_failure, 0,
                                             "refused before its first token")
-                        # It had the request: prefill went on to main, whose copy is already
-                        # on the line ahead of any fresh one (relay_loss.py, step 2).
-                        # The relay died before any handoff: main decodes from the first
-                        # token; the client sees a pause, not an error.
+                        # The relay had the request and died before any handoff: main, whose
+                        # copy is already on the line (relay_loss.py, step 2), decodes from the
+                        # first token; the client sees a pause, not an error.
                         logger.warning("%s: relay %s lost (%s); going on with main %s", rid,
                                        placement.relay.url, relay_failure, placement.main.url)
                         splicer.relay_lost()

@@ -135,6 +135,7 @@ def run_fault(cluster: FaultCluster, fault: Fault, *, warmup_s: float, after_s: 
     load = SteadyLoad(cluster.router.host, cluster.router.port, fault.profile, seed=seed,
                       answer_timeout_s=answer_timeout_s, thread_setup=cluster.client())
     load.start()
+    backlog: Optional[LineBacklog] = None
     try:
         time.sleep(warmup_s)
         # Inject while requests are in flight, so the fault catches some mid-way.
@@ -160,10 +161,9 @@ def run_fault(cluster: FaultCluster, fault: Fault, *, warmup_s: float, after_s: 
             return min(firsts) if firsts else None
 
         wait_for(lambda: first_good_answer() is not None, answer_timeout_s)
-        backlog.stop()
         time.sleep(after_s)
     finally:
-        backlog_samples = backlog.stop() if "backlog" in locals() else []
+        backlog_samples = backlog.stop() if backlog is not None else []
         progress(f"{fault.name}: draining")
         load.stop()
     good = first_good_answer()
