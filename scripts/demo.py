@@ -24,7 +24,11 @@ and PDD the relay's busy share (the relay's decode tokens over all decode tokens
 
 Equal compute per role: every SGLang server runs in its own cgroup v1 CPU group with the same
 quota (pdd_sglang.dev.cpu_budget), the rest of the machine is headroom for the router, the line's
-forwarder and the clients; per-server CPU, run-queue wait and throttled time go to demo.json.
+forwarder and the clients; per-server CPU, run-queue wait and throttled time go to demo.json, and
+so does the CPU the router, the line's forwarder and the clients used. --cpu-layout shared (the
+default) lets every process run on every core; --cpu-layout pinned also pins cluster A's servers
+to the first half of the cores and cluster B's server, the router, the clients and the line to the
+second, so that no setup's servers wait behind its extra processes (cpu_budget.pinned_layout).
 
 Writes DIR/demo.json, DIR/ttft.png and DIR/stages.png (and DIR/frontier.png with --frontier;
 DIR: --out, default out/demo).
@@ -117,12 +121,15 @@ def plan_setups(args, main_a, main_b, relay, other: str | None) -> list[tuple]:
             ("load", other, main_b, relay, OTHER_PLACEMENT[args.placement], x)]
 
 
-def check_machine(cgroup_root: Path) -> str | None:
+def check_machine(cgroup_root: Path, cpu_layout: str = "shared") -> str | None:
     """None when the demo can run here, else the one reason it cannot."""
     try:
         check_prerequisites()  # root, /dev/net/tun, iproute2
         cpu_budget.check_cpu_controller(cgroup_root)
-    except (PermissionError, FileNotFoundError) as err:
+        if cpu_layout == "pinned":
+            cpu_budget.check_cpuset_controller()
+            cpu_budget.pinned_layout()
+    except (PermissionError, FileNotFoundError, ValueError) as err:
         return str(err)
     return None
 
@@ -157,6 +164,10 @@ def main(argv: list[str] | None = None) -> int:
                         default=budget.FRONTIER_X, metavar="F,F,...",
                         help="the frontier's budgets, multiples of same-DC's P50 (default "
                              f"{','.join(map(str, budget.FRONTIER_X))})")
+    parser.add_argument("--cpu-layout", choices=("shared", "pinned"), default="shared",
+                        help="shared (default): every process on every core; pinned: cluster A's "
+                             "servers on the first half of the cores, cluster B's server, the "
+                             "router, the clients and the line on the second")
     parser.add_argument("--cgroup-cpu-root", type=Path, default=cpu_budget.CPU_ROOT,
                         help=argparse.SUPPRESS)  # tests: a missing controller
     parser.add_argument("--inject-crash", type=int, default=None, metavar="N",
@@ -171,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.frontier_x or not all(x > 0 for x in args.frontier_x):
         parser.error(f"--frontier-x must be positive multiples, got {args.frontier_x}")
 
-    reason = check_machine(args.cgroup_cpu_root)
+    reason = check_machine(args.cgroup_cpu_root, args.cpu_layout)
     if reason:
         print(f"demo: cannot run here: {reason}", file=sys.stderr)
         return 2
@@ -188,9 +199,12 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, _raise_exit)
 
     line = WanLine(args.rate_mbit, args.rtt_ms, args.jitter_ms, seed=args.seed)
-    names = ("prefill", "main-a", "main-b", "relay")
-    groups = {name: cpu_budget.CpuGroup(f"pdd-demo-{os.getpid()}-{name}", server_cpu)
-              for name in names}
+    layout = cpu_budget.pinned_layout() if args.cpu_layout == "pinned" else None
+    cluster_of = {"prefill": "a", "main-a": "a", "relay": "a", "main-b": "b"}
+    groups = {name: cpu_budget.CpuGroup(f"pdd-demo-{os.getpid()}-{name}", server_cpu,
+                                        cpus=layout[side] if layout else None)
+              for name, side in cluster_of.items()}
+    own_cpus = os.sched_getaffinity(0)
     results: dict = {"latency": {}, "load": {}}
     timings: dict = {}
     pools: dict = {}
@@ -200,8 +214,12 @@ def main(argv: list[str] | None = None) -> int:
     other = None if args.frontier else f"pdd_{OTHER_PLACEMENT[args.placement].replace('-', '_')}"
     try:
         print(f"CPU budget: every SGLang server {server_cpu:g} core (cgroup cpu quota, "
-              f"{cpu_budget.PERIOD_US // 1000} ms period) of {len(os.sched_getaffinity(0))}; "
+              f"{cpu_budget.PERIOD_US // 1000} ms period) of {len(own_cpus)}; "
               f"the rest for the router, the line and the clients", flush=True)
+        if layout:
+            print(f"CPU layout: cluster A's servers on cores {layout['a']}, cluster B's, the "
+                  f"router, the clients and the line on {layout['b']}", flush=True)
+            cpu_budget.pin_self(layout["b"])  # the line, the router and the clients inherit it
         print(f"starting the WAN line ({args.rate_mbit:g} Mbit/s, RTT {args.rtt_ms:g} ms "
               f"+-{args.jitter_ms:g} ms) and the servers (logs: {log_dir}) ...", flush=True)
         for group in groups.values():  # unthrottled while the servers start
@@ -280,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         pids = [s.process.pid for s in servers if s.process is not None]
         cleanup(cluster, line, groups)
+        os.sched_setaffinity(0, own_cpus)
 
     leaks = {n: p for n, p in pools.items() if p["in_use_tokens"] or p["locked_tokens"]}
     timings["total_s"] = round(time.perf_counter() - t0, 1)
@@ -288,13 +307,13 @@ def main(argv: list[str] | None = None) -> int:
         leftovers(line, pids, groups, report_to=sys.stderr)
         return 1
     left = leftovers(line, pids, groups)
-    return write_and_print(args, results, line, server_cpu, workloads, pools, leaks, left,
+    return write_and_print(args, results, line, server_cpu, layout, workloads, pools, leaks, left,
                            timings, log_dir, model, other)
 
 
-def write_and_print(args, results: dict, line: WanLine, server_cpu: float, workloads: dict,
-                    pools: dict, leaks: dict, left: dict, timings: dict, log_dir: Path, model,
-                    other: str | None) -> int:
+def write_and_print(args, results: dict, line: WanLine, server_cpu: float, layout: dict | None,
+                    workloads: dict, pools: dict, leaks: dict, left: dict, timings: dict,
+                    log_dir: Path, model, other: str | None) -> int:
     load = results["load"]
     references = {point: budget.reference_budget(
         args.ttft_slo_ms, args.ttft_slo_x or (budget.BAR_X if args.frontier else None),
@@ -333,12 +352,20 @@ def write_and_print(args, results: dict, line: WanLine, server_cpu: float, workl
                      "latency": report.workload_stats(*workloads["latency"], results["latency"])},
         "cpu_budget": {"server_cores": server_cpu, "period_us": cpu_budget.PERIOD_US,
                        "machine_cores": len(os.sched_getaffinity(0)),
+                       "layout": args.cpu_layout,
+                       "cores_by_cluster": {k: list(v) for k, v in layout.items()} if layout
+                       else None,
                        "rule": "every SGLang server in every setup: its own cgroup v1 cpu group, "
-                               "the same quota; the rest is headroom for router, line, clients",
+                               "the same quota; the rest is headroom for router, line, clients"
+                               + ("; pinned: cluster A's servers on cores_by_cluster.a, cluster "
+                                  "B's server, the router, the clients and the line on "
+                                  "cores_by_cluster.b" if layout else ""),
                        "fields": "per setup, cpu.<server>: cpu_s (cpuacct.usage), cores_used, "
                                  "run_queue_wait_s (schedstat wait summed over the server's "
                                  "threads alive throughout, so it can exceed wall time), "
-                                 "throttled_s and throttled_periods (cpu.stat)"},
+                                 "throttled_s and throttled_periods (cpu.stat); host_cpu: CPU "
+                                 "seconds of the router, the line's forwarder and the demo "
+                                 "process (the clients)"},
         "line": line_info,
         "model": {**DEMO_MODEL.__dict__, "kv_bytes_per_token": DEMO_MODEL.kv_bytes_per_token,
                   "dtype": "float32", "path": str(model)},

@@ -24,6 +24,14 @@ Life cycle of a group:
    setup's share.
 5. ``.remove()`` SIGKILLs anything still in the group (only processes this module put there) and
    removes the directories; the caller stops its servers first.
+
+The pinned layout (:func:`pinned_layout`, the demo's ``--cpu-layout pinned``): a quota bounds a
+server's CPU, not whom it waits behind. With every process free to run on every core, a setup that
+keeps more processes busy at once (PDD's relay, the line's real-time forwarder) may make a server
+wait longer on the run queue than same-DC PD does, on the same quota. Pinned, a group also gets a
+``cpuset`` group: cluster A's servers share the first half of the cores, cluster B's main and the
+rest (the router, the clients, the line's forwarder: they inherit the starter's affinity,
+:func:`pin_self`) the second.
 """
 
 from __future__ import annotations
@@ -34,9 +42,13 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
+
+import psutil
 
 CPU_ROOT = Path("/sys/fs/cgroup/cpu")
 CPUACCT_ROOT = Path("/sys/fs/cgroup/cpuacct")
+CPUSET_ROOT = Path("/sys/fs/cgroup/cpuset")
 PERIOD_US = 20_000  # short periods: a throttled server waits at most this long for its next slice
 ENTER_AND_EXEC = 'for g in "$@"; do [ "$g" = -- ] && break; echo $$ > "$g/cgroup.procs"; shift; ' \
                  'done; shift; exec "$@"'
@@ -66,6 +78,40 @@ def server_cpu_quota(servers_at_once: int, headroom_cores: float = 0.5,
     return round(min(cap_cores, max(0.1, (cores - headroom_cores) / servers_at_once)), 3)
 
 
+def pinned_layout(cpus: Optional[list] = None) -> dict:
+    """``{"a": cores, "b": cores}``: cluster A's servers on the first half of the cores, cluster
+    B's server and everything else on the second."""
+    cpus = sorted(os.sched_getaffinity(0)) if cpus is None else sorted(cpus)
+    if len(cpus) < 2:
+        raise ValueError(f"a pinned layout needs 2 cores or more, this process may use {cpus}")
+    half = len(cpus) // 2
+    return {"a": tuple(cpus[:half]), "b": tuple(cpus[half:])}
+
+
+def check_cpuset_controller(root: Path = CPUSET_ROOT) -> None:
+    """Raise with a plain reason when no writable cgroup v1 cpuset controller is mounted at root."""
+    if not (root / "cpuset.cpus").exists():
+        raise FileNotFoundError(f"no cgroup v1 cpuset controller at {root} (needs `mount -t cgroup "
+                                f"-o cpuset cgroup {root}`; or run the demo with --cpu-layout shared)")
+    if not os.access(root, os.W_OK):
+        raise PermissionError(f"the cgroup cpuset controller at {root} is not writable; run as root "
+                              "(or run the demo with --cpu-layout shared)")
+
+
+def pin_self(cpus: tuple) -> None:
+    """This process, and what it starts from now on, on ``cpus`` only."""
+    os.sched_setaffinity(0, set(cpus))
+
+
+def process_cpu_s(pid: int) -> Optional[float]:
+    """CPU seconds a process (every thread of it) has used so far; None once it is gone."""
+    try:
+        times = psutil.Process(pid).cpu_times()
+    except psutil.Error:
+        return None
+    return times.user + times.system
+
+
 @dataclass
 class CpuSnapshot:
     at: float
@@ -79,17 +125,20 @@ class CpuSnapshot:
 
 
 class CpuGroup:
-    def __init__(self, name: str, cores: float, period_us: int = PERIOD_US):
+    def __init__(self, name: str, cores: float, period_us: int = PERIOD_US,
+                 cpus: Optional[tuple] = None):
         if not cores > 0:
             raise ValueError(f"cores must be > 0, got {cores}")
-        self.name, self.cores, self.period_us = name, cores, period_us
+        self.name, self.cores, self.period_us, self.cpus = name, cores, period_us, cpus
         self.cpu_dir = CPU_ROOT / name
         self.acct_dir = CPUACCT_ROOT / name if _separate_cpuacct() else self.cpu_dir
+        self.cpuset_dir = CPUSET_ROOT / name if cpus else None
         self.created = False
 
     @property
     def dirs(self) -> list[Path]:
-        return list(dict.fromkeys([self.cpu_dir, self.acct_dir]))
+        return list(dict.fromkeys([self.cpu_dir, self.acct_dir,
+                                   *([self.cpuset_dir] if self.cpuset_dir else [])]))
 
     def create(self) -> "CpuGroup":
         """The group, without a quota until :meth:`limit`: servers start up faster unthrottled,
@@ -97,13 +146,20 @@ class CpuGroup:
         for path in self.dirs:
             path.mkdir(exist_ok=True)
         self.created = True
+        if self.cpuset_dir is not None:  # a new cpuset is empty: tasks join it only once set;
+            for knob in ("cpuset.mems", "cpuset.cpus"):  # every core until limit(), as the quota
+                (self.cpuset_dir / knob).write_text(
+                    (self.cpuset_dir.parent / knob).read_text().strip())
         (self.cpu_dir / "cpu.cfs_period_us").write_text(str(self.period_us))
         (self.cpu_dir / "cpu.cfs_quota_us").write_text("-1")
         return self
 
     def limit(self) -> None:
-        """The quota: ``cores`` per CFS period."""
+        """The quota, ``cores`` per CFS period, and the group's cores when pinned (the kernel
+        moves every task of the group onto them)."""
         (self.cpu_dir / "cpu.cfs_quota_us").write_text(str(int(self.cores * self.period_us)))
+        if self.cpuset_dir is not None:
+            (self.cpuset_dir / "cpuset.cpus").write_text(",".join(map(str, self.cpus)))
 
     def exec_prefix(self) -> tuple:
         return ("sh", "-c", ENTER_AND_EXEC, f"cpu-{self.name}", *map(str, self.dirs), "--")
@@ -135,7 +191,8 @@ class CpuGroup:
         cpu = after.cpu_s - before.cpu_s
         wait_ns = sum(ns - before.wait_ns_by_tid[tid] for tid, ns in after.wait_ns_by_tid.items()
                       if tid in before.wait_ns_by_tid)
-        return {"quota_cores": self.cores, "wall_s": round(wall, 2), "cpu_s": round(cpu, 2),
+        return {"quota_cores": self.cores, "cpus": list(self.cpus) if self.cpus else None,
+                "wall_s": round(wall, 2), "cpu_s": round(cpu, 2),
                 "cores_used": round(cpu / wall, 3),
                 "run_queue_wait_s": round(wait_ns / 1e9, 2),
                 "throttled_s": round(after.throttled_s - before.throttled_s, 2),

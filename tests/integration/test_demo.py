@@ -86,6 +86,9 @@ def test_quick_demo_runs_both_points_and_pdd_hands_off(background):
             assert set(setup["cpu"]) == set(SERVERS)
             assert all(c["quota_cores"] == data["cpu_budget"]["server_cores"]
                        for c in setup["cpu"].values())
+            # The processes beside the servers were read too: router, line, clients.
+            assert set(setup["host_cpu"]) == {"router", "line_forwarder", "clients"}
+            assert all(u["cpu_s"] >= 0 for u in setup["host_cpu"].values()), setup["host_cpu"]
             assert setup["stages"]["requests_with_split"] == setup["requests"], setup["stages"]
             assert set(setup["stages"]["all"]) == set(STAGES)
             if name in ("same_dc_pd", "cross_dc_pd"):

@@ -12,6 +12,7 @@ import urllib.request
 from pathlib import Path
 from typing import Optional
 
+from pdd_sglang.dev import cpu_budget
 from pdd_sglang.dev.demo import budget as budgets
 from pdd_sglang.dev.demo import report
 from pdd_sglang.dev.demo.progress import Progress
@@ -94,6 +95,9 @@ def run_setup(label: str, line: WanLine, prefill: NetnsServer, main: NetnsServer
             server.wait_idle(60)
         wan_before, kv_before = line_bytes(line), ledger_main_bytes(prefill)
         cpu_before = {name: group.snapshot() for name, group in groups.items()}
+        host_pids = {"router": router.process.pid, "line_forwarder": line.forwarder_pid,
+                     "clients": os.getpid()}
+        host_before = {name: cpu_budget.process_cpu_s(pid) for name, pid in host_pids.items()}
         decode_before, verdicts_before = decode_tokens(decoders), router_verdicts(router)
         progress = Progress(label, spec.conversations * spec.turns)
         crashed: list[str] = []
@@ -127,6 +131,8 @@ def run_setup(label: str, line: WanLine, prefill: NetnsServer, main: NetnsServer
             raise Aborted(f"{label}: {', '.join(crashed)} died during the run\n{logs}")
         cpu = {name: group.usage_between(cpu_before[name], group.snapshot())
                for name, group in groups.items()}
+        host_cpu = {name: _used(host_before[name], cpu_budget.process_cpu_s(pid), duration)
+                    for name, pid in host_pids.items()}
         wan_after, kv_after = line_bytes(line), ledger_main_bytes(prefill)
         for server in (main, *([relay] if relay else [])):  # every decode step counted
             server.wait_idle(60)
@@ -140,11 +146,18 @@ def run_setup(label: str, line: WanLine, prefill: NetnsServer, main: NetnsServer
     decoded = {name: (None if decode_after[name] is None or decode_before[name] is None
                       else int(decode_after[name] - decode_before[name])) for name in decoders}
     return {**summary, "placement": placement if relay is not None else None, "cpu": cpu,
+            "host_cpu": host_cpu,
             "ttft_budget_s": None if budget_s is None else round(budget_s, 4),
             "router_prefill_tokens_per_s": prefill_rate if budget_s is not None else None,
             "decode_tokens": decoded,
             "relay_busy_share": budgets.busy_share(decoded["relay"], decoded["main"]),
             "router_verdicts": budgets.counter_delta(verdicts_before, verdicts_after)}
+
+
+def _used(before: Optional[float], after: Optional[float], wall_s: float) -> Optional[dict]:
+    if before is None or after is None:
+        return None
+    return {"cpu_s": round(after - before, 2), "cores_used": round((after - before) / wall_s, 3)}
 
 
 def leftovers(line: WanLine, pids: list, groups: dict, report_to=None) -> dict:
