@@ -159,10 +159,15 @@ class RelayHandoff(DebugHold):
                 why = "finished_at_relay" if active.req.finished() else "ack_timeout"
                 self._refuse(active.peer, room, why)
                 logger.warning("PDD relay: room %s left mid Catch-Up (%s); decoded here", room, why)
+                if room in self.held_out:  # the test-only hold took its last token's step
+                    self._resume(active.req, "main did not acknowledge a Catch-Up chunk")
         # A request whose last chunk is out stops decoding here until main says it has it.
         leaving = [a.req for a in self.active.values() if a.state is Handing.AWAITING_FINAL_ACK]
         leaving = [req for req in leaving if any(req is r for r in running_batch.reqs)]
-        return self._leave_batch(running_batch, leaving), None
+        running_batch = self._leave_batch(running_batch, leaving)
+        if self.args.pdd_debug_handoff_hold:
+            running_batch = self._hold_catch_up_tail(running_batch, now)
+        return running_batch, None
 
     def idle(self) -> bool:
         return not self.pending and not self.active and not self.held_out

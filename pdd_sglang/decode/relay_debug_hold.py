@@ -1,11 +1,18 @@
 """The relay's test-only handoff hold (``--pdd-debug-handoff-hold`` and a route's
 ``debug_handoff_after_tokens``): a request at its forced handoff point waits for main out of the
-relay's batch, so a test hands off after exactly that many tokens however late main is ready."""
+relay's batch, so a test hands off after exactly that many tokens however late main is ready.
+
+Under the hold a Catch-Up request one token short of its length limit also leaves the batch until
+main has every token, so the test's outcome does not hang on how fast main absorbs chunks next to
+how fast the relay decodes (a CI run where servers started beside the test starved main, and the
+relay finished the request alone mid Catch-Up)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from pdd_sglang import policy
+from pdd_sglang.decode.relay_state import Handing
 from pdd_sglang.decode.route_cache import route_for
 
 # A HandoffReady may beat the relay's own copy of the request into its running batch (the
@@ -34,6 +41,24 @@ class DebugHold:
             if self._hold_satisfied(req):
                 moved.append(req)
                 self.held_out[room] = (req, now)
+        return self._leave_batch(running_batch, moved)
+
+    def _hold_catch_up_tail(self, running_batch: Any, now: float) -> Any:
+        """Take out of the batch each held-route Catch-Up request that its next token would
+        finish: it stays out until main acknowledges its last chunk (or refuses, or the ack times
+        out, and the relay resumes it)."""
+        moved = []
+        for req in running_batch.reqs:
+            room = req.bootstrap_room
+            active = self.active.get(room)
+            route = route_for(req)
+            if (active is None or active.mode is not policy.HandoffMode.CATCH_UP
+                    or active.state is Handing.AWAITING_FINAL_ACK or room in self.held_out
+                    or route is None or route.debug_handoff_after_tokens is None
+                    or len(req.output_ids) < req.sampling_params.max_new_tokens - 1):
+                continue
+            moved.append(req)
+            self.held_out[room] = (req, now)
         return self._leave_batch(running_batch, moved)
 
     def _hold_satisfied(self, req: Any) -> bool:

@@ -45,6 +45,10 @@ from pdd_sglang.dev.testing.wan_cluster import RouterProcess
 
 # Every KV chunk to main waits this long (a test-only WAN delay), so the relay runs ahead.
 WAN_DELAY_MS = 300
+# The TP 2 cluster's: its relay must finish a 2-token request before main's copy lands, and a TP 2
+# decode step, its two ranks all-reducing over gloo beside six other ranks on two cores, took more
+# than 300 ms in a CI run (main became ready first and took a 1-token handoff).
+TP2_WAN_DELAY_MS = 1000
 CATCH_UP_CHUNK = 64
 # The second main gives up on a silent relay quickly, for the slow-relay tests (its other user,
 # the two-main affinity test, places every request P->MD: no handoff to time out).
@@ -136,7 +140,7 @@ def _tp2(model_path, log_dir) -> Cluster:
         SGLangServer("plain_tp2", model_path, log_dir, extra_args=tp2, **forked),
         SGLangServer("prefill", model_path, log_dir, extra_args=(
             "--pdd-role", "prefill", "--disaggregation-bootstrap-port", str(bootstrap_port),
-            "--pdd-debug-wan-delay-ms", str(WAN_DELAY_MS), *common), **forked),
+            "--pdd-debug-wan-delay-ms", str(TP2_WAN_DELAY_MS), *common), **forked),
         SGLangServer("relay", model_path, log_dir, extra_args=(
             "--pdd-role", "relay", "--pdd-control-port", "0", "--pdd-debug-handoff-hold",
             "--pdd-catch-up-chunk", str(TP2_CATCH_UP_CHUNK), *common, *RELAY_CPU_ARGS),

@@ -123,6 +123,54 @@ def test_relay_stops_waiting_for_a_catch_up_ack_that_never_comes():
     assert control_threads() == 0
 
 
+def test_the_debug_hold_keeps_a_catch_up_request_from_finishing_at_the_relay():
+    """A CI run started servers beside a forced Catch-Up handoff at token 200 of 300: main, starved,
+    absorbed chunks slower than the relay decoded, and the relay finished the request alone (main
+    answered 503, the test saw no handoff). Under the test-only hold, a Catch-Up request one token
+    short of its limit now leaves the batch until main acknowledges, and is resumed when the ack
+    never comes; without the hold the relay decodes it to the end, as in production."""
+    from pdd_sglang.decode import relay as relay_module
+    from pdd_sglang.decode.relay import Handing, RelayHandoff, Active
+    from pdd_sglang.protocol.route import Route
+
+    route = Route(pipeline=policy.Pipeline.PREFILL_RELAY_MAIN, relay_control="tcp://r:1",
+                  debug_handoff_after_tokens=200, debug_handoff_mode="catch-up")
+
+    def catch_up_request(room: int, tokens: int) -> SimpleNamespace:
+        req = request(room)
+        req.output_ids = list(range(tokens))
+        req.sampling_params = SimpleNamespace(max_new_tokens=300)
+        req._pdd_route_cache = route
+        return req
+
+    for hold in (False, True):
+        scheduler = SimpleNamespace(waiting_queue=[])
+        relay = RelayHandoff(scheduler, SimpleNamespace(**{**ARGS, "pdd_debug_handoff_hold": hold}))
+        main = ControlLoop()
+        try:
+            main.send(relay.loop.address, HandoffReady(room=97))
+            peer, _ = relay.loop.wait_received(5)
+            catch_up = policy.HandoffMode.CATCH_UP
+            short, last_token = catch_up_request(31, 250), catch_up_request(32, 299)
+            for req in (short, last_token):
+                relay.active[req.bootstrap_room] = Active(
+                    req, peer, catch_up, state=Handing.AWAITING_ACK, last_sent_at=time.monotonic())
+            left = []
+            relay._leave_batch = lambda batch, reqs: left.extend(reqs) or batch
+            relay.step(SimpleNamespace(reqs=[short, last_token]))
+            assert left == ([last_token] if hold else []), hold
+            assert list(relay.held_out) == ([32] if hold else [])
+            if hold:  # no ack past the deadline: main is told, the relay decodes it on
+                relay.active[32].last_sent_at -= relay_module.FINAL_ACK_WAIT_S + 1
+                relay.step(SimpleNamespace(reqs=[short]))
+                assert refusals(main, 1) == {32: "ack_timeout"}
+                assert scheduler.waiting_queue == [last_token] and not relay.held_out
+        finally:
+            relay.close()
+            main.close()
+    assert control_threads() == 0
+
+
 def test_handoff_statistics_keep_the_latest_samples_in_order():
     from pdd_sglang.decode.handoff_channel import LATENCY_SAMPLES_KEPT, HandoffStats
 
