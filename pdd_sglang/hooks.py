@@ -255,6 +255,16 @@ def after_children_started() -> None:
     restore_sigterm()
 
 
+# ---- the router's compact WAN-line poll: patch 0018 ----------------------------------------
+def add_http_routes(app) -> None:
+    """The launcher's HTTP server is about to start: a PDD prefill serves ``GET /pdd/line``."""
+    if pdd_role() != "prefill":
+        return
+    from pdd_sglang.diagnostics.line_report import add_route
+
+    add_route(app)
+
+
 # ---- waiting without spinning: patch 0011 ---------------------------------------------------
 def wait_while_stalled(scheduler: Scheduler) -> None:
     """No batch to run, but work in flight (transfers, bootstraps, a handoff): wait, don't spin."""

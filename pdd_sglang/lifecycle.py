@@ -1,7 +1,8 @@
 """Who owns PDD's threads and engines in a scheduler process, and how they are closed.
 
 Prefill: the KV manager's :class:`~pdd_sglang.prefill.wan_path.WanPath` (WAN workers, watchdog,
-WAN engine) and, with --enable-metrics, its ``pdd_metrics_exporter`` (thread ``pdd-metrics``).
+WAN engine), its ``pdd_line_report`` (thread ``pdd-line-report``, the router's ``/pdd/line``) and,
+with --enable-metrics, its ``pdd_metrics_exporter`` (thread ``pdd-metrics``).
 Relay and main: the scheduler's handoff (its control loop). SGLang's scheduler process calls
 :func:`close_scheduler` when it leaves its event loop (patch 0010, through
 ``hooks.on_scheduler_exit``); every thread PDD starts is named ``pdd-...``, so what is left is
@@ -60,6 +61,7 @@ def close_scheduler(scheduler: Any) -> list[str]:
     kv_mgr = kv_manager_of(scheduler)
     owners = [getattr(kv_mgr, "pdd_wan_path", None),
               getattr(kv_mgr, "pdd_metrics_exporter", None),  # after the path: its last figures
+              getattr(kv_mgr, "pdd_line_report", None),
               getattr(scheduler, "_pdd_handoff", None)]  # built by decode.handoff_for, if ever
     for owner in owners:
         if owner is None:

@@ -148,6 +148,7 @@ def start_wan_path(kv_mgr: Any, args: Optional[Any] = None) -> WanPath:
     from sglang.srt.environ import envs
     from sglang.srt.runtime_context import get_server_args
 
+    from pdd_sglang.diagnostics.line_report import start_line_report
     from pdd_sglang.diagnostics.metrics import start_prefill_exporter
     from pdd_sglang.prefill.wan_engine import open_wan_engine, wan_hostname
 
@@ -171,6 +172,7 @@ def start_wan_path(kv_mgr: Any, args: Optional[Any] = None) -> WanPath:
     kv_mgr.pdd_fanout = fanout
     kv_mgr.pdd_wan_path = path
     start_prefill_exporter(kv_mgr)  # --enable-metrics only; closed by lifecycle.close_scheduler
+    start_line_report(kv_mgr)  # the router's GET /pdd/line; closed there too
     path.start(kv_mgr, WAN_WORKERS, float(args.pdd_debug_wan_delay_ms or 0) / 1e3,
                local_workers=max(len(getattr(kv_mgr, "transfer_queues", ()) or ()), 1))
     return path

@@ -23,10 +23,13 @@ router's own open copies at the poll (other routers' copies, prefill's queue), s
 router saw land since the poll no longer counts, and one it placed since counts once; the
 report's rate replaces the router's.
 
-The poll reads the report compactly (:func:`read_line_report`): a prefill's ``/server_info`` is
-large (its transfer ledger keeps up to 8,192 rows), and parsing all of it every second holds the
-router's event loop for milliseconds per prefill. Only the two small objects the router needs
-(``pdd.wan_line`` and ``pdd.fanout.mains_out``) are parsed; the rest is skipped as bytes.
+The poll reads ``GET /pdd/line``, the prefill's compact report (about 200 bytes per main,
+written by a PDD thread of its scheduler process: pdd_sglang/diagnostics/line_report.py), which
+costs the prefill nothing on its scheduler thread. A prefill without it (an older build, or
+several HTTP workers) answers 404, and from then on that prefill's ``/server_info`` is read
+instead, compactly (:func:`read_line_report`): it is large (its transfer ledger keeps up to
+8,192 rows), and only the two small objects the router needs (``pdd.wan_line`` and
+``pdd.fanout.mains_out``) are parsed; the rest is skipped as bytes.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from typing import Callable
 
 from pdd_sglang import policy
 
+LINE_REPORT_PATH = "/pdd/line"  # pdd_sglang.diagnostics.line_report.ROUTE
 RECENT_COPIES = 16
 REPORT_FRESH_S = 3.0  # a prefill report older than this (a missed poll) no longer counts
 MIN_SAMPLE_BYTES = 1 << 20  # in smaller copies prefill's forward and round trips dominate
@@ -122,14 +126,6 @@ class LineAccounting:
             ahead, rate = ahead + foreign_ahead, reported_rate or rate
         return policy.LineState(bytes_ahead=ahead, measured_bytes_per_s=rate)
 
-    def snapshot(self) -> dict:
-        """For /pdd/line: what placement sees per main right now."""
-        urls = set(self._open) | set(self._recent)
-        return {url: {"bytes_ahead": self.bytes_ahead(url),
-                      "copies_open": len(self._open.get(url, ())),
-                      "measured_bytes_per_s": self.measured_bytes_per_s(url),
-                      "prefill_report": self._reported.get(url)} for url in urls}
-
 
 _WAN_LINE_KEY = b'"wan_line"'
 _MAINS_OUT_KEY = b'"mains_out"'
@@ -160,10 +156,12 @@ def _value_after(raw: bytes, key: bytes):
 
 def read_line_report(info) -> tuple[dict, list]:
     """``(wan_line, mains_out)`` of a prefill's /server_info, given as raw bytes (only those two
-    values are parsed) or as an already parsed dict."""
+    values are parsed) or as an already parsed dict, or of its parsed /pdd/line."""
     if isinstance(info, (bytes, bytearray, str)):
         raw = info.encode() if isinstance(info, str) else bytes(info)
         wan_line, mains_out = _value_after(raw, _WAN_LINE_KEY), _value_after(raw, _MAINS_OUT_KEY)
+    elif "wan_line" in info:  # /pdd/line
+        wan_line, mains_out = info["wan_line"], info.get("mains_out")
     else:
         states = info.get("internal_states") or [{}]
         pdd = states[0].get("pdd") or {}
@@ -174,18 +172,20 @@ def read_line_report(info) -> tuple[dict, list]:
 
 async def poll_prefill_lines(lines: LineAccounting, prefills, mains, get_json,
                              interval_s: float = 1.0) -> None:
-    """Forever: each healthy prefill's ``pdd.wan_line``, summed per main, into ``lines.report``.
-    ``get_json(upstream, path)`` is the router's HTTP client, returning the raw body (read
-    compactly, :func:`read_line_report`) or a parsed dict; a prefill without the field (an
+    """Forever: each healthy prefill's WAN line, summed per main, into ``lines.report``.
+    ``get_json(upstream, path)`` is the router's HTTP client, returning the raw body or a parsed
+    dict. Each prefill's ``/pdd/line`` is read; one that answers 404 has its ``/server_info``
+    read from then on (compactly, :func:`read_line_report`). A prefill without the fields (an
     older build) or a failed poll just leaves the router's own accounting in charge. Several
     prefills' bytes add up; the line's rate is the lowest any of them measured."""
+    without_report: set[str] = set()  # prefills that answered /pdd/line with 404
     while True:
         own_at_poll = {main.url: lines.bytes_ahead(main.url) for main in mains}
         totals: dict[str, list] = {}
         out: set[str] = set()
         for prefill in [p for p in prefills if p.healthy]:
             try:
-                info = await get_json(prefill, "/server_info")
+                info = await _line_report(prefill, get_json, without_report)
             except Exception:  # noqa: BLE001 - a missed poll ages out (REPORT_FRESH_S)
                 continue
             wan_line, mains_out = read_line_report(info)
@@ -201,6 +201,20 @@ async def poll_prefill_lines(lines: LineAccounting, prefills, mains, get_json,
             lines.report(url, ahead, min(rates) if rates else None, own_at_poll[url])
         mark_mains_out(mains, out)
         await asyncio.sleep(interval_s)
+
+
+async def _line_report(prefill, get_json, without_report: set):
+    if prefill.url not in without_report:
+        try:
+            body = await get_json(prefill, LINE_REPORT_PATH)
+            return json.loads(body) if isinstance(body, (bytes, bytearray, str)) else body
+        except Exception as err:  # noqa: BLE001 - only a 404 changes the path
+            if getattr(err, "status", None) != 404:
+                raise
+            without_report.add(prefill.url)
+            logger.info("PDD router: prefill %s has no %s; reading its /server_info",
+                        prefill.url, LINE_REPORT_PATH)
+    return await get_json(prefill, "/server_info")
 
 
 def mark_mains_out(mains, sessions_out) -> None:

@@ -155,6 +155,30 @@ def test_router_splices_a_real_handoff(router_cluster, stream):
     assert_idle(router_cluster)
 
 
+def test_the_router_polls_each_prefills_compact_wan_line(router_cluster):
+    """``GET /pdd/line`` (patch 0018), what the router's congestion-aware placement polls every
+    second: the prefill's WAN line and mains out, as ``/server_info`` has them, from a report its
+    scheduler thread never builds; only a prefill serves it, and the router never fell back."""
+    prefill, main = router_cluster["prefill"], router_cluster["main"]
+    status, _ = post(router_cluster.router.url, "/generate", {
+        "input_ids": words(61, 3 * ROUTER_RELAY_ABOVE_TOKENS),
+        "sampling_params": {**GREEDY, "max_new_tokens": 4}})
+    assert status == 200
+    main_session = main.pdd_state()["mooncake_session"]
+    report = prefill.get_json("/pdd/line")
+    assert report["version"] == "1" and 0 <= report["age_s"] < 2, report
+    assert main_session in report["wan_line"], (main_session, report)
+    state = prefill.pdd_state()
+    assert set(report["wan_line"]) == set(state["wan_line"]), (report, state["wan_line"])
+    assert report["mains_out"] == state["fanout"]["mains_out"] == []
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        main.get_json("/pdd/line")
+    assert refused.value.code == 404
+    log = router_cluster.router.log_path.read_text()
+    assert "reading its /server_info" not in log, log[-2000:]
+    assert_idle(router_cluster)
+
+
 def test_generate_text_prompt(router_cluster):
     body = {"text": text_of(words(3, 30)), "sampling_params": {**GREEDY, "max_new_tokens": 6}}
     status, answer = post(router_cluster.router.url, "/generate", body)

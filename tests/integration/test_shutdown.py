@@ -40,7 +40,7 @@ def test_every_role_closes_its_pdd_threads_on_shutdown(page16_cluster, tmp_path)
     generate_pdd(prefill, relay, main, body, cluster.bootstrap_port, keep_main_copy=True)
     # While it serves, the prefill's fan-out runs under PDD's names (the test can see them; the
     # kernel keeps 15 characters of a name: "pdd-local-xfer-0" shows as "pdd-local-xfer-").
-    assert {"pdd-fanout", "pdd-peer-io", "pdd-local-xfer-", "pdd-wan-xfer-0"} <= set(
+    assert {"pdd-fanout", "pdd-peer-io", "pdd-local-xfer-", "pdd-wan-xfer-0", "pdd-line-report"} <= set(
         pdd_thread_names(prefill.process.pid))
     seconds = {}
     for server in (relay, main, prefill):

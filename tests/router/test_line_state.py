@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from pdd_sglang import policy
@@ -109,18 +111,34 @@ def test_the_poller_sums_prefills_per_main_by_mooncake_session():
              "http://p2": {"10.0.0.2:7000": {"bytes_ahead": 4, "recent_bytes_per_s": 2.0},
                            "other:1": {"bytes_ahead": 100}}}
 
+    asked = []
+
+    class NotFound(Exception):
+        status = 404
+
     async def get_json(upstream, path):
+        asked.append((upstream.url, path))
+        if upstream.url == "http://p1":  # a prefill of this build: its compact report
+            assert path == "/pdd/line"
+            return json.dumps({"version": "1", "wan_line": infos["http://p1"], "mains_out": []})
+        if path == "/pdd/line":  # an older build
+            raise NotFound()
         assert path == "/server_info"
         return {"internal_states": [{"pdd": {"wan_line": infos[upstream.url]}}]}
 
-    async def one_round():
+    async def rounds(count: int):
         lines = LineAccounting(FakeClock())
-        task = asyncio.create_task(poll_prefill_lines(lines, prefills, mains, get_json, 60))
-        await asyncio.sleep(0.05)
+        task = asyncio.create_task(poll_prefill_lines(lines, prefills, mains, get_json, 0.01))
+        while len(asked) < count:
+            await asyncio.sleep(0.005)
         task.cancel()
         return lines.state("http://m")
 
-    assert asyncio.run(one_round()) == policy.LineState(7, 2.0)
+    assert asyncio.run(rounds(6)) == policy.LineState(7, 2.0)
+    # The older build is asked for /pdd/line once, then only for its /server_info.
+    assert asked[:6] == [("http://p1", "/pdd/line"), ("http://p2", "/pdd/line"),
+                         ("http://p2", "/server_info"), ("http://p1", "/pdd/line"),
+                         ("http://p2", "/server_info"), ("http://p1", "/pdd/line")]
 
 
 def test_a_main_a_prefill_lists_as_out_takes_no_placement_until_it_is_back():

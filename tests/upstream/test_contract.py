@@ -88,6 +88,10 @@ HOOKED_SYMBOLS = [
     ("distributed/parallel_state.py", "init_model_parallel_group"),
     ("distributed/parallel_state.py", "_is_cpu"),
     ("distributed/parallel_state.py", "GroupCoordinator.all_reduce"),
+    # 0018: the prefill's /pdd/line on SGLang's FastAPI app, added before the server runs
+    ("entrypoints/http_server.py", "app"),
+    ("entrypoints/http_server.py", "launch_server"),
+    ("entrypoints/http_server.py", "_setup_and_run_http_server"),
     # Environment switches that the CPU profile and the tests set
     ("environ.py", "Envs.SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE"),
 ]
@@ -205,6 +209,7 @@ COMMON = "disaggregation/common/conn.py"
 KV_MANAGER_ATTRIBUTES = [  # read or written by pdd_sglang.prefill (fanout, senders, wan_path)
     "req_to_decode_prefix_len", "kv_args", "engine", "local_ip", "request_status",
     "decode_kv_args_table", "transfer_queues", "executors", "is_mla_backend", "attn_tp_size",
+    "attn_tp_rank",  # diagnostics.line_report: only rank 0 writes the report
 ]
 KV_MANAGER_METHODS = [
     "update_status", "send_kv_status_message", "conclude_transfer", "_registerable_regions",
