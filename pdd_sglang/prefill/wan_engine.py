@@ -30,7 +30,7 @@ from pdd_sglang.prefill.wan_line import WanLine
 logger = logging.getLogger(__name__)
 
 # Mooncake's transfer_check_status: 1 done, 0 in progress, -1 failed, -2 timed out.
-_DONE, _PENDING = 1, 0
+_DONE, _PENDING, _FAILED = 1, 0, -1
 # Back-off between status polls of a waiting batch: from a fast line's latency up to a period
 # that is noise beside a multi-second WAN copy.
 FIRST_POLL_S = 0.0005
@@ -96,7 +96,7 @@ class WanTransferEngine:
             batch = self.engine.transfer_submit_write(session_id, src, dst, length)
             if batch <= 0:
                 logger.error("PDD: submitting a WAN transfer to %s failed (%s)", session_id, batch)
-                self._abandon(pending)
+                self._drain(pending, session_id)  # the blocks submitted may still be writing
                 return False
             pending.append(batch)
         deadline = time.monotonic() + self.timeout_s
@@ -110,9 +110,12 @@ class WanTransferEngine:
                 continue
             if status != _PENDING:
                 # A failed batch is freed by Mooncake's status call; a timed-out one is not.
-                self._abandon(pending if status != -1 else pending[1:])
+                failed = pending.pop(0)
+                if status != _FAILED:
+                    self._abandon([failed])
                 logger.error("PDD: a WAN transfer to %s failed (Mooncake status %s)",
                              session_id, status)
+                self._drain(pending, session_id)  # its other blocks may still be writing
                 return False
             if self._stopping:
                 self._abandon(pending)
@@ -120,14 +123,37 @@ class WanTransferEngine:
                                session_id)
                 return False
             if time.monotonic() > deadline:
-                self._abandon(pending)
                 logger.error("PDD: a WAN transfer to %s took over --pdd-wan-transfer-timeout "
-                             "(%.0f s); failing it", session_id, self.timeout_s)
+                             "(%.0f s); failing it once its blocks have ended", session_id,
+                             self.timeout_s)
+                self._drain(pending, session_id)
                 return False
             time.sleep(pause)
             pause = min(pause * 2, LONGEST_POLL_S)
         self._reap_abandoned()
         return True
+
+    def _drain(self, pending: list, session_id: str) -> None:
+        """A timed-out copy fails its room, and main frees the room's pages on that word; a block
+        Mooncake still writes would land in pages main has given to another request (a chaos
+        soak caught one by its KV digest: a copy slow on a congested line, failed at the timeout,
+        wrote on). So the failure is reported only once Mooncake has ended every block, waiting
+        up to another timeout (the fan-out calls a chunk stuck only past twice the timeout plus
+        a margin). A block still running after that is abandoned, with an error in the log."""
+        deadline = time.monotonic() + self.timeout_s
+        while pending and not self._stopping and time.monotonic() < deadline:
+            status = self.engine.transfer_check_status(pending[0])
+            if status == _PENDING:
+                time.sleep(LONGEST_POLL_S)
+            elif status in (_DONE, _FAILED):  # ended; Mooncake's status call freed it
+                pending.pop(0)
+            else:  # ended without being freed (Mooncake's own timeout): the reaper frees it
+                self._abandon([pending.pop(0)])
+        if pending:
+            self._abandon(pending)
+            logger.error("PDD: %d block(s) of a failed WAN transfer to %s still run past twice "
+                         "--pdd-wan-transfer-timeout; main may free pages they still write",
+                         len(pending), session_id)
 
     def probe(self, session_id: str) -> bool:
         """Whether ``session_id`` answers over this engine (Mooncake's own probe): a main taken

@@ -38,7 +38,9 @@ answers = {
     "wait_while_stalled": hooks.wait_while_stalled(object()),
     "before_children_start": hooks.before_children_start(),
     "after_children_started": hooks.after_children_started(),
+    "add_http_routes": hooks.add_http_routes(app := SimpleNamespace()),
 }
+assert vars(app) == {}, app  # no route added
 import signal
 assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, set())
 assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL

@@ -2,6 +2,7 @@
 WAN engine's asynchronous copies on a real pair of Mooncake TCP engines."""
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -140,3 +141,54 @@ def test_a_copy_on_the_line_gives_up_when_the_engine_stops_waiting():
     worker.join(10)
     assert results == [-1] and not worker.is_alive()
     assert sender._abandoned == [7]  # Mooncake still owns the batch: never freed under it
+
+
+
+def scripted_sender(statuses: dict, timeout_s: float):
+    """A WanTransferEngine over a scripted Mooncake: ``statuses[batch](seconds since the copy
+    began)`` is the batch's status at a poll; every poll is recorded."""
+    from pdd_sglang.prefill.wan_engine import WanTransferEngine
+
+    polls, began = [], []
+    batches = iter(sorted(statuses))
+
+    def submit(_engine, *args):
+        began.append(time.monotonic())
+        return next(batches)
+
+    def check(_engine, batch):
+        polls.append(batch)
+        return statuses[batch](time.monotonic() - began[0])
+
+    sender = WanTransferEngine.__new__(WanTransferEngine)
+    sender.engine = type("Scripted", (), {"transfer_submit_write": submit,
+                                          "transfer_check_status": check})()
+    sender.timeout_s, sender.blocking_wait, sender.line = timeout_s, False, WanLine()
+    sender._lock, sender._abandoned, sender._stopping, sender._closed = threading.Lock(), [], False, False
+    return sender, polls
+
+
+def test_a_timed_out_copy_fails_only_once_mooncake_has_ended_its_blocks():
+    """The chaos soak's KV digest mismatch: a copy slow on a congested line failed at the timeout,
+    main freed the room's pages on that word, and the copy's blocks, still in Mooncake, wrote on
+    into pages main had given to the next request. Now the failure waits (up to another timeout)
+    until Mooncake has ended the blocks; before, it returned at the timeout with them pending."""
+    timeout_s = 0.2
+    ends_late = {7: lambda t: 1 if t > 1.5 * timeout_s else 0,  # done after the timeout
+                 8: lambda t: -1 if t > 1.6 * timeout_s else 0}  # failed after it
+    sender, polls = scripted_sender(ends_late, timeout_s)
+    began = time.monotonic()
+    assert sender.batch_transfer_sync("main", [1, 2], [3, 4], [5, 6]) == -1
+    assert time.monotonic() - began >= 1.6 * timeout_s  # returned only once both had ended
+    assert polls[-1] == 8 and sender._abandoned == []  # nothing left in Mooncake's hands
+
+    # A block that never ends is abandoned after the second timeout (Mooncake still owns it).
+    sender, _ = scripted_sender({9: lambda t: 0}, 0.01)
+    assert sender.batch_transfer_sync("main", [1], [2], [3]) == -1
+    assert sender._abandoned == [9]
+
+
+def test_a_failed_block_waits_for_the_other_blocks_of_its_copy():
+    sender, polls = scripted_sender({1: lambda t: -1, 2: lambda t: 1 if t > 0.1 else 0}, 60.0)
+    assert sender.batch_transfer_sync("main", [1, 2], [3, 4], [5, 6]) == -1
+    assert polls[0] == 1 and polls[-1] == 2 and len(polls) > 2 and sender._abandoned == []
