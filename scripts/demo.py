@@ -86,8 +86,9 @@ MAX_TOTAL_TOKENS = 32768  # per server: the conversations in flight and the syst
 TRANSPORT = ("--disaggregation-transfer-backend", "mooncake_tcp")
 # SGLang's own per-request time stats: in the prefill's answer (the stage split) and in the logs.
 TIME_STATS = ("--enable-metrics", "--enable-request-time-stats-logging")
-# Relay and mains: SGLang's /metrics, for their decode work (the relay's busy share).
-METRICS = ("--enable-metrics",)
+# Relay and mains: SGLang's /metrics, for their decode work (the relay's busy share), and their
+# per-request time stats in the logs (when each took a request in and registered with prefill).
+METRICS = TIME_STATS
 SERVERS_AT_ONCE = 3  # PDD's prefill, relay and main: the most one setup keeps busy
 OTHER_PLACEMENT = {"congestion-aware": "idle-line", "idle-line": "congestion-aware"}
 
@@ -397,6 +398,7 @@ def write_and_print(args, results: dict, line: WanLine, server_cpu: float, layou
         budget.print_budget_table(results["latency"])
     report.print_table(load, "load point (4 conversations at a time)")
     budget.print_budget_table(load)
+    report.print_intake(load)
     if args.frontier:
         budget.print_frontier(summary["frontier"])
     if bar_setup != "pdd":

@@ -91,6 +91,10 @@ def test_quick_demo_runs_both_points_and_pdd_hands_off(background):
             assert all(u["cpu_s"] >= 0 for u in setup["host_cpu"].values()), setup["host_cpu"]
             assert setup["stages"]["requests_with_split"] == setup["requests"], setup["stages"]
             assert set(setup["stages"]["all"]) == set(STAGES)
+            # registration_wait split by server intake (their time-stats log lines).
+            assert "prefill received" in setup["intake"], setup["intake"]
+            if name.startswith("pdd"):
+                assert "relay registered" in setup["intake"], setup["intake"]
             if name in ("same_dc_pd", "cross_dc_pd"):
                 # No relay: every request took P->MD and main answered it.
                 assert setup["pipelines"] == {"prefill_main": setup["requests"]}

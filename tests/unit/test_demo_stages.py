@@ -68,3 +68,41 @@ def test_paired_excess_matches_the_same_request_and_its_stages_add_up():
 
 def test_paired_excess_without_a_pair_says_so():
     assert paired_excess({"rows": []}, {"rows": [_row(0, 0, "main")]}) == {"pairs": 0}
+
+
+# SGLang 0.5.23's ReqTimeStats lines (--enable-request-time-stats-logging), as a demo logged them.
+PREFILL_LOG = (
+    "[2026-12-03 23:56:39] ReqTimeStats(rid=pdd-1, bootstrap_room=2987855802426173317, "
+    "input_len=1032, cached_input_len=0, output_len=1, attempts=0, type=prefill): "
+    "bootstrap_duration=69.19ms, queue_duration=0.82ms, forward_duration=435.30ms, "
+    "entry_time=1000000.300, transfer_speed=0.19 GB/s, transfer_total=8.06 MB\n"
+    "[2026-12-03 23:56:39] ReqTimeStats(rid=HEALTH_CHECK_1, bootstrap_room=0, input_len=1, "
+    "cached_input_len=0, output_len=1, attempts=0, type=prefill): bootstrap_duration=0.13ms, "
+    "queue_duration=9.84ms, forward_duration=149.38ms, entry_time=1000000.000, "
+    "transfer_speed=0.00 GB/s, transfer_total=0.00 MB\n")
+RELAY_LOG = (
+    "[2026-12-03 23:57:46] ReqTimeStats(rid=pdd-1, bootstrap_room=1193961848724003141, "
+    "input_len=1032, cached_input_len=0, output_len=4, attempts=0, type=decode): "
+    "bootstrap_duration=17.37ms, alloc_wait_duration=1.17ms, transfer_duration=400.32ms, "
+    "queue_duration=0.29ms, forward_duration=78.84ms, entry_time=1000000.080\n")
+
+
+def test_the_intake_split_reads_each_servers_time_stats(tmp_path):
+    """registration_wait split by server: when the prefill's scheduler took the request in (a
+    forward in progress delays it), when the relay's did, and when the relay sent its slots."""
+    from pdd_sglang.dev.demo.report import intake_of, intake_table, scheduler_intake_from_logs
+
+    (tmp_path / "prefill.log").write_text(PREFILL_LOG)
+    (tmp_path / "relay.log").write_text(RELAY_LOG)
+    intake = scheduler_intake_from_logs({"prefill": tmp_path / "prefill.log",
+                                         "relay": tmp_path / "relay.log",
+                                         "main": tmp_path / "absent.log"})
+    assert set(intake) == {"pdd-1", "HEALTH_CHECK_1"}
+    row = {"marks": {"prefill_sent_ts": SENT + 0.05}}
+    split = intake_of(row, intake["pdd-1"])
+    assert list(split) == ["prefill received", "relay received", "relay registered"]
+    assert split == pytest.approx({"prefill received": 0.25, "relay received": 0.03,
+                                   "relay registered": 0.03 + 0.01737 + 0.00117}, abs=1e-4)
+    assert intake_of({"marks": {}}, intake["pdd-1"]) is None
+    table = intake_table([{"intake": split}, {"intake": None}])
+    assert table["prefill received"]["p50_s"] == pytest.approx(0.25)

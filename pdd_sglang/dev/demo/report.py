@@ -16,6 +16,15 @@ Stages of a TTFT (each from two wall-clock marks on this one host; they add up t
   kv_and_first_token  forward done -> first token at the router (KV copy to the decode server that
                       answers first, its first decode step, its stream)
   router_to_client    first token at the router -> at the client
+
+``registration_wait`` is split further by where each server's scheduler took the request in, from
+SGLang's per-request time stats in the servers' logs (``--enable-request-time-stats-logging``;
+``intake`` per row, :func:`intake_table` per setup), each after the router posted to prefill:
+
+  <prefill> received    its scheduler put the request in its bootstrap queue (it reads new
+                        requests only between two forwards, so a forward in progress shows here)
+  <decode> received     a relay's or main's scheduler put it in its prealloc queue
+  <decode> registered   ... and sent prefill its KV slots (its transfer queue entry)
 """
 
 from __future__ import annotations
@@ -33,6 +42,9 @@ STAGES = ("router_to_prefill", "registration_wait", "prefill_queue", "prefill_fo
 PDD_BAR, CROSS_BAR, HANDOFF_SHARE = 1.15, 2.0, 0.25
 LINE_UTILISATION_LIMIT = 0.70
 _PREFILL_STATS = re.compile(r"pdd-prefill-stats (\{.*\})")
+# SGLang's ReqTimeStats log line (observability/req_time_stats.py): entry_time is the wall time,
+# on the scheduler's clock, of the bootstrap queue (prefill) or prealloc queue (decode) entry.
+_TIME_STATS = re.compile(r"ReqTimeStats\(rid=([^,]+),.*?type=(prefill|decode)\): (.*)$", re.M)
 
 
 def outcome_of(row: dict) -> str:
@@ -56,6 +68,53 @@ def prefill_stats_from_log(log_path: Path) -> dict:
         with_rid = json.loads(match.group(1))
         stats[with_rid.pop("rid")] = with_rid
     return stats
+
+
+def _duration_s(text: str) -> float:
+    return float(text[:-2]) / 1e3 if text.endswith("ms") else float(text.rstrip("s"))
+
+
+def scheduler_intake_from_logs(logs: dict) -> dict:
+    """rid -> server -> ``{"received_ts"}`` (and for a decode server ``"registered_ts"``), from
+    the ReqTimeStats lines of each server's log (``logs``: server name -> log path)."""
+    intake: dict = {}
+    for server, path in logs.items():
+        try:
+            text = Path(path).read_text(errors="replace")
+        except FileNotFoundError:
+            continue
+        for rid, kind, fields in _TIME_STATS.findall(text):
+            values = dict(kv.split("=", 1) for kv in fields.split(", ") if "=" in kv)
+            try:
+                entry = float(values["entry_time"])
+                marks = {"received_ts": entry}
+                if kind == "decode":
+                    waited = sum(_duration_s(values[k]) for k in (
+                        "bootstrap_duration", "alloc_wait_duration", "prealloc_queue_duration")
+                        if k in values)
+                    marks["registered_ts"] = entry + waited
+            except (KeyError, ValueError):
+                continue  # a line of another shape: no mark rather than a wrong one
+            intake.setdefault(rid, {})[server] = marks
+    return intake
+
+
+def intake_of(row: dict, marks: dict | None) -> dict | None:
+    """Seconds from the router's post to prefill to each server's intake marks, for one row."""
+    sent = (row.get("marks") or {}).get("prefill_sent_ts")
+    if sent is None or not marks:
+        return None
+    return {f"{server} {what[:-3]}": round(ts - sent, 4)
+            for server, server_marks in sorted(marks.items(), key=lambda m: (m[0] != "prefill", m[0]))
+            for what, ts in server_marks.items()}
+
+
+def intake_table(rows: list) -> dict:
+    """P50/P90 of each intake mark over the rows that have it."""
+    names = sorted({name for r in rows for name in (r.get("intake") or {})},
+                   key=lambda name: (not name.startswith("prefill "), name))
+    return {name: _pcts([r["intake"][name] for r in rows if name in (r.get("intake") or {})])
+            for name in names}
 
 
 def stage_split(row: dict, prefill: dict | None) -> dict | None:
@@ -108,11 +167,12 @@ def stage_table(rows: list) -> dict:
 
 
 def summarize(results: list, prefill_stats: dict, wan: dict, kv_bytes: int, duration_s: float,
-              main_location: str, rate_mbit: float) -> dict:
+              main_location: str, rate_mbit: float, intake: dict | None = None) -> dict:
     rows = [r.summary() for r in results]
     for row in rows:
         row["outcome_kind"] = outcome_of(row)
         row["stages"] = None if row["error"] else stage_split(row, prefill_stats.get(row["rid"]))
+        row["intake"] = intake_of(row, (intake or {}).get(row["rid"]))
     ok = [r for r in results if not r.error]
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
     itl = [g for r in ok for g in r.itl_s]
@@ -151,6 +211,7 @@ def summarize(results: list, prefill_stats: dict, wan: dict, kv_bytes: int, dura
         "requests_hit_lt_80pct": len(low),
         "ttft_p50_s_hit_lt_80pct": rnd(pct([r.ttft_s for r in low], 50), 4),
         "stages": stage_table(rows),
+        "intake": intake_table(rows),
         "duration_s": round(duration_s, 2),
         "rows": rows,
     }
@@ -263,6 +324,16 @@ def print_bar(bar: dict) -> None:
             for outcome, part in paired["by_pdd_outcome"].items():
                 print(f"  PDD {outcome:<17} {part['pairs']:>3} pairs: TTFT mean "
                       f"{part['ttft_diff_mean_s']:+.3f} s, median {part['ttft_diff_p50_s']:+.3f} s")
+
+
+def print_intake(setups: dict) -> None:
+    """Where registration_wait goes: each server's intake after the router's post to prefill."""
+    print("\nintake after the router posts to prefill (P50 / P90, s): prefill received, decode "
+          "servers received and registered")
+    for name, setup in setups.items():
+        marks = ", ".join(f"{mark} {q['p50_s']}/{q['p90_s']}"
+                          for mark, q in (setup.get("intake") or {}).items())
+        print(f"  {name:<20} {marks or '-'}")
 
 
 def workload_stats(system: list, conversations: list, spec: agentic.WorkloadSpec,

@@ -141,8 +141,10 @@ def run_setup(label: str, line: WanLine, prefill: NetnsServer, main: NetnsServer
         router.stop()
     wan = {k: wan_after[k] - wan_before[k] for k in wan_before}
     location = "cluster B" if main.netns == line.namespace("b") else "cluster A"
+    intake = report.scheduler_intake_from_logs(
+        {server.name: server.log_path for server in (prefill, main, *([relay] if relay else []))})
     summary = report.summarize(results, report.prefill_stats_from_log(log_path), wan,
-                               kv_after - kv_before, duration, location, line.rate_mbit)
+                               kv_after - kv_before, duration, location, line.rate_mbit, intake)
     decoded = {name: (None if decode_after[name] is None or decode_before[name] is None
                       else int(decode_after[name] - decode_before[name])) for name in decoders}
     return {**summary, "placement": placement if relay is not None else None, "cpu": cpu,
