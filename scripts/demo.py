@@ -28,7 +28,9 @@ forwarder and the clients; per-server CPU, run-queue wait and throttled time go 
 so does the CPU the router, the line's forwarder and the clients used. --cpu-layout shared (the
 default) lets every process run on every core; --cpu-layout pinned also pins cluster A's servers
 to the first half of the cores and cluster B's server, the router, the clients and the line to the
-second, so that no setup's servers wait behind its extra processes (cpu_budget.pinned_layout).
+second, so that no setup's servers wait behind its extra processes; --cpu-layout prefill-apart
+puts the prefill alone on the first half and every decode server with the rest on the second, so no
+decode server's work takes the prefill's cycles (cpu_budget.server_cores).
 
 Writes DIR/demo.json, DIR/ttft.png and DIR/stages.png (and DIR/frontier.png with --frontier;
 DIR: --out, default out/demo).
@@ -127,7 +129,7 @@ def check_machine(cgroup_root: Path, cpu_layout: str = "shared") -> str | None:
     try:
         check_prerequisites()  # root, /dev/net/tun, iproute2
         cpu_budget.check_cpu_controller(cgroup_root)
-        if cpu_layout == "pinned":
+        if cpu_layout != "shared":
             cpu_budget.check_cpuset_controller()
             cpu_budget.pinned_layout()
     except (PermissionError, FileNotFoundError, ValueError) as err:
@@ -165,9 +167,11 @@ def main(argv: list[str] | None = None) -> int:
                         default=budget.FRONTIER_X, metavar="F,F,...",
                         help="the frontier's budgets, multiples of same-DC's P50 (default "
                              f"{','.join(map(str, budget.FRONTIER_X))})")
-    parser.add_argument("--cpu-layout", choices=("shared", "pinned"), default="shared",
+    parser.add_argument("--cpu-layout", choices=cpu_budget.LAYOUTS, default="shared",
                         help="shared (default): every process on every core; pinned: cluster A's "
                              "servers on the first half of the cores, cluster B's server, the "
+                             "router, the clients and the line on the second; prefill-apart: "
+                             "the prefill alone on the first half, every decode server, the "
                              "router, the clients and the line on the second")
     parser.add_argument("--cgroup-cpu-root", type=Path, default=cpu_budget.CPU_ROOT,
                         help=argparse.SUPPRESS)  # tests: a missing controller
@@ -200,11 +204,11 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, _raise_exit)
 
     line = WanLine(args.rate_mbit, args.rtt_ms, args.jitter_ms, seed=args.seed)
-    layout = cpu_budget.pinned_layout() if args.cpu_layout == "pinned" else None
     cluster_of = {"prefill": "a", "main-a": "a", "relay": "a", "main-b": "b"}
+    cores = cpu_budget.server_cores(args.cpu_layout, cluster_of)
     groups = {name: cpu_budget.CpuGroup(f"pdd-demo-{os.getpid()}-{name}", server_cpu,
-                                        cpus=layout[side] if layout else None)
-              for name, side in cluster_of.items()}
+                                        cpus=cores[name] if cores else None)
+              for name in cluster_of}
     own_cpus = os.sched_getaffinity(0)
     results: dict = {"latency": {}, "load": {}}
     timings: dict = {}
@@ -217,10 +221,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"CPU budget: every SGLang server {server_cpu:g} core (cgroup cpu quota, "
               f"{cpu_budget.PERIOD_US // 1000} ms period) of {len(own_cpus)}; "
               f"the rest for the router, the line and the clients", flush=True)
-        if layout:
-            print(f"CPU layout: cluster A's servers on cores {layout['a']}, cluster B's, the "
-                  f"router, the clients and the line on {layout['b']}", flush=True)
-            cpu_budget.pin_self(layout["b"])  # the line, the router and the clients inherit it
+        if cores:
+            rest = cpu_budget.pinned_layout()["b"]
+            print(f"CPU layout {args.cpu_layout}: {cores}; the router, the clients and the line "
+                  f"on {rest}", flush=True)
+            cpu_budget.pin_self(rest)  # the line, the router and the clients inherit it
         print(f"starting the WAN line ({args.rate_mbit:g} Mbit/s, RTT {args.rtt_ms:g} ms "
               f"+-{args.jitter_ms:g} ms) and the servers (logs: {log_dir}) ...", flush=True)
         for group in groups.values():  # unthrottled while the servers start
@@ -308,11 +313,11 @@ def main(argv: list[str] | None = None) -> int:
         leftovers(line, pids, groups, report_to=sys.stderr)
         return 1
     left = leftovers(line, pids, groups)
-    return write_and_print(args, results, line, server_cpu, layout, workloads, pools, leaks, left,
+    return write_and_print(args, results, line, server_cpu, cores, workloads, pools, leaks, left,
                            timings, log_dir, model, other)
 
 
-def write_and_print(args, results: dict, line: WanLine, server_cpu: float, layout: dict | None,
+def write_and_print(args, results: dict, line: WanLine, server_cpu: float, cores: dict | None,
                     workloads: dict, pools: dict, leaks: dict, left: dict, timings: dict,
                     log_dir: Path, model, other: str | None) -> int:
     load = results["load"]
@@ -354,13 +359,13 @@ def write_and_print(args, results: dict, line: WanLine, server_cpu: float, layou
         "cpu_budget": {"server_cores": server_cpu, "period_us": cpu_budget.PERIOD_US,
                        "machine_cores": len(os.sched_getaffinity(0)),
                        "layout": args.cpu_layout,
-                       "cores_by_cluster": {k: list(v) for k, v in layout.items()} if layout
+                       "cores_by_server": {k: list(v) for k, v in cores.items()} if cores
                        else None,
                        "rule": "every SGLang server in every setup: its own cgroup v1 cpu group, "
                                "the same quota; the rest is headroom for router, line, clients"
-                               + ("; pinned: cluster A's servers on cores_by_cluster.a, cluster "
-                                  "B's server, the router, the clients and the line on "
-                                  "cores_by_cluster.b" if layout else ""),
+                               + ("; each server on its cores_by_server (the same in every "
+                                  "setup), the router, the clients and the line on the second "
+                                  "half of the cores" if cores else ""),
                        "fields": "per setup, cpu.<server>: cpu_s (cpuacct.usage), cores_used, "
                                  "run_queue_wait_s (schedstat wait summed over the server's "
                                  "threads alive throughout, so it can exceed wall time), "

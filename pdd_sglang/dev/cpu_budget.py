@@ -88,6 +88,26 @@ def pinned_layout(cpus: Optional[list] = None) -> dict:
     return {"a": tuple(cpus[:half]), "b": tuple(cpus[half:])}
 
 
+LAYOUTS = ("shared", "pinned", "prefill-apart")
+
+
+def server_cores(layout: str, cluster_of: dict, cpus: Optional[list] = None) -> Optional[dict]:
+    """Each server's cores under ``layout`` (``cluster_of``: server name -> "a" or "b"); None
+    for ``shared`` (every core). ``pinned``: cluster A's servers on the first half of the cores,
+    cluster B's on the second. ``prefill-apart``: the prefill alone on the first half, every
+    decode server on the second, so no decode server's work (a relay's eager decode beside a
+    main's) takes the prefill's cycles, as on a deployment where each has its own accelerator.
+    The router, the clients and the line go on the second half in both (:func:`pinned_layout`)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown CPU layout {layout!r}; one of {', '.join(LAYOUTS)}")
+    if layout == "shared":
+        return None
+    halves = pinned_layout(cpus)
+    if layout == "pinned":
+        return {name: halves[side] for name, side in cluster_of.items()}
+    return {name: halves["a" if name == "prefill" else "b"] for name in cluster_of}
+
+
 def check_cpuset_controller(root: Path = CPUSET_ROOT) -> None:
     """Raise with a plain reason when no writable cgroup v1 cpuset controller is mounted at root."""
     if not (root / "cpuset.cpus").exists():

@@ -64,3 +64,17 @@ def test_a_pinned_group_runs_on_every_core_until_limited_then_on_its_own():
     assert pinned == str(cores[-1])
     assert usage["cpus"] == [cores[-1]]
     assert not group.exists()
+
+
+def test_each_layout_places_every_server_the_same_way_in_every_setup():
+    from pdd_sglang.dev import cpu_budget
+
+    cluster_of = {"prefill": "a", "main-a": "a", "relay": "a", "main-b": "b"}
+    assert cpu_budget.server_cores("shared", cluster_of, [0, 1]) is None
+    assert cpu_budget.server_cores("pinned", cluster_of, [0, 1]) == {
+        "prefill": (0,), "main-a": (0,), "relay": (0,), "main-b": (1,)}
+    # The prefill alone: no decode server's work (the relay's eager decode) takes its cycles.
+    assert cpu_budget.server_cores("prefill-apart", cluster_of, [0, 1]) == {
+        "prefill": (0,), "main-a": (1,), "relay": (1,), "main-b": (1,)}
+    with pytest.raises(ValueError, match="unknown CPU layout"):
+        cpu_budget.server_cores("packed", cluster_of, [0, 1])
