@@ -55,7 +55,8 @@ from pdd_sglang.dev import cpu_budget  # noqa: E402
 from pdd_sglang.dev.demo import budget, figures, report  # noqa: E402
 from pdd_sglang.dev.demo.setup_run import Aborted, cleanup, leftovers, run_setup  # noqa: E402
 from pdd_sglang.dev.testing import agentic  # noqa: E402
-from pdd_sglang.dev.testing.cluster import RELAY_CPU_ARGS, Cluster, free_port  # noqa: E402
+from pdd_sglang.dev.testing.cluster import (NON_OVERLAP_LOOP_ARGS, RELAY_CPU_ARGS,  # noqa: E402
+                                           Cluster, free_port)
 from pdd_sglang.dev.testing.tiny_model import WAN_DEMO_MODEL, ensure_tiny_model  # noqa: E402
 from pdd_sglang.dev.testing.wan_cluster import NetnsServer  # noqa: E402
 from pdd_sglang.dev.wan_emulator import WanLine, check_prerequisites  # noqa: E402
@@ -242,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         prefill = NetnsServer("prefill", host=line.address("a"), exec_prefix=where("a", "prefill"),
                               netns=ns_a, extra_args=(
                                   "--pdd-role", "prefill", "--disaggregation-bootstrap-port",
-                                  str(bootstrap_port), *TRANSPORT, *TIME_STATS), **common)
+                                  str(bootstrap_port), *TRANSPORT, *TIME_STATS,
+                                  *NON_OVERLAP_LOOP_ARGS), **common)
         main_a = NetnsServer("main-a", host="127.0.0.1", exec_prefix=where("a", "main-a"),
                              netns=ns_a, extra_args=("--pdd-role", "main", *TRANSPORT, *METRICS),
                              **common)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from pdd_sglang.dev import cpu_budget
 from pdd_sglang.dev.testing import agentic
-from pdd_sglang.dev.testing.cluster import SGLangServer
+from pdd_sglang.dev.testing.cluster import NON_OVERLAP_LOOP_ARGS, SGLangServer
 from pdd_sglang.dev.testing.tiny_model import WAN_DEMO_MODEL, ensure_tiny_model
 
 DEMO_RATE_MBIT, DEMO_RTT_MS, DEMO_JITTER_MS = 10.0, 40.0, 4.0   # scripts/demo.py's line
@@ -138,7 +138,7 @@ def profile_server(plan: dict, cores: float, log_dir: Path, log) -> dict:
     model = ensure_tiny_model(WAN_DEMO_MODEL)
     group = cpu_budget.CpuGroup(f"pdd-profile-{os.getpid()}", cores)
     server = SGLangServer("profile", model, log_dir, max_total_tokens=32768,
-                          exec_prefix=group.exec_prefix())
+                          exec_prefix=group.exec_prefix(), extra_args=NON_OVERLAP_LOOP_ARGS)
     tokens = Tokens()
     try:
         group.create()
@@ -199,7 +199,8 @@ def profile_interference(plan: dict, cores: float, log_dir: Path, log) -> dict:
     model = ensure_tiny_model(WAN_DEMO_MODEL)
     groups = [cpu_budget.CpuGroup(f"pdd-profile-{os.getpid()}-{i}", cores) for i in range(2)]
     servers = [SGLangServer(f"interference-{i}", model, log_dir, max_total_tokens=32768,
-                            exec_prefix=g.exec_prefix()) for i, g in enumerate(groups)]
+                            exec_prefix=g.exec_prefix(), extra_args=NON_OVERLAP_LOOP_ARGS)
+               for i, g in enumerate(groups)]
     tokens, stop, active = Tokens(11), threading.Event(), threading.Event()
     inflight = [0]
     lock = threading.Lock()
