@@ -186,13 +186,10 @@ class Cluster:
             return
         uncached = request.input_tokens - (main.candidate(request).cached_prefix_tokens)
         job.main_uncached_tokens = uncached      # the router's prediction, kept for the filter
-        # What the router would configure: one copy on an idle line moves at the lesser of the
-        # line rate and its window / RTT, and pays the RTT plus the transfer's fixed cost.
+        rate, rtt = self.router_line()
         job.pipeline = policy.choose_pipeline(
-            uncached, request.output_tokens, self.kv_bytes_per_token,
-            min(self.wan.rate, self.wan.per_flow_cap),
-            self.wan.profile.rtt_s + self.wan.transfer_fixed_s, self.cfg.policy,
-            line=self.line_state(main))
+            uncached, request.output_tokens, self.kv_bytes_per_token, rate, rtt,
+            self.cfg.policy, line=self.line_state(main))
         if job.pipeline is Pipeline.PREFILL_MAIN:
             self._send_to_main(job, main)
         elif setup is Setup.RELAY_ONLY or job.pipeline is Pipeline.RELAY_SINGULAR:
@@ -200,6 +197,19 @@ class Cluster:
         else:
             self._send_to_relay(job, relay_only=False)
             self._send_to_main(job, main)
+
+    def router_line(self) -> tuple[float, float]:
+        """The line as the router predicts with it (bytes/s, seconds of round trip): what it
+        was told (ClusterConfig.router_wan_*), else what it would configure: one copy on an
+        idle line moves at the lesser of the line rate and its window / RTT, and pays the RTT
+        plus the transfer's fixed cost."""
+        rate = self.cfg.router_wan_bytes_per_s
+        rtt = self.cfg.router_wan_rtt_s
+        if rate is None:
+            rate = min(self.wan.rate, self.wan.per_flow_cap)
+        if rtt is None:
+            rtt = self.wan.profile.rtt_s + self.wan.transfer_fixed_s
+        return rate, rtt
 
     def line_state(self, main: DecodeServer) -> policy.LineState:
         """What the router knows of the line to `main` (policy.IDLE_LINE under idle-line

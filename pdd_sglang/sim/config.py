@@ -110,6 +110,10 @@ class ClusterConfig:
     # "congestion-aware": from the live line to that main (policy.LineState: bytes queued or in
     # flight to it, throughput measured over its recent copies).
     placement: str = "idle-line"
+    # What the router was told of the line (its --wan-gbps as bytes/s, --wan-rtt-ms as s), as
+    # the demo's router is; None: what it would configure from the line's own profile.
+    router_wan_bytes_per_s: float | None = None
+    router_wan_rtt_s: float | None = None
 
     def __post_init__(self):
         if self.placement not in PLACEMENTS:

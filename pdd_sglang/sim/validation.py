@@ -158,7 +158,16 @@ class Validator:
             block_tokens=1, placement=placement,
             dispatch_latency_s=c.router_to_prefill_s + registration,
             router_to_prefill_s=c.router_to_prefill_s, router_to_client_s=c.router_to_client_s,
-            register_at_step_boundary=True, shared_host=True)
+            register_at_step_boundary=True, shared_host=True, **self.router_line())
+
+    def router_line(self) -> dict:
+        """The demo gives its router the emulated line's rate and RTT (--wan-gbps,
+        --wan-rtt-ms); the simulated router places with the same figures."""
+        line = self.measured.get("line") or {}
+        rate, rtt = line.get("rate_mbit"), line.get("rtt_ms")
+        if not (isinstance(rate, (int, float)) and rate > 0 and isinstance(rtt, (int, float))):
+            return {}
+        return {"router_wan_bytes_per_s": rate * 1e6 / 8, "router_wan_rtt_s": rtt / 1e3}
 
     # --- running -------------------------------------------------------------------------
     def simulate(self, name: str, entry: dict):

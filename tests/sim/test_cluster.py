@@ -136,3 +136,21 @@ def test_reactive_filter_saves_wan_bytes_and_relay_time(small_workload):
     on, _ = simulate(ClusterConfig(), requests, warmup)
     assert on.wan_bytes < off.wan_bytes
     assert on.relay_busy_request_s < off.relay_busy_request_s
+
+
+@pytest.mark.parametrize("told_bytes_per_s, expected", [(1e12, Pipeline.PREFILL_MAIN),
+                                                         (1e8, Pipeline.PREFILL_RELAY_MAIN)])
+def test_the_router_places_with_the_line_it_was_told(told_bytes_per_s, expected):
+    """validate_sim replays the demo, whose router was told the line's rate and RTT
+    (--wan-gbps, --wan-rtt-ms): the simulated router must place with those figures, not with
+    the line's profile (its calibrated fixed cost once sent every request through the relay)."""
+    request = Request(0, 1.0, 4096, 3, tuple(range(8)), tuple(range(8)))
+    told = ClusterConfig(setup=Setup.PDD, router_wan_bytes_per_s=told_bytes_per_s,
+                         router_wan_rtt_s=0.001)
+    _, cluster = simulate(told, [request])
+    assert cluster.router_line() == (told_bytes_per_s, 0.001)
+    assert cluster.jobs[0].pipeline is expected
+    _, untold = simulate(ClusterConfig(setup=Setup.PDD), [request])
+    wan = untold.wan
+    assert untold.router_line() == (min(wan.rate, wan.per_flow_cap),
+                                    wan.profile.rtt_s + wan.transfer_fixed_s)

@@ -144,3 +144,14 @@ def test_gpu_profile_script_writes_the_same_format_on_tiny_cpu_shapes(tmp_path):
     assert hardware.prefill_s_per_token > 0
     assert hardware.decode_fixed_s + hardware.decode_s_per_request > 0
     assert "[sources]" in out.read_text() and out.with_suffix(".json").is_file()
+
+
+def test_the_simulated_router_is_told_the_demos_line(tmp_path):
+    measured = json.loads(DEMO.read_text())
+    validator = Validator(measured, _write_profile(tmp_path / "profile"), "tiny_cpu", tmp_path)
+    validator.calibrate()
+    config = validator.config("pdd_idle_line")
+    line = measured["line"]
+    assert config.router_wan_bytes_per_s == pytest.approx(line["rate_mbit"] * 1e6 / 8)
+    assert config.router_wan_rtt_s == pytest.approx(line["rtt_ms"] / 1e3)
+    assert config.placement == "idle-line"
