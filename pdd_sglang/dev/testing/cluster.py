@@ -36,14 +36,14 @@ CPU_SERVER_ARGS = (
     # Idle schedulers otherwise busy-poll; several servers share 2 cores here.
     "--sleep-on-idle",
 )
-# A decode server without a radix cache backs retracted requests up in a host pool by default,
-# which pins memory through CUDA; on the CPU engine per-request CPU tensors do the same job.
 # SGLang keeps its overlap loop on a CPU server (PDD's relay and main run the non-overlap one by
 # role). A CPU forward is synchronous, so that loop runs the next batch's whole forward before it
 # finishes the previous batch (a prefill: hands its KV to the sender), where a GPU would only
 # launch it: one more forward in a request's TTFT whenever a batch follows. The demo's prefill and
 # the profiled servers run the non-overlap loop, as a GPU prefill effectively does.
 NON_OVERLAP_LOOP_ARGS = ("--disable-overlap-schedule",)
+# A decode server without a radix cache backs retracted requests up in a host pool by default,
+# which pins memory through CUDA; on the CPU engine per-request CPU tensors do the same job.
 RELAY_CPU_ARGS = ("--disaggregation-decode-retraction-backup", "cpu_tensor")
 CPU_SERVER_ENV = {
     "SGLANG_USE_CPU_ENGINE": "1",
