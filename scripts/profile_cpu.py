@@ -2,7 +2,7 @@
 """Measure the CPU demo's servers and line under the demo's own CPU budget; write the profile the
 simulator reads (issue 25, item 1).
 
-    sudo python3 scripts/profile_cpu.py                       # about 4 minutes
+    sudo python3 scripts/profile_cpu.py                       # about 7 minutes
     sudo python3 scripts/profile_cpu.py --quick --out-dir DIR # about 1.5 minutes (tests)
 
 Microbenchmarks only; nothing here looks at a demo run's TTFTs.
@@ -21,7 +21,10 @@ Microbenchmarks only; nothing here looks at a demo run's TTFTs.
    TCP goodput (measure.bulk_rate) and round trips (measure.round_trips); then real Mooncake TCP
    writes of two payload sizes across it (wan_emulator.handoff_bench, no server): the line
    through both, t = fixed + bytes / rate, gives the per-transfer fixed cost, and the control
-   channel's round trip is the handoff's own cost per message.
+   channel's round trip is the handoff's own cost per message. Then how the line shares between
+   two copies (wan_emulator.copy_overlap): a short turn's KV copy started 1.5 s into a document
+   turn's; where it ends between fair sharing and waiting for the big copy's bytes sets the
+   WAN profile's copy_order.
 3. Loopback: TCP goodput over 127.0.0.1 in this process; its per-transfer fixed cost is the
    Mooncake fixed cost of step 2 less the line's RTT (assumed: the same engine, no line).
 
@@ -112,6 +115,8 @@ def write_profiles(out_dir: Path, server: dict, line: dict, stamp: str) -> dict:
            "bulk_wire_a_to_b_per_payload_byte": (line["bulk"]["wire_bytes_a_to_b"]
                                                  / line["bulk"]["bytes"]),
            **{k: float(v) for k, v in server["http"].items() if k != "points"}}
+    overlap = line.get("copy_overlap") or {}
+    wan["copy_order"] = overlap.get("copy_order") or "fair"
     wan_sources = {
         "bytes_per_s": f"MEASURED: TCP goodput across the line, measure.bulk_rate ({line['bulk']})",
         "rtt_s": f"MEASURED: median of {len(line['rtt_ms'])} TCP ping-pongs (measure.round_trips)",
@@ -129,6 +134,16 @@ def write_profiles(out_dir: Path, server: dict, line: dict, stamp: str) -> dict:
                           f"{[p['new_tokens'] for p in server['http']['points']]} tokens from the "
                           "server, least squares (what main streams to the router across the line)",
         "request_bytes_per_prompt_token": "MEASURED: JSON request body bytes per input id",
+        "copy_order": (
+            "MEASURED: a Mooncake copy of {small_bytes} B started {delay_s:g} s into one of "
+            "{big_bytes} B to the same peer (wan_emulator.copy_overlap), {n} trials: where it "
+            "ended between sharing the line fairly (0) and waiting for the big copy's bytes (1), "
+            "median {median:.2f} of {positions}; in_order from 0.5".format(
+                n=len(overlap["trials"]), median=overlap["median_position"],
+                positions=[round(p, 2) for p in overlap["positions"]],
+                small_bytes=overlap["small_bytes"], big_bytes=overlap["big_bytes"],
+                delay_s=overlap["delay_s"])
+            if overlap.get("positions") else "not measured (--quick): fair"),
         "ack_bytes_per_payload_byte": "MEASURED: B->A line bytes (ACKs) per payload byte of the "
                                       "bulk transfer",
         "bulk_wire_a_to_b_per_payload_byte": "MEASURED: A->B line bytes per payload byte of the "

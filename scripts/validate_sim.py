@@ -313,9 +313,10 @@ def calibrate_and_predict(measured: dict, measured_path: Path, profiles: Measure
                 f"{result['ratios'][q]:12.2f}" if q in result["ratios"] else f"{'-':>12s}"
                 for q in VALIDATED))
         for name, result in results.items():
-            print(f"  {name} stages P50 (measured / simulated, s): " + ", ".join(
-                f"{s} {_fmt(v['measured_p50_s'])}/{_fmt(v['simulated_p50_s'])}"
-                for s, v in result["stages"].items()))
+            for pct in ("p50", "p90"):
+                print(f"  {name} stages {pct.upper()} (measured / simulated, s): " + ", ".join(
+                    f"{s} {_fmt(v[f'measured_{pct}_s'])}/{_fmt(v[f'simulated_{pct}_s'])}"
+                    for s, v in result["stages"].items()))
             for quantity, why in result["misses"].items():
                 print(f"  MISS {name} {quantity}: {why}")
     out = measured_path.with_name("validation.json")

@@ -28,20 +28,26 @@ DEMO_RATE_MBIT, DEMO_RTT_MS, DEMO_JITTER_MS = 10.0, 40.0, 4.0   # scripts/demo.p
 SERVERS_AT_ONCE = 3                                             # scripts/demo.py
 VOCAB = 1000
 PLANS = {  # (fresh tokens N, cached prefix C, batch B) and (batch B, context L)
+    # Up to the contexts the demo reaches (a conversation grows to about 3,700 tokens), so that
+    # the fits interpolate the demo's forwards and steps rather than extrapolate them.
     "full": {"prefill": [(16, 0, 1), (256, 0, 1), (1024, 0, 1), (2048, 0, 1), (256, 1024, 1),
-                         (64, 2048, 1), (256, 0, 4), (512, 0, 2)],
-             "decode": [(1, 256), (1, 2048), (2, 1024), (4, 256), (4, 2048)],
+                         (64, 2048, 1), (128, 3072, 1), (64, 3584, 1), (256, 0, 4), (512, 0, 2)],
+             "decode": [(1, 256), (1, 2048), (2, 1024), (4, 256), (4, 2048), (4, 3072),
+                        (2, 3584)],
              "repeats": 3, "decode_tokens": 32, "bulk_s": 4.0, "pings": 20,
              "mooncake_tokens": 100, "mooncake_trials": 3, "stream_tokens": [8, 64, 160],
              "interference_prefill": [(256, 1024, 1), (1024, 0, 1)],
-             "interference_decode": [(4, 1024)], "interference_repeats": 4},
+             "interference_decode": [(4, 1024)], "interference_repeats": 4,
+             # A short turn's KV copy starting 1.5 s into a document turn's (1,024 and 48
+             # tokens of the demo model's KV): how the line shares between them.
+             "overlap_trials": 4, "overlap_tokens": (1024, 48), "overlap_delay_s": 1.5},
     "quick": {"prefill": [(16, 0, 1), (512, 0, 1), (128, 512, 1), (256, 0, 2)],
               # Three points for the decode fit's three coefficients: with two, its system is
               # singular and only rounding let it solve (a fresh-clone CI run failed on it).
               "decode": [(1, 256), (2, 1024), (1, 1024)],
               "repeats": 1, "decode_tokens": 12, "bulk_s": 1.5, "pings": 6,
               "mooncake_tokens": 20, "mooncake_trials": 2, "stream_tokens": [4, 12, 24],
-             "interference_prefill": [], "interference_decode": []},
+             "interference_prefill": [], "interference_decode": [], "overlap_trials": 0},
 }
 
 
@@ -331,7 +337,7 @@ def loopback_rate(total_bytes: int = 64 << 20) -> float:
 
 def profile_line(plan: dict, rate_mbit: float, rtt_ms: float, jitter_ms: float, log_dir: Path,
                  log) -> dict:
-    from pdd_sglang.dev.wan_emulator import WanLine, handoff_bench, measure
+    from pdd_sglang.dev.wan_emulator import WanLine, copy_overlap, handoff_bench, measure
     line = WanLine(rate_mbit, rtt_ms, jitter_ms, seed=1)
     try:
         line.start(log_path=str(log_dir / "line.log"))
@@ -360,7 +366,16 @@ def profile_line(plan: dict, rate_mbit: float, rtt_ms: float, jitter_ms: float, 
     # headers, the retransmissions its parallel streams cause at the line's queue, ACKs.
     kv = bench["handoff"]["kv"]
     mooncake_wire = kv["wire_bytes_mean"] / kv["payload_bytes"] if kv["payload_bytes"] else None
-    return {"bulk": bulk, "rtt_ms": pings, "forwarder_stats": forwarder,
+    overlap = None
+    if plan.get("overlap_trials"):
+        big, small = (tokens * WAN_DEMO_MODEL.kv_bytes_per_token
+                      for tokens in plan["overlap_tokens"])
+        overlap = copy_overlap.run(log_dir / "overlap", rate_mbit=rate_mbit, rtt_ms=rtt_ms,
+                                   jitter_ms=jitter_ms, big_bytes=big, small_bytes=small,
+                                   delay_s=plan["overlap_delay_s"],
+                                   trials=plan["overlap_trials"],
+                                   block_count=2 * WAN_DEMO_MODEL.num_hidden_layers, log=log)
+    return {"bulk": bulk, "rtt_ms": pings, "forwarder_stats": forwarder, "copy_overlap": overlap,
             "mooncake_wire_per_payload_byte": mooncake_wire,
             "mooncake_forwarder_stats": bench.get("forwarder"),
             "mooncake_writes": [{"bytes": b, "p50_s": t} for b, t in sizes],

@@ -14,7 +14,7 @@ from .cache import BlockPrefixCache
 from .config import PLACEMENTS, SETUP_LABELS, ClusterConfig, Setup  # noqa: F401 (re-exported)
 from .engine import Callback, Event, Simulator
 from .handoff import HandoffProtocol
-from .link import FairShareLink
+from .link import FairShareLink, make_link
 from .profiles import InstanceCost, load_hardware, load_link, load_model
 from .records import Job, summarise
 from .servers import ITL_BIN_S, DecodeServer, Host, PrefillServer
@@ -56,7 +56,7 @@ class Cluster:
             wan_profile = wan_profile.with_window(cfg.wan_window_bytes)
         if cfg.wan_transfer_fixed_s is not None:
             wan_profile = replace(wan_profile, per_transfer_fixed_s=cfg.wan_transfer_fixed_s)
-        self.wan = FairShareLink(self.sim, wan_profile, "wan")
+        self.wan = make_link(self.sim, wan_profile, "wan")
         rdma_profile = load_link(cfg.rdma_link)
         prefill_hardware = load_hardware(cfg.prefill_hardware)
         if cfg.prefill_mfu is not None:
@@ -70,7 +70,7 @@ class Cluster:
                                        self._on_prefill_done)
                          for i in range(cfg.prefill_instances)]
         # One RDMA NIC per prefill GPU: a request's KV leaves through its lane's NIC.
-        self.rdma = [[FairShareLink(self.sim, rdma_profile, f"rdma{i}.{lane}")
+        self.rdma = [[make_link(self.sim, rdma_profile, f"rdma{i}.{lane}")
                       for lane in range(prefill_cost.prefill_lanes)]
                      for i in range(cfg.prefill_instances)]
         main_cost = InstanceCost(load_hardware(cfg.decode_hardware), self.model)
@@ -216,8 +216,7 @@ class Cluster:
         placement): bytes of its copies not yet sent, and its recent copies' throughput."""
         if self.cfg.placement == "idle-line":
             return policy.IDLE_LINE
-        ahead = sum(max(0.0, flow.finish_virtual - self.wan.virtual_bytes)
-                    for flow in main.copies_in_flight if flow.active)
+        ahead = sum(self.wan.remaining_bytes(flow) for flow in main.copies_in_flight)
         recent = main.recent_copies
         seconds = sum(s for _, s in recent)
         measured = sum(b for b, _ in recent) / seconds if recent and seconds > 0 else None

@@ -1,5 +1,8 @@
-"""A network line shared fairly by concurrent flows (processor sharing, like TCP fair share),
-with a per-flow throughput cap and a per-transfer fixed cost.
+"""A network line: concurrent flows share it fairly (FairShareLink: processor sharing, like TCP
+fair share) or leave one after another in the order they started (InOrderLink: a copy that
+starts behind others waits for their bytes; ``LinkProfile.copy_order``, which
+scripts/profile_cpu.py measures for the demo's line), with a per-flow throughput cap and a
+per-transfer fixed cost.
 
 With n flows active each gets min(per_flow_cap, rate / n): one TCP flow cannot go faster than
 its window over the RTT, however idle the line.  Implemented with a virtual clock: every active
@@ -119,6 +122,12 @@ class FairShareLink:
         self._reschedule()
         return flow
 
+    def remaining_bytes(self, flow: Flow) -> float:
+        """Bytes of the flow not yet sent (0 once it has left)."""
+        if not flow.active:
+            return 0.0
+        return max(0.0, flow.finish_virtual - self.virtual_bytes)
+
     def cancel_flow(self, flow: Flow) -> float:
         """Stop a flow; returns the bytes it had already pushed (they still arrive, unused)."""
         if not flow.active:
@@ -181,3 +190,69 @@ class FairShareLink:
             self._virtual = 0.0
             heap.clear()
         self._reschedule()
+
+
+class InOrderLink(FairShareLink):
+    """Flows leave one after another in the order they started, each at the full rate (capped by
+    its window).  The virtual clock counts the bytes the line has sent since it was last idle; a
+    flow starts where the last queued one ends, so it finishes after every byte queued before it
+    and its own."""
+
+    def __init__(self, sim: Simulator, profile: LinkProfile, name: str = "link"):
+        super().__init__(sim, profile, name)
+        self._queue_end = 0.0          # virtual position where the last queued flow ends
+
+    def flow_rate(self, flows: int) -> float:
+        return min(self.per_flow_cap, self.rate)
+
+    def remaining_bytes(self, flow: Flow) -> float:
+        if not flow.active:
+            return 0.0
+        return max(0.0, min(flow.size_bytes, flow.finish_virtual - self.virtual_bytes))
+
+    def start_flow(self, size_bytes: float, on_delivered) -> Flow:
+        if size_bytes < 0:
+            raise ValueError("flow size must be >= 0")
+        self._advance()
+        self._next_id += 1
+        flow = Flow(self._next_id, float(size_bytes), max(self._queue_end, self._virtual),
+                    on_delivered)
+        self._queue_end = flow.finish_virtual
+        heapq.heappush(self._heap, (flow.finish_virtual, flow.flow_id, flow))
+        self._active += 1
+        self._reschedule()
+        return flow
+
+    def cancel_flow(self, flow: Flow) -> float:
+        """Stop a flow: the bytes it pushed arrive unused, and the flows behind it move up by
+        the bytes it will not send."""
+        if not flow.active:
+            return 0.0
+        self._advance()
+        flow.active = False
+        self._active -= 1
+        pushed = min(flow.size_bytes, max(0.0, self._virtual - flow.start_virtual))
+        self.bytes_sent += pushed
+        self.bytes_received += pushed
+        flow.delivered_bytes = pushed
+        unsent = flow.size_bytes - pushed
+        behind = [f for _, _, f in self._heap if f.active and f.start_virtual > flow.start_virtual]
+        for later in behind:
+            later.start_virtual = max(later.start_virtual - unsent, self._virtual)
+            later.finish_virtual = later.start_virtual + later.size_bytes
+        self._heap = [(f.finish_virtual, f.flow_id, f) for _, _, f in self._heap if f.active]
+        heapq.heapify(self._heap)
+        self._queue_end = max([self._virtual] + [f.finish_virtual for _, _, f in self._heap])
+        self._reschedule()
+        return pushed
+
+    def _complete_due_flows(self) -> None:
+        super()._complete_due_flows()
+        if not self._active:
+            self._queue_end = 0.0
+
+
+def make_link(sim: Simulator, profile: LinkProfile, name: str = "link") -> FairShareLink:
+    """The line its profile describes: copies in order, or shared fairly."""
+    kind = InOrderLink if profile.copy_order == "in_order" else FairShareLink
+    return kind(sim, profile, name)

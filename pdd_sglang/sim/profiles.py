@@ -128,8 +128,14 @@ class LinkProfile:
     # Bytes the line carries (both directions) per payload byte a flow delivers: packet
     # headers, retransmissions of dropped packets, the receiver's ACKs.  1: payload only.
     wire_per_payload_byte: float = 1.0
+    # How concurrent copies share the line: "fair" (each active copy gets an equal share) or
+    # "in_order" (a copy waits for the bytes of those started before it).
+    copy_order: str = "fair"
 
     def __post_init__(self):
+        if self.copy_order not in ("fair", "in_order"):
+            raise ValueError(f"link {self.name!r}: copy_order must be 'fair' or 'in_order', "
+                             f"got {self.copy_order!r}")
         if not self.wire_per_payload_byte >= 1:
             raise ValueError(f"link {self.name!r}: wire_per_payload_byte must be >= 1")
         for key in ("bytes_per_s", "rtt_s", "jitter_s", "window_bytes", "per_transfer_fixed_s"):

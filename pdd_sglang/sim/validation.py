@@ -312,29 +312,35 @@ def closed_loop(rows: list, requests: list) -> dict:
 
 
 def stage_table(entry: dict, simulated: dict) -> dict:
+    """Each stage's P50 and P90, measured and simulated."""
     measured = (entry.get("stages") or {}).get("all") or {}
     table = {}
     for stage in STAGES:
-        real = (measured.get(stage) or {}).get("p50_s")
-        sim = simulated.get(stage, {}).get("p50")
-        table[stage] = {"measured_p50_s": real, "simulated_p50_s": sim}
+        table[stage] = {f"{side}_{pct}_s": value
+                        for pct in ("p50", "p90")
+                        for side, value in (("measured", (measured.get(stage) or {}).get(f"{pct}_s")),
+                                            ("simulated", simulated.get(stage, {}).get(pct)))}
     return table
 
 
 def misses(ratios: dict, stages: dict, summary, entry: dict) -> dict:
-    """{quantity: why} for every banded quantity out of its band: for TTFT the stage whose P50
-    differs most (simulated - measured); for ITL and bytes what the quantity rests on."""
+    """{quantity: why} for every banded quantity out of its band: for a TTFT percentile the
+    stage whose same percentile differs most (simulated - measured; P50 for P50, P90 for P90);
+    for ITL and bytes what the quantity rests on."""
     out = {}
     for quantity, ratio in ratios.items():
         low, high = BANDS.get(quantity, (0.0, math.inf))
         if low <= ratio <= high:
             continue
         if quantity.startswith("ttft"):
-            diffs = {s: v["simulated_p50_s"] - v["measured_p50_s"] for s, v in stages.items()
-                     if v["measured_p50_s"] is not None and v["simulated_p50_s"] is not None}
+            pct = "p90" if quantity == "ttft_p90_s" else "p50"
+            sim_key, real_key = f"simulated_{pct}_s", f"measured_{pct}_s"
+            diffs = {s: v[sim_key] - v[real_key] for s, v in stages.items()
+                     if v.get(real_key) is not None and v.get(sim_key) is not None}
             worst = max(diffs, key=lambda s: abs(diffs[s])) if diffs else None
             out[quantity] = (f"ratio {ratio:.2f}; stage {worst} differs most "
-                             f"({diffs[worst]:+.3f} s at P50)" if worst else f"ratio {ratio:.2f}")
+                             f"({diffs[worst]:+.3f} s at {pct.upper()})" if worst
+                             else f"ratio {ratio:.2f}")
         elif quantity == "itl_p50_ms":
             out[quantity] = f"ratio {ratio:.2f}; the decode step (profile's decode fit)"
         else:

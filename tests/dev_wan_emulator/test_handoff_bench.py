@@ -1,4 +1,5 @@
-"""The handoff microbenchmark (scripts/bench_handoff.py) in a tiny configuration: real Mooncake TCP
+"""The handoff microbenchmark (scripts/bench_handoff.py) and the line-sharing one
+(wan_emulator.copy_overlap) in a tiny configuration: real Mooncake TCP
 writes and real control-channel messages across a real emulated line, no SGLang server.
 
 Asserts the JSON's structure and relations that physics or the protocol impose (payload sizes,
@@ -151,3 +152,40 @@ def _zombie(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
     except FileNotFoundError:
         return True
+
+
+def test_copy_overlap_times_a_small_copy_behind_a_big_one(tmp_path):
+    """The line-sharing microbenchmark of profile_cpu.py (wan_emulator.copy_overlap), tiny: real
+    Mooncake copies across a real line; the times obey the line's physics and every trial is
+    placed between fair sharing and in-order copies."""
+    from pdd_sglang.dev.wan_emulator import copy_overlap
+
+    rate_mbit, big, small = 20.0, 1 << 20, 64 << 10
+    result = copy_overlap.run(tmp_path, rate_mbit=rate_mbit, rtt_ms=10.0, jitter_ms=0.0,
+                              big_bytes=big, small_bytes=small, delay_s=0.1, trials=2,
+                              block_count=4, log=lambda _: None)
+    rate = rate_mbit * 1e6 / 8
+    assert len(result["trials"]) == 2
+    for trial in result["trials"]:
+        assert trial["small_alone_s"] >= small / rate
+        assert trial["small_overlapped_s"] >= small / rate
+        assert trial["big_s"] >= big / rate
+        # the big copy had started first, so it cannot end before the small one started
+        assert trial["big_left_at_small_start_s"] > 0
+        assert trial["fair_s"] == pytest.approx(2 * trial["small_alone_s"])
+        assert set(trial["tcp"]) == set(copy_overlap.TCP_COUNTERS)
+    assert result["copy_order"] in ("fair", "in_order")
+    assert len(result["positions"]) == 2
+
+
+def test_copy_overlap_positions_a_trial_between_fair_and_in_order():
+    from pdd_sglang.dev.wan_emulator.copy_overlap import blocks, summarise
+
+    trials = [{"small_alone_s": 0.5, "small_overlapped_s": 1.0, "big_left_at_small_start_s": 5.0},
+              {"small_alone_s": 0.5, "small_overlapped_s": 5.5, "big_left_at_small_start_s": 5.0},
+              {"small_alone_s": 0.5, "small_overlapped_s": 3.25, "big_left_at_small_start_s": 5.0}]
+    result = summarise(trials)
+    assert result["positions"] == [0.0, 1.0, 0.5]
+    assert result["median_position"] == 0.5 and result["copy_order"] == "in_order"
+    assert summarise(trials[:1])["copy_order"] == "fair"
+    assert blocks(10, 4) == [3, 3, 2, 2] and sum(blocks(8 << 20, 8)) == 8 << 20

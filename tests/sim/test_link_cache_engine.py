@@ -1,10 +1,11 @@
-"""Building blocks: the fair-share line, the prefix cache and event ordering, by hand."""
+"""Building blocks: the fair-share and in-order lines, the prefix cache and event ordering, by
+hand."""
 
 import pytest
 
 from pdd_sglang.sim.cache import BlockPrefixCache
 from pdd_sglang.sim.engine import Callback, Simulator
-from pdd_sglang.sim.link import FairShareLink
+from pdd_sglang.sim.link import FairShareLink, InOrderLink, make_link
 from pdd_sglang.sim.profiles import LinkProfile
 
 GB = 1e9
@@ -36,6 +37,51 @@ def test_small_flow_slips_past_a_large_one():
     sim.run()
     assert done["small"] == pytest.approx(1.02)
     assert done["large"] == pytest.approx(10.01)
+
+
+def in_order_line(sim):
+    return make_link(sim, LinkProfile("test", "test", 1 * GB, 0.0, 0.0, 0.0,
+                                      copy_order="in_order"))
+
+
+def test_in_order_a_small_flow_waits_for_the_large_one_ahead():
+    sim = Simulator()
+    link = in_order_line(sim)
+    assert isinstance(link, InOrderLink)
+    done, left = {}, []
+    large = link.start_flow(10 * GB, lambda: done.setdefault("large", sim.now))
+
+    def small():
+        link.start_flow(0.01 * GB, lambda: done.setdefault("small", sim.now))
+        left.append(link.remaining_bytes(large))
+    sim.schedule(1.0, Callback(small))
+    sim.run()
+    assert done["large"] == pytest.approx(10.0)              # the full rate, unshared
+    assert done["small"] == pytest.approx(10.01)             # after every byte ahead of it
+    assert left == [pytest.approx(9 * GB)]
+    assert link.bytes_sent == link.bytes_received == pytest.approx(10.01 * GB)
+
+
+def test_in_order_cancelling_the_flow_ahead_moves_the_next_one_up():
+    sim = Simulator()
+    link = in_order_line(sim)
+    done = {}
+    first = link.start_flow(4 * GB, lambda: pytest.fail("cancelled flow delivered"))
+    link.start_flow(1 * GB, lambda: done.setdefault("second", sim.now))
+    pushed = []
+    sim.schedule(1.5, Callback(lambda: pushed.append(link.cancel_flow(first))))
+    sim.run()
+    assert pushed == [pytest.approx(1.5 * GB)]
+    assert done["second"] == pytest.approx(2.5)              # it starts at 1.5 s, at full rate
+    assert link.bytes_sent == link.bytes_received == pytest.approx(2.5 * GB)
+    # the line is idle again: a new flow starts at once
+    sim2 = Simulator()
+    link2 = in_order_line(sim2)
+    ends = []
+    link2.start_flow(1 * GB, lambda: ends.append(sim2.now))
+    sim2.schedule(5.0, Callback(lambda: link2.start_flow(1 * GB, lambda: ends.append(sim2.now))))
+    sim2.run()
+    assert ends == [pytest.approx(1.0), pytest.approx(6.0)]
 
 
 def test_cancel_counts_only_the_pushed_bytes():
@@ -95,6 +141,8 @@ def test_one_flow_is_capped_at_window_over_rtt_and_pays_the_fixed_cost_once():
 
 
 def test_a_link_profile_rejects_nonsense():
+    with pytest.raises(ValueError, match="copy_order"):
+        LinkProfile("x", "test", 1 * GB, 0.0, 0.0, 0.0, copy_order="random")
     with pytest.raises(ValueError, match="window"):
         LinkProfile("x", "test", 1 * GB, 0.0, 0.0, 0.0, window_bytes=1e6)
     with pytest.raises(ValueError, match="per_transfer_fixed_s"):
