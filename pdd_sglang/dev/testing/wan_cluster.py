@@ -98,6 +98,7 @@ class RouterProcess:
         with open(self.log_path, "ab") as log:
             log.write(f"$ {' '.join(self.command)}\n".encode())
             log.flush()
+            started_at = log.tell()
             self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
                                             env=self.env, start_new_session=True)
         deadline = time.monotonic() + timeout_s
@@ -108,7 +109,9 @@ class RouterProcess:
             try:
                 with in_namespace(self.netns):
                     with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
-                        if resp.status == 200:
+                        # The port is picked free outside the router's namespace, so another
+                        # server there may hold it and answer: ready once this router listens.
+                        if resp.status == 200 and self._listening_since(started_at):
                             return
             except urllib.error.HTTPError as err:  # the error holds the response: close it
                 err.close()
@@ -124,6 +127,11 @@ class RouterProcess:
         with in_namespace(self.netns):
             with urllib.request.urlopen(self.url + path, timeout=timeout_s) as resp:
                 return resp.read().decode()
+
+    def _listening_since(self, offset: int) -> bool:
+        with open(self.log_path, "rb") as log:
+            log.seek(offset)
+            return b"PDD router listening on" in log.read()
 
     def log_tail(self, chars: int = 4000) -> str:
         try:
