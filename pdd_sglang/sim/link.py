@@ -126,7 +126,7 @@ class FairShareLink:
         """Bytes of the flow not yet sent (0 once it has left)."""
         if not flow.active:
             return 0.0
-        return max(0.0, flow.finish_virtual - self.virtual_bytes)
+        return max(0.0, min(flow.size_bytes, flow.finish_virtual - self.virtual_bytes))
 
     def cancel_flow(self, flow: Flow) -> float:
         """Stop a flow; returns the bytes it had already pushed (they still arrive, unused)."""
@@ -204,11 +204,6 @@ class InOrderLink(FairShareLink):
 
     def flow_rate(self, flows: int) -> float:
         return min(self.per_flow_cap, self.rate)
-
-    def remaining_bytes(self, flow: Flow) -> float:
-        if not flow.active:
-            return 0.0
-        return max(0.0, min(flow.size_bytes, flow.finish_virtual - self.virtual_bytes))
 
     def start_flow(self, size_bytes: float, on_delivered) -> Flow:
         if size_bytes < 0:
