@@ -1,8 +1,9 @@
 """Who owns PDD's threads and engines in a scheduler process, and how they are closed.
 
-Prefill: the KV manager's :class:`~pdd_sglang.prefill.wan_path.WanPath` (WAN workers, watchdog,
-WAN engine), its ``pdd_line_report`` (thread ``pdd-line-report``, the router's ``/pdd/line``) and,
-with --enable-metrics, its ``pdd_metrics_exporter`` (thread ``pdd-metrics``).
+Prefill: the KV manager's :class:`~pdd_sglang.prefill.wan_path.WanPath` (the fan-out's owner,
+its local and WAN senders, the peer thread, the WAN engine), its ``pdd_line_report`` (thread
+``pdd-line-report``, the router's ``/pdd/line``) and, with --enable-metrics, its
+``pdd_metrics_exporter`` (thread ``pdd-metrics``).
 Relay and main: the scheduler's handoff (its control loop). SGLang's scheduler process calls
 :func:`close_scheduler` when it leaves its event loop (patch 0010, through
 ``hooks.on_scheduler_exit``); every thread PDD starts is named ``pdd-...``, so what is left is

@@ -1,7 +1,7 @@
 """The token-ID handoff from a relay decode server to a main decode server (brief: steps 2-3).
 
 ``relay.RelayHandoff`` and ``main.MainHandoff`` each run inside one decode scheduler, driven by
-the hooks of ``patches/0009``; ``channel`` builds their control loop from the server flags, and
+the hooks of ``patches/0009``; ``handoff_channel`` builds their control loop from the server flags, and
 ``finish`` holds the finish reason that tells a client (the router) where the relay stopped.
 """
 

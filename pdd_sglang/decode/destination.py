@@ -12,7 +12,7 @@ Life cycle of a request on a PDD decode server (relay or main), up to its KV arr
    every rank sends its own hello to the prefill rank of its index: ranks' radix trees agree
    (same requests, same steps), so each claims the same prefix.
 3. Prefill reports "transfer done" to each destination as its own part lands
-   (``prefill_fanout``); from there SGLang's decode path takes over.
+   (:mod:`pdd_sglang.prefill.fanout`); from there SGLang's decode path takes over.
 """
 
 from __future__ import annotations

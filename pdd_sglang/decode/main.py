@@ -3,7 +3,7 @@
 Life cycle of a P->RLD->MD request on a main:
 
 1. SGLang's decode scheduler matches the prompt against main's radix cache, and prefill sends
-   only the unmatched suffix across the WAN (``prefill_fanout``).
+   only the unmatched suffix across the WAN (:mod:`pdd_sglang.prefill.fanout`).
 2. When the KV has landed, :meth:`MainHandoff.hold` keeps the request out of SGLang's waiting
    queue (it holds its KV row, its slots and its tree lock) and sends ``HandoffReady(room)`` to
    the relay named in the request's route; with ``--pdd-enable-kv-digest`` it carries a digest

@@ -3,7 +3,7 @@
 Congestion-aware placement (``policy.LineState``) predicts a new copy's WAN time from the bytes
 already ahead of it on the line to its main and the throughput measured over recent copies. Both
 are known only here, at the sender: bytes are *queued* from when a chunk is put on a WAN queue
-until a WAN worker takes it, then *in flight* from when its batch is handed to Mooncake until the
+until a WAN sender takes it, then *in flight* from when its batch is handed to Mooncake until the
 batch completes or fails. The router reads :meth:`WanLine.snapshot` from the prefill's
 ``/server_info`` (``pdd.wan_line``).
 
@@ -39,7 +39,13 @@ class _MainLine:
 
 
 class WanLine:
-    """Per-main counters of the WAN path; thread-safe (WAN workers, bootstrap thread, scheduler)."""
+    """Per-main counters of the WAN path; thread-safe, under one lock.
+
+    Written by the fan-out's owner (``pdd-fanout``: a chunk queued), the WAN senders
+    (``pdd-wan-xfer-N``: a chunk taken) and the WAN engine's batches (``started`` / ``finished``,
+    on a WAN sender or its ``pdd-wan-layers-N`` executor); read whole by :meth:`snapshot` on the
+    scheduler thread (``/server_info``), ``pdd-line-report`` and ``pdd-metrics``.
+    """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         self._clock = clock
@@ -101,10 +107,11 @@ class WanLine:
 
 
 class ChargedQueue:
-    """A WAN worker's queue that counts each chunk's bytes as queued until a worker takes it.
+    """A WAN sender's queue that counts each chunk's bytes as queued until the sender takes it.
 
-    ``put(item, charges)`` takes the ``(main session, bytes)`` the chunk will carry; SGLang's
-    transfer loop calls ``get()`` as on any queue. ``None`` (the stop sentinel) passes through.
+    ``put(item, charges)`` (the owner) takes the ``(main session, bytes)`` the chunk will carry;
+    the sender's loop (:func:`~pdd_sglang.prefill.senders.run_sender`) calls ``get()`` as on any
+    queue. ``None`` (the stop sentinel) passes through.
     """
 
     def __init__(self, inner: Any, line: WanLine):

@@ -1,7 +1,8 @@
 """Error responses in the exact shapes SGLang's HTTP server uses, so clients cannot tell the router
 from a plain server when they send something wrong.
 
-SGLang 0.5.23 answers (measured on a plain server, see tests/router/test_errors.py):
+SGLang 0.5.23 answers (measured on a plain server; tests/integration/test_router.py,
+test_bad_requests_get_sglang_shapes_and_reach_no_server, holds the router's answers against one):
   - body not JSON / not an object / a field of the wrong type (FastAPI validation), any endpoint:
       400 {"object": "error", "message": ..., "type": "Bad Request", "param": null, "code": 400}
   - /generate refusing a request (ValueError from the tokenizer manager):
