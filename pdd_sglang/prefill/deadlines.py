@@ -107,7 +107,8 @@ class FanoutDeadlines:
 
     def _on_cleared(self, room_id: int) -> None:
         room = self._rooms.get(room_id)
-        if room is None:
+        if room is None:  # a plain room, or one whose registration is still to come: ended
+            self._mark_concluded(room_id)  # a hello for it now is late, and refused
             return
         if room.phase is not RoomPhase.CONCLUDED:  # aborted, or failed at SGLang: let go too
             self._conclude(room, "Failed", "PDD: prefill ended the request", force=True)

@@ -25,10 +25,10 @@ Ownership (the one rule): every :class:`~pdd_sglang.prefill.room.Room`, and ever
 makes to SGLang's per-room tables (``request_status`` through ``update_status`` /
 ``conclude_transfer``, ``req_to_decode_prefix_len``), happens on the owner thread
 (``pdd-fanout``). Other threads only post events to it: the bootstrap thread (registrations),
-the scheduler (chunks), the senders (chunk reports), the peer thread (probe answers), and the
-bootstrap thread again with a destination's ABORT (:mod:`pdd_sglang.prefill.aborts`: acked only
-once no sender still writes that destination's pages). The owner
-never blocks on a peer: status messages and WAN probes go to the ``pdd-peer-io`` thread, which
+the scheduler (chunks, and every request's end: SGLang's sender cleared), the senders (chunk
+reports), the peer thread (probe answers), and the bootstrap thread again with a destination's
+ABORT (:mod:`pdd_sglang.prefill.aborts`: acked only once no sender still writes that
+destination's pages). The owner never blocks on a peer: status messages and WAN probes go to the ``pdd-peer-io`` thread, which
 touches no table. The senders read SGLang's ``request_status`` (to skip a room that ended) and
 ``decode_kv_args_table`` (the destination's buffers), and write nothing of SGLang's. The owner
 publishes :attr:`PrefillFanout.published` (an immutable dict it replaces whole) for
@@ -153,9 +153,11 @@ class PrefillFanout(FanoutDeadlines, FanoutAborts):
         return True
 
     def sender_cleared(self, room: int) -> None:
-        """Scheduler thread (SGLang's ``CommonKVSender.clear``): the request is over at SGLang."""
-        if room in self.pdd_rooms or room in self._rooms:
-            self.events.put(RoomCleared(room))
+        """Scheduler thread (SGLang's ``CommonKVSender.clear``): the request is over at SGLang.
+
+        Posted for every room, PDD's or not: whether the owner knows the room is the owner's to
+        answer, and a registration still in the queue behind this clear is known to nobody yet."""
+        self.events.put(RoomCleared(room))
 
     def engine_for(self, session: str) -> Any:
         """Sender threads: the engine that carries batches to ``session``."""
@@ -340,14 +342,19 @@ class PrefillFanout(FanoutDeadlines, FanoutAborts):
             if dest.state is not DestinationState.FAILED:
                 self._tell_destination(room, dest, final,
                                        reason or f"PDD fan-out of room {room.room} failed")
-        self._concluded[room.room] = self.clock()
-        while len(self._concluded) > CONCLUDED_ROOMS_KEPT:
-            self._concluded.popitem(last=False)
+        self._mark_concluded(room.room)
         if final == "Success":
             logger.info("PDD room %s sent: %s", room.room, LEDGER.request_summary(room.room))
         else:
             logger.info("PDD room %s failed (%s): %s", room.room, reason,
                         LEDGER.request_summary(room.room))
+
+    def _mark_concluded(self, room_id: int) -> None:
+        """A registration for ``room_id`` from now on is late (the newest rooms are kept)."""
+        self._concluded[room_id] = self.clock()
+        self._concluded.move_to_end(room_id)
+        while len(self._concluded) > CONCLUDED_ROOMS_KEPT:
+            self._concluded.popitem(last=False)
 
     def _tell_destination(self, room: Room, dest, status_name: str, reason: Optional[str] = None) -> None:
         if dest.told is not None and (dest.told == status_name or dest.told == "Failed"):

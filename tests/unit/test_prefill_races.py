@@ -447,3 +447,30 @@ def test_race10_an_abort_is_acked_when_prefill_cleared_the_room_before_its_sende
     assert kv.abort_acks == [(24, "127.0.0.1", 2002, 1)]
     send_all(fanout, kv, fanout.local_queues[0])
     assert fanout.published["rooms_tracked"] == 0 and 24 not in fanout.pdd_rooms
+
+
+@pytest.mark.parametrize("registration_posted_first", [True, False],
+                         ids=["registration_queued", "registration_after"])
+def test_race11_a_request_sglang_ends_before_the_owner_saw_its_registration_never_starts(
+        registration_posted_first):
+    """SGLang clears a room's sender on the scheduler thread; whether the owner knows the room
+    is the owner's to answer. Failed before, both orders: the scheduler thread tested the owner's
+    ``_rooms`` (a read against the owner rule), which does not yet hold a room whose registration
+    is still queued or not yet sent, so no clear was posted; the room was created afterwards,
+    started at the relay's deadline and re-created the status SGLang had cleared (a leak)."""
+    kv = Kv()
+    fanout = make_fanout(kv)
+    fanout.relay_bootstrap_timeout_s = 1.0
+    open_room(kv, 31)
+    if registration_posted_first:  # the bootstrap thread posted it; the owner has not run
+        register(fanout, kv, 31, MAIN, "main", pump=False)
+    kv.request_status.pop(31)  # the client left: SGLang's sender.clear() (patch 0006)
+    fanout.sender_cleared(31)
+    if not registration_posted_first:  # main's hello arrives after the request ended
+        drain(fanout)
+        register(fanout, kv, 31, MAIN, "main", pump=False)
+    drain(fanout)
+    fanout.tick(now=fanout.clock() + 5)  # past the relay's deadline: nothing starts
+    assert status_name(kv, 31) is None and 31 not in fanout.pdd_rooms
+    assert kv.messages == [((("127.0.0.1", 2002),), 31, "Failed")]  # main lets go of its slots
+    assert fanout.published["rooms_tracked"] == 0 and fanout.published["rooms_open"] == 0
