@@ -97,8 +97,10 @@ def add_internal_state(scheduler: Scheduler, state: dict) -> None:
     """PDD's part of ``/server_info``."""
     if pdd_role() is None:
         return
-    from pdd_sglang.diagnostics.server_info import add_pdd_state
+    import pdd_sglang.decode  # noqa: F401 - each role registers its part of the state on import
+    import pdd_sglang.prefill  # noqa: F401
     from pdd_sglang.decode.tp_sync import rank_pools
+    from pdd_sglang.diagnostics.server_info import add_pdd_state
 
     add_pdd_state(scheduler, state)
     pools = rank_pools(scheduler, state["pdd"]["pool"])  # None at TP 1

@@ -222,7 +222,7 @@ def resolve_pdd_server_args(server_args: Any) -> None:
 
 # TP runs (issue 23): the handoff's control channel lives on TP rank 0 and its inputs reach every
 # rank each step (pdd_sglang.decode.tp_sync); prefill, relay and main must share one TP size (the
-# fan-out refuses another at bootstrap: pdd_sglang.prefill.fanout.tp_mismatch). The KV digest is
+# fan-out refuses another at bootstrap: pdd_sglang.protocol.messages.tp_mismatch). The KV digest is
 # still one per server, not per rank.
 _UNSUPPORTED_PARALLELISM = {
     "kv_digest_tp": "--tp-size {value} with --pdd-enable-kv-digest: the KV digest is not per TP "

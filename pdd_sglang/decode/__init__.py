@@ -1,11 +1,17 @@
 """The token-ID handoff from a relay decode server to a main decode server (brief: steps 2-3).
 
 ``relay.RelayHandoff`` and ``main.MainHandoff`` each run inside one decode scheduler, driven by
-the hooks of ``patches/0009``; ``handoff_channel`` builds their control loop from the server flags, and
-``finish`` holds the finish reason that tells a client (the router) where the relay stopped.
+the hooks of ``patches/0009``; ``handoff_channel`` builds their control loop from the server
+flags, and ``finish`` holds the finish reason that tells a client (the router) where the relay
+stopped.
+
+The handoff's state (``handoff``) is registered with :mod:`pdd_sglang.diagnostics.server_info`
+here, on import of the package.
 """
 
 from typing import Any, Optional
+
+from pdd_sglang.diagnostics.server_info import OMIT, register_state
 
 _NOT_BUILT = object()
 
@@ -41,3 +47,11 @@ def close_handoff(scheduler: Any) -> None:
     handoff = getattr(scheduler, "_pdd_handoff", None)
     if handoff is not None and handoff is not _NOT_BUILT:
         handoff.close()
+
+
+def _handoff_state(scheduler: Any, kv_mgr: Any) -> Any:
+    handoff = handoff_for(scheduler)
+    return OMIT if handoff is None else handoff.state()
+
+
+register_state("handoff", _handoff_state)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from pdd_sglang.protocol.messages import DestinationHello, encode
+from pdd_sglang.protocol.messages import DestinationHello, encode, tp_mismatch
 from pdd_sglang.protocol.route import RouteError, route_of
 
 logger = logging.getLogger(__name__)
@@ -51,8 +51,6 @@ def receiver_metadata(receiver: Any, decode_prefix_len: int | None) -> tuple[int
     tp_size = int(getattr(receiver.kv_mgr, "attn_tp_size", 1) or 1)
     prefill_tp = getattr(getattr(receiver, "prefill_info", None), "attn_tp_size", None)
     if prefill_tp is not None and int(prefill_tp) != tp_size:  # prefill refuses the hello
-        from pdd_sglang.prefill.fanout import tp_mismatch
-
         logger.error("PDD: room %s will fail: %s", receiver.bootstrap_room,
                      tp_mismatch(role, tp_size, int(prefill_tp)))
     hello = DestinationHello(

@@ -1,16 +1,36 @@
 """State that PDD adds to SGLang's ``/server_info`` (``internal_states[i]["pdd"]``).
 
 Tests and benchmarks read it from outside the server process: KV pool occupancy and radix-tree
-locks (to assert that nothing leaks), and the sender-side transfer ledger.
+locks (to assert that nothing leaks), and each role's own figures (the prefill's transfer ledger,
+WAN line and fan-out; a decode server's handoff).
+
+This module reads no role: each role registers what it adds (:func:`register_state`), on import
+of its package (``pdd_sglang/prefill/__init__.py``, ``pdd_sglang/decode/__init__.py``), and
+``hooks.add_internal_state`` imports both before it asks for the state. Owner of
+:data:`_PROVIDERS`: this module; the roles write it only through :func:`register_state`.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from pdd_sglang.diagnostics import kv_digest
 from pdd_sglang.lifecycle import kv_manager_of
-from pdd_sglang.prefill.ledger import LEDGER
+
+# (scheduler, its KV manager or None) -> a JSON-able value for the key, or OMIT to leave it out.
+StateProvider = Callable[[Any, Any], Any]
+OMIT = object()
+# Key of state["pdd"] -> the role's provider, in registration order.
+_PROVIDERS: dict[str, StateProvider] = {}
+
+
+def register_state(key: str, provider: StateProvider) -> None:
+    """A role's part of ``state["pdd"]``: ``provider(scheduler, kv_mgr)`` answers ``key``.
+
+    Registering a key again replaces its provider (a role module imported twice in tests)."""
+    if key in ("pool", "kv_digests", "mooncake_session"):
+        raise ValueError(f"{key!r} is diagnostics' own part of the PDD state")
+    _PROVIDERS[key] = provider
 
 
 def pool_state(scheduler: Any) -> dict:
@@ -32,32 +52,16 @@ def pool_state(scheduler: Any) -> dict:
     }
 
 
-def wan_line_state(kv_mgr: Any) -> dict | None:
-    """Prefill's WAN line per main Mooncake session (congestion-aware placement reads it)."""
-    fanout = getattr(kv_mgr, "pdd_fanout", None)
-    return None if fanout is None else fanout.wan_line.snapshot()
-
-
-def fanout_state(kv_mgr: Any) -> dict | None:
-    """The prefill fan-out's counters, open rooms and mains out (its owner's published view)."""
-    fanout = getattr(kv_mgr, "pdd_fanout", None)
-    return None if fanout is None else fanout.published
-
-
 def add_pdd_state(scheduler: Any, state: dict) -> None:
     kv_mgr = kv_manager_of(scheduler)
     engine = getattr(kv_mgr, "engine", None)
-    state["pdd"] = {
+    pdd = state["pdd"] = {
         "pool": pool_state(scheduler),
-        "transfers": LEDGER.snapshot(),
         "kv_digests": kv_digest.snapshot(),
         # This server's Mooncake session: a main's is the key of prefill's wan_line entry for it.
         "mooncake_session": engine.get_session_id() if engine is not None else None,
-        "wan_line": wan_line_state(kv_mgr),
-        "fanout": fanout_state(kv_mgr),
     }
-    from pdd_sglang.decode import handoff_for
-
-    handoff = handoff_for(scheduler)
-    if handoff is not None:
-        state["pdd"]["handoff"] = handoff.state()
+    for key, provider in _PROVIDERS.items():
+        value = provider(scheduler, kv_mgr)
+        if value is not OMIT:
+            pdd[key] = value

@@ -43,8 +43,9 @@ its slots). A chunk that fails to a relay drops the relay and the room goes on t
 fails to a main fails the room and takes that main *out* until a probe over the WAN engine
 answers. A room whose chunk has been in a sender for ``stuck_after_s`` fails, so its KV is freed.
 A prefix claim beyond the prompt fails the room; malformed and repeated hellos are refused, and
-so is a hello from a destination of another TP size (:func:`tp_mismatch`). At equal TP each
-prefill rank runs its own fan-out and sees one relay and one main session per room, as at TP 1.
+so is a hello from a destination of another TP size
+(:func:`~pdd_sglang.protocol.messages.tp_mismatch`). At equal TP each prefill rank runs its own
+fan-out and sees one relay and one main session per room, as at TP 1.
 """
 
 from __future__ import annotations
@@ -64,21 +65,13 @@ from pdd_sglang.prefill.events import (AbortNotified, ChunkReady, ChunkSent, Pro
 from pdd_sglang.prefill.ledger import LEDGER
 from pdd_sglang.prefill.room import Destination, DestinationState, Room, RoomPhase, Work
 from pdd_sglang.prefill.wan_line import WanLine
-from pdd_sglang.protocol.messages import DestinationHello, MessageError, decode
+from pdd_sglang.protocol.messages import DestinationHello, MessageError, decode, tp_mismatch
 
 logger = logging.getLogger(__name__)
 
 # Mooncake's metadata message has 10 positional frames; a PDD destination appends its hello.
 HELLO_FRAME_INDEX = 10
 CONCLUDED_ROOMS_KEPT = 65536  # to refuse a registration that comes after its room ended
-
-
-def tp_mismatch(role: str, decode_tp: int, prefill_tp: int) -> str:
-    """Why a destination of another TP size is refused (heterogeneous TP, issue 23)."""
-    return (f"the {role} runs --tp-size {decode_tp}, this prefill --tp-size {prefill_tp}: PDD "
-            "needs one TP size on prefill, relay and main (each decode rank registers with the "
-            "prefill rank of its index, and the fan-out counts one session per role and room; "
-            "SGLang's head slicing between TP sizes is not wired into the fan-out)")
 
 
 class PrefillFanout(FanoutDeadlines, FanoutAborts):

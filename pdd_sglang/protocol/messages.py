@@ -47,6 +47,15 @@ class DestinationHello(msgspec.Struct, tag=True, frozen=True, forbid_unknown_fie
     tp_size: int = 1
 
 
+def tp_mismatch(role: str, decode_tp: int, prefill_tp: int) -> str:
+    """Why prefill refuses a :class:`DestinationHello` of another TP size (heterogeneous TP,
+    issue 23): the prefill's refusal, and the decode's own log line when it sees it coming."""
+    return (f"the {role} runs --tp-size {decode_tp}, this prefill --tp-size {prefill_tp}: PDD "
+            "needs one TP size on prefill, relay and main (each decode rank registers with the "
+            "prefill rank of its index, and the fan-out counts one session per role and room; "
+            "SGLang's head slicing between TP sizes is not wired into the fan-out)")
+
+
 # Bytes of a KV digest (blake2b): what main received across the WAN, checked by the relay.
 KV_DIGEST_BYTES = 16
 

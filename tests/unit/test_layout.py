@@ -1,17 +1,28 @@
-"""The tree shows the architecture: serving code never reaches into the development tools, and no
-module grows past what a reader can hold."""
+"""The tree shows the architecture: serving code never reaches into the development tools, arrows
+run one way (a role imports no sibling role, the layers below the roles import none), every folder
+is a regular package that the packaging ships, and no module grows past what a reader can hold."""
 
 from __future__ import annotations
 
 import ast
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
+
+import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "pdd_sglang"
 SERVING = [p for p in PACKAGE.rglob("*.py") if "dev" not in p.relative_to(PACKAGE).parts
            and "sim" not in p.relative_to(PACKAGE).parts]
 MAX_MODULE_LINES = 420
+ROLES = ("prefill", "decode", "router")
+# What the roles stand on: each imports no role. (hooks.py and server_args.py, above the roles,
+# wire them into SGLang.)
+BELOW_THE_ROLES = ("diagnostics", "protocol", "policy", "lifecycle.py", "stall.py")
+# A sys.path entry of the CPU venv (its .pth file), holding a top-level ``sgl_kernel``: not a
+# package of pdd_sglang.
+PATH_ROOTS = {PACKAGE / "dev" / "cpu_standin"}
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -45,3 +56,60 @@ def test_no_module_over_about_400_lines():
     long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
     assert not long, long
+
+
+def _modules_of(place: str) -> list[Path]:
+    path = PACKAGE / place
+    return [path] if path.suffix == ".py" else sorted(path.rglob("*.py"))
+
+
+def _imports_of_roles(paths: list[Path], roles) -> dict[str, list[str]]:
+    found = {}
+    for path in paths:
+        hits = sorted(m for m in imported_modules(path)
+                      if any(m == f"pdd_sglang.{r}" or m.startswith(f"pdd_sglang.{r}.")
+                             for r in roles))
+        if hits:
+            found[str(path.relative_to(PACKAGE))] = hits
+    return found
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_no_role_imports_a_sibling_role(role):
+    """A helper two roles share goes below them (protocol/, diagnostics/, policy/), never into
+    one role for the other to import."""
+    assert _modules_of(role)
+    siblings = [r for r in ROLES if r != role]
+    assert not _imports_of_roles(_modules_of(role), siblings)
+
+
+@pytest.mark.parametrize("place", BELOW_THE_ROLES)
+def test_what_the_roles_stand_on_imports_no_role(place):
+    """Roles hand their diagnostics to ``diagnostics`` (``server_info.register_state``); nothing
+    below the roles reaches back up into one, not even inside a function."""
+    assert _modules_of(place)
+    assert not _imports_of_roles(_modules_of(place), ROLES)
+
+
+def _source_folders() -> list[Path]:
+    return sorted({p.parent for p in PACKAGE.rglob("*.py")
+                   if not any(root == p.parent or root in p.parents for root in PATH_ROOTS)})
+
+
+def test_every_folder_is_a_regular_package():
+    """One convention: a folder of modules has its ``__init__.py`` (setuptools' package finder,
+    which pyproject.toml uses, skips a folder without one, and everything below it)."""
+    missing = [str(d.relative_to(PACKAGE.parent)) for d in _source_folders()
+               if not (d / "__init__.py").is_file()]
+    assert not missing
+
+
+def test_the_packaging_ships_every_package():
+    from setuptools import find_packages
+
+    config = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())
+    include = config["tool"]["setuptools"]["packages"]["find"]["include"]
+    shipped = set(find_packages(where=str(PACKAGE.parent), include=include))
+    expected = {".".join(d.relative_to(PACKAGE.parent).parts) for d in _source_folders()}
+    assert expected - shipped == set()
+    assert "pdd_sglang.prefill" in shipped and "pdd_sglang.dev.testing" in shipped
