@@ -16,6 +16,7 @@ from typing import AsyncIterator
 
 from pdd_sglang import policy
 from pdd_sglang.protocol.route import route_kv_hints
+from pdd_sglang.router.config import RouterConfig
 from pdd_sglang.router.landing import LandingCopies
 from pdd_sglang.router.metrics import RouterMetrics, TokenClock
 from pdd_sglang.router.model import ModelInfo
@@ -70,17 +71,15 @@ class StreamEndedEarly(RuntimeError):
 class Dispatcher:
     def __init__(self, pool: ServerPool, placer: Placer, mirrors: dict[str, PrefixMirror],
                  client: UpstreamClient, health: HealthMonitor, metrics: RouterMetrics,
-                 model: ModelInfo, landing: LandingCopies | None = None,
-                 main_wait_for_landing_s: float = 20.0, retry_max_retries: int = 0,
-                 retry_after_first_token: bool = False, relay_loss_main_grace_s: float = 1.0):
+                 model: ModelInfo, config: RouterConfig, landing: LandingCopies | None = None):
         self.pool = pool
-        self.relay_loss_main_grace_s = relay_loss_main_grace_s
+        self.relay_loss_main_grace_s = config.relay_loss_main_grace_s
         self.caching = CachingCopies()  # main copies kept only to cache a prompt, by relay
         health.on_removed.append(self._server_left)  # a relay gone: drop the copies kept for it
         self.landing = landing if landing is not None else placer.landing
-        self.main_wait_for_landing_s = main_wait_for_landing_s
-        self.retry_max_retries = retry_max_retries
-        self.retry_after_first_token = retry_after_first_token
+        self.main_wait_for_landing_s = config.main_wait_for_landing_s
+        self.retry_max_retries = config.retry_max_retries
+        self.retry_after_first_token = config.retry_after_first_token
         self.placer = placer
         self.mirrors = mirrors
         self.client = client
@@ -88,7 +87,7 @@ class Dispatcher:
         self.metrics = metrics
         self.model = model
         self.pumps = Pumps(client, metrics, placer.lines, model.kv_bytes_per_token,
-                           main_wait_for_landing_s)
+                           config.main_wait_for_landing_s)
         self.finish = FinishRecorder(metrics, mirrors, model.kv_bytes_per_token, placer.cfg)
         self._background: set[asyncio.Task] = set()
 

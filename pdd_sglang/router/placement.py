@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from pdd_sglang import policy
-from pdd_sglang.router.config import LinkParams
+from pdd_sglang.router.config import RouterConfig
 from pdd_sglang.router.landing import LandingCopies
 from pdd_sglang.router.line_state import LineAccounting
 from pdd_sglang.router.prefix_mirror import PrefixMirror
@@ -54,21 +54,20 @@ class Placement:
 
 
 class Placer:
-    def __init__(self, pool: ServerPool, mirrors: dict[str, PrefixMirror], link: LinkParams,
-                 kv_bytes_per_token: float, cfg: policy.PolicyConfig,
-                 landing: Optional[LandingCopies] = None, lines: Optional[LineAccounting] = None,
-                 congestion_aware: bool = False):
+    def __init__(self, pool: ServerPool, mirrors: dict[str, PrefixMirror], config: RouterConfig,
+                 kv_bytes_per_token: float, landing: Optional[LandingCopies] = None,
+                 lines: Optional[LineAccounting] = None):
         self.pool = pool
         # For the TTFT budget: the mean uncached prompt of recent requests (what each request
         # queued at a prefill stands for).
         self._mean_uncached = 0.0
         self.lines = lines if lines is not None else LineAccounting()
-        self.congestion_aware = congestion_aware
+        self.congestion_aware = config.placement == "congestion-aware"
         self.mirrors = mirrors  # by main URL
         self.landing = landing if landing is not None else LandingCopies()
-        self.link = link
+        self.link = config.link
         self.kv_bytes_per_token = kv_bytes_per_token
-        self.cfg = cfg
+        self.cfg = config.policy
 
     def choose_main(self, prompt_ids: Sequence[int]) -> tuple[Upstream, int]:
         mains = self.pool.healthy(MAIN)

@@ -58,15 +58,10 @@ class RouterService:
             self.mirrors[upstream.url] = PrefixMirror(budget)
         landing = LandingCopies()
         lines = LineAccounting()
-        placer = Placer(self.pool, self.mirrors, self.config.link, self.model.kv_bytes_per_token,
-                        self.config.policy, landing, lines,
-                        congestion_aware=self.config.placement == "congestion-aware")
+        placer = Placer(self.pool, self.mirrors, self.config, self.model.kv_bytes_per_token,
+                        landing, lines)
         self.dispatcher = Dispatcher(self.pool, placer, self.mirrors, self.client, self.health,
-                                     self.metrics, self.model, landing,
-                                     self.config.main_wait_for_landing_s,
-                                     self.config.retry_max_retries,
-                                     self.config.retry_after_first_token,
-                                     self.config.relay_loss_main_grace_s)
+                                     self.metrics, self.model, self.config, landing)
         self.health.on_recovered = self._recovered
         self.health.check_role = self._check_role
         self.health.start()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdd_sglang import policy
-from pdd_sglang.router.config import LinkParams, PrefillEndpoint, parse_args
+from pdd_sglang.router.config import LinkParams, PrefillEndpoint, RouterConfig, parse_args
 from pdd_sglang.router.errors import RequestRejected
 from pdd_sglang.router.model import ModelInfo, kv_bytes_per_token_from_config
 from pdd_sglang.router.placement import Placer
@@ -26,8 +26,10 @@ def make(mains=("http://m1", "http://m2"), relays=("http://r1",), penalty=8192):
     for number, relay in enumerate(pool.by_role["relay"]):
         relay.control_address = f"tcp://127.0.0.1:{7000 + number}"
     mirrors = {url: PrefixMirror(10**6) for url in mains}
-    cfg = policy.PolicyConfig(main_load_penalty_tokens=penalty)
-    return pool, mirrors, Placer(pool, mirrors, LINK, KV, cfg)
+    config = RouterConfig(prefills=(), mains=mains, relays=relays, link=LINK,
+                          policy=policy.PolicyConfig(main_load_penalty_tokens=penalty),
+                          placement="idle-line")
+    return pool, mirrors, Placer(pool, mirrors, config, KV)
 
 
 def test_pipeline_follows_uncached_suffix_size():

@@ -9,8 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from pdd_sglang import policy
-from pdd_sglang.router.config import LinkParams, PrefillEndpoint
+from pdd_sglang.router.config import LinkParams, PrefillEndpoint, RouterConfig
 from pdd_sglang.router.dispatch import Dispatcher
 from pdd_sglang.router.metrics import RouterMetrics
 from pdd_sglang.router.model import ModelInfo
@@ -82,11 +81,13 @@ def make_dispatcher(client: ScriptedClient, grace_s: float = 0.0) -> Dispatcher:
     pool.by_role[RELAY][0].control_address = "tcp://127.0.0.1:7000"
     mirrors = {"http://m": PrefixMirror(10**6)}
     # 1 byte/s: every uncached prompt is worth hiding behind the relay (P->RLD->MD).
-    placer = Placer(pool, mirrors, LinkParams(1.0, 0.0), 1.0, policy.PolicyConfig())
+    config = RouterConfig(prefills=(), mains=("http://m",), relays=("http://r",),
+                          link=LinkParams(1.0, 0.0), placement="idle-line", retry_max_retries=0,
+                          relay_loss_main_grace_s=grace_s)
+    placer = Placer(pool, mirrors, config, 1.0)
     health = HealthMonitor(pool, client, interval_s=5.0, failures_to_remove=2)
     model = ModelInfo("m", "m", 4096, WordTokenizer(), 1.0)
-    return Dispatcher(pool, placer, mirrors, client, health, RouterMetrics(), model,
-                      retry_max_retries=0, relay_loss_main_grace_s=grace_s)
+    return Dispatcher(pool, placer, mirrors, client, health, RouterMetrics(), model, config)
 
 
 async def answer(dispatcher: Dispatcher, max_new_tokens: int = 4) -> list:
