@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
                               netns=ns_a, extra_args=(
                                   "--pdd-role", "prefill", "--disaggregation-bootstrap-port",
                                   str(bootstrap_port), *TRANSPORT, *TIME_STATS,
-                                  *NON_OVERLAP_LOOP_ARGS), **common)
+                                  *NON_OVERLAP_LOOP_ARGS, *line.prefill_flags()), **common)
         main_a = NetnsServer("main-a", host="127.0.0.1", exec_prefix=where("a", "main-a"),
                              netns=ns_a, extra_args=("--pdd-role", "main", *TRANSPORT, *METRICS),
                              **common)

@@ -27,7 +27,9 @@ from pdd_sglang.sim.profiles import load_link  # noqa: E402
 from pdd_sglang.sim import plan  # noqa: E402
 from pdd_sglang.sim.cluster import Setup  # noqa: E402
 from pdd_sglang.sim.report import write_report  # noqa: E402
-from pdd_sglang.sim.workload import TRACE_PATH  # noqa: E402
+from pdd_sglang.sim.workload import TRACE_PATH, generate_agentic  # noqa: E402
+from pdd_sglang.sim.cluster import simulate  # noqa: E402
+from pdd_sglang.prefill.wan_engine import WAN_SLICE_BYTES, window_for_line  # noqa: E402
 
 PAPER = {
     "ttft_s": {"same_dc_pd": {"p50": 4.2}, "cross_dc_pd": {"p50": 6.7, "p90": 18.3, "p99": 29.7}},
@@ -129,8 +131,37 @@ def task_f4(quick):
             "pdd": [r.__dict__ for r in found["pdd"]]}
 
 
+# The prefill's WAN sender at the brief's line (10 Gb/s, 20 ms; configs/links/wan_10g.toml):
+# what one copy may keep in flight, as the simulator's per-flow window (rate = min(line share,
+# window / RTT)). DECLARED from the sender's code (prefill/wan_engine.py) and MEASURED on the
+# emulated line (scripts/bench_wan_line.py): the old rule sent one 4 MiB slice per round trip
+# (its window: one slice); the windowed sender keeps two BDPs plus a slice in flight.
+BRIEF_LINE_GBPS, BRIEF_LINE_RTT_MS = 10.0, 20.0
+SENDER_WINDOWS = {"one_slice": WAN_SLICE_BYTES,
+                  "window": window_for_line(BRIEF_LINE_GBPS, BRIEF_LINE_RTT_MS)}
+
+
+def task_sender_window(quick):
+    """PDD and naive cross-DC PD at the operating point on the brief's line, under each rule."""
+    point = OP.operating_point(quick)
+    # The operating point's load is sized for F1's 200 Gb/s line; on the brief's 10 Gb/s line it
+    # runs at the same share of the line: the arrival rate scaled by the lines' rates.
+    scale = load_link("wan_10g").bytes_per_s / load_link(point.base.wan_link).bytes_per_s
+    workload = replace(point.workload, rate_per_s=point.workload.rate_per_s * scale)
+    requests, warmup = generate_agentic(workload)
+    out = {"load_scale": scale}
+    for rule, window in SENDER_WINDOWS.items():
+        for setup in (Setup.PDD, Setup.CROSS_DC_PD):
+            config = point.cluster(setup, wan_link="wan_10g", wan_window_bytes=float(window))
+            summary, _ = simulate(config, requests, warmup)
+            out[f"{setup.value}/{rule}"] = dict(percentiles(summary), window_bytes=window,
+                                                wan_bytes=summary.wan_bytes)
+    return out
+
+
 TASKS = {"f4": task_f4, "f6": task_f6, "f1": task_f1, "f9": task_f9, "sweep": task_sweep,
-         "f7": task_f7, "f5": task_f5, "f8": task_f8, "f3": task_f3}
+         "f7": task_f7, "f5": task_f5, "f8": task_f8, "f3": task_f3,
+         "sender_window": task_sender_window}
 
 
 # --- results.json ---------------------------------------------------------------------------
@@ -208,6 +239,7 @@ def build_results(data: dict, measured_handoff: dict | None) -> dict:
                                    "finished_at": s["finished_at"], "main_hit": s["main_hit"],
                                    "ttft_p99_s": s["ttft_p99_s"]}
                             for name, s in data["f7"].items()},
+        "sender_window": data["sender_window"],
         "trace": {name: dict(percentiles_from(s), wan_bytes=s["wan_bytes"],
                              finished_at=s["finished_at"], prefill_hit=s["prefill_hit"])
                   for name, s in data["f9"].items()},

@@ -20,14 +20,10 @@ from typing import Any, Callable, Optional
 
 from pdd_sglang.prefill.ledger import LEDGER
 from pdd_sglang.prefill.room import Work
+from pdd_sglang.prefill.wan_engine import WAN_SLICE_BYTES
 
 logger = logging.getLogger(__name__)
 
-# A copy to a main goes out in batches of at most this many bytes, and a copy the owner cancels
-# (its destination aborted, its room concluded) stops at the next batch: one batch in flight
-# cannot be called back, and a whole chunk (up to --chunked-prefill-size tokens) would hold the
-# WAN line for tens of seconds after nobody wants it. Each batch costs about one RTT more.
-WAN_SLICE_BYTES = 4 << 20
 
 
 def run_sender(kv_mgr: Any, work_queue: Any, executor: Any, report: Callable[[Any], None],
@@ -70,6 +66,26 @@ def _send_pages(kv_mgr: Any, work: Work, peer: Any, src: Any, dst: Any, executor
         peer.dst_kv_item_len, executor, peer.dst_kv_layer_ids)
 
 
+def _send_to_main(kv_mgr: Any, work: Work, peer: Any, src: Any, dst: Any,
+                  executor: Any) -> Optional[bool]:
+    """A chunk to main across the WAN: slices of WAN_SLICE_BYTES inside one windowed copy of the
+    WAN engine (:meth:`~pdd_sglang.prefill.wan_engine.WanTransferEngine.copy`), so the line
+    stays full while the window holds; True once every block landed, False if one failed, None
+    when the owner cancelled it (it stops within one window: what is in flight is waited out).
+    The slices exist for the cancel: a whole chunk (up to --chunked-prefill-size tokens) handed
+    to Mooncake at once could not be called back."""
+    page_bytes = sum(kv_mgr.kv_args.kv_item_lens) or 1
+    step = max(WAN_SLICE_BYTES // page_bytes, 1)
+    with kv_mgr.pdd_fanout.wan_engine.copy(work.session) as copy:
+        for start in range(0, len(src), step):
+            if start and _let_go(kv_mgr, work):  # free the line now, not after the chunk
+                return None
+            if _send_pages(kv_mgr, work, peer, src[start:start + step], dst[start:start + step],
+                           executor) != 0:
+                return False
+        return copy.finish()
+
+
 def send_work(kv_mgr: Any, work: Work, executor: Any) -> tuple[Optional[bool], Optional[str]]:
     """``(True, None)`` sent, ``(False, reason)`` failed, ``(None, None)`` skipped."""
     if _let_go(kv_mgr, work):
@@ -91,15 +107,15 @@ def send_work(kv_mgr: Any, work: Work, executor: Any) -> tuple[Optional[bool], O
     src = src[: len(dst)]
     LEDGER.begin(work.room, work.session, len(src))
     if len(src) and kv_mgr.kv_args.kv_data_ptrs:
-        page_bytes = sum(kv_mgr.kv_args.kv_item_lens) or 1
-        step = (max(WAN_SLICE_BYTES // page_bytes, 1) if work.role == "main" else len(src))
-        for start in range(0, len(src), step):
-            if start and _let_go(kv_mgr, work):  # free the line now, not after the chunk
-                return None, None
-            if _send_pages(kv_mgr, work, peer, src[start:start + step], dst[start:start + step],
-                           executor) != 0:
-                return False, (f"PDD: a KV chunk of room {work.room} to {work.role} "
-                               f"{work.session} failed")
+        if work.role == "main":
+            sent = _send_to_main(kv_mgr, work, peer, src, dst, executor)
+        else:
+            sent = _send_pages(kv_mgr, work, peer, src, dst, executor) == 0
+        if sent is None:
+            return None, None
+        if not sent:
+            return False, (f"PDD: a KV chunk of room {work.room} to {work.role} "
+                           f"{work.session} failed")
     if chunk.is_last_chunk:
         if kv_mgr.send_aux(info, chunk.prefill_aux_index, peer.dst_aux_ptrs) != 0:
             return False, f"PDD: the aux data of room {work.room} to {work.role} {work.session} failed"

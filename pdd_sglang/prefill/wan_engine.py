@@ -9,20 +9,42 @@ WAN traffic can leave by its own NIC; default ``--pdd-advertise-host``), registe
 memory with it, and sends every batch for a main session through it. Mooncake does the transport
 on both paths.
 
-A WAN copy takes seconds, and Mooncake's synchronous batch call (the one SGLang's engine uses)
-waits for it by polling the batch status in a loop without sleeping: a core per waiting worker.
+**A copy keeps a window of bytes in flight.** A copy to main goes out as slices (one
+``batch_transfer_sync`` call of SGLang's ``send_kvcache`` each, ``prefill/senders.py``). Inside
+:meth:`WanTransferEngine.copy` a slice is submitted and the call returns at once, as long as the
+copy's bytes in flight plus the slice fit in ``window_bytes``; otherwise it first waits for the
+oldest blocks to land. The copy's end (:meth:`WanCopy.finish`) waits for every block, so the
+sender writes the aux data (main's word that the KV is complete) only after the KV has landed.
+A window of one slice is the rule before this one: each slice waited for before the next, one
+slice per round trip, which fills a line only while its bandwidth-delay product is below a slice
+(``scripts/bench_wan_line.py`` runs both). The window comes from the line the operator declares
+(``--pdd-wan-bandwidth-gbps`` x ``--pdd-wan-rtt-ms``, see :func:`window_for_line`), so cancelling
+a copy, or a copy a request waits for overtaking one that only warms main's cache, still waits
+for at most one window: about two round trips of the line, whatever its rate.
+
+Waiting: Mooncake's synchronous batch call polls without sleeping, a core per waiting worker.
 This engine submits each block asynchronously (``transfer_submit_write``, one single-task batch
-per block, the only status Mooncake can report without blocking) and waits with an exponential
-back-off sleep, so a worker waiting on the line costs next to nothing. The transfer timeout
-(``--pdd-wan-transfer-timeout``) is enforced here, passed in where the engine is made; Mooncake's
+per block, the only status Mooncake can report without blocking) and polls with an exponential
+back-off sleep. The back-off never idles the line: with a window of two round trips, the blocks
+still in flight keep it busy while the oldest is polled. The transfer timeout
+(``--pdd-wan-transfer-timeout``) applies to every block, from its submission; Mooncake's
 process-wide ``MC_TRANSFER_TIMEOUT`` only governs SGLang's own (relay) engine.
+
+Threads: a :class:`WanCopy` belongs to the sender thread that opened it (it is bound to that
+thread, and only that thread's ``batch_transfer_sync`` calls join it); a call from any other
+thread (SGLang's per-layer executor with a custom memory pool, the aux write outside a copy) is a
+copy of its own, waited for before it returns. ``_abandoned`` is shared and locked.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 import time
+from collections import deque
+from dataclasses import dataclass
 from typing import Any, List, Optional
 
 from pdd_sglang.prefill.wan_line import WanLine
@@ -31,40 +53,98 @@ logger = logging.getLogger(__name__)
 
 # Mooncake's transfer_check_status: 1 done, 0 in progress, -1 failed, -2 timed out.
 _DONE, _PENDING, _FAILED = 1, 0, -1
-# Back-off between status polls of a waiting batch: from a fast line's latency up to a period
-# that is noise beside a multi-second WAN copy.
+# Back-off between status polls of a waiting block: from a fast line's latency up to a period
+# that is noise beside a multi-second WAN copy (and, with a window of two round trips, never
+# leaves the line idle).
 FIRST_POLL_S = 0.0005
 LONGEST_POLL_S = 0.02
+# The submission unit of a copy to main: one SGLang send_kvcache call. A window holds whole
+# slices, so a window of one slice is the old one-slice-per-round-trip rule.
+WAN_SLICE_BYTES = 4 << 20
+# In flight per copy: this many bandwidth-delay products of the declared line. TCP needs more
+# than one BDP in flight to fill a line (acknowledgements take a round trip, and Mooncake counts a
+# block in flight until the receiver's acknowledgement is back), and more than two only lengthens
+# what a cancel or an urgent copy waits for.
+WINDOW_BDPS = 2.0
+# Mooncake's TCP transport by default opens a connection per request (a handshake and a slow
+# start each time, and a request completes on the receiver's acknowledgement). Pooled, it keeps
+# lanes open per peer and runs one request per lane at a time, so what it holds in flight is at
+# most lanes x block: its most lanes (16). Measured across the emulated line at 200 Mbit/s x
+# 100 ms with a 32 MiB window, one copy: 94 Mbit/s unpooled, 95 with the default 4 lanes, 170
+# with 16 (docs/measurements.md). Set before the WAN engine initialises (Mooncake reads them
+# then); an operator's own values win.
+TCP_TRANSPORT_ENV = {"MC_TCP_ENABLE_CONNECTION_POOL": "1", "MC_TCP_LANES_PER_PEER": "16"}
+
+
+def window_for_line(bandwidth_gbps: float, rtt_ms: float, window_mb: float = 0.0) -> int:
+    """A copy's window in bytes: ``--pdd-wan-window-mb`` when set, else WINDOW_BDPS x the
+    declared line's bandwidth-delay product plus one slice."""
+    if window_mb < 0 or bandwidth_gbps <= 0 or rtt_ms <= 0:
+        raise ValueError(
+            f"the WAN line needs a positive bandwidth and RTT and a window >= 0 (got "
+            f"{bandwidth_gbps} Gbit/s, {rtt_ms} ms, window {window_mb} MB)")
+    if window_mb > 0:
+        return max(int(window_mb * (1 << 20)), 1)
+    bdp_bytes = bandwidth_gbps * 1e9 / 8 * rtt_ms / 1e3
+    # Plus one slice: a slice is admitted whole once the oldest blocks have landed, so what is
+    # in flight swings between the window less a slice and the window.
+    return int(WINDOW_BDPS * bdp_bytes) + WAN_SLICE_BYTES
+
+
+@dataclass
+class _Block:
+    batch: int
+    nbytes: int
+    submitted_at: float  # the line's accounting mark and the block's timeout start
 
 
 class WanTransferEngine:
     """A Mooncake TransferEngine with the call surface SGLang's transfer code uses."""
 
     def __init__(self, hostname: str, protocol: str, device: Optional[str], timeout_s: float,
-                 line: Optional[WanLine] = None, blocking_wait: bool = False):
+                 line: Optional[WanLine] = None, window_bytes: int = WAN_SLICE_BYTES):
         from mooncake.engine import TransferEngine
 
-        if not timeout_s > 0:
-            raise ValueError(f"the WAN transfer timeout must be positive, got {timeout_s}")
-        self.engine = TransferEngine()
-        ret = self.engine.initialize(hostname, "P2PHANDSHAKE", protocol, device or "")
+        if protocol == "tcp":
+            for name, value in TCP_TRANSPORT_ENV.items():
+                os.environ.setdefault(name, value)  # read as the engine initialises
+        engine = TransferEngine()
+        ret = engine.initialize(hostname, "P2PHANDSHAKE", protocol, device or "")
         if ret != 0:
             raise RuntimeError(
                 f"PDD: the WAN Mooncake engine failed to initialise (protocol {protocol!r}, "
                 f"device {device!r}, host {hostname!r})"
             )
+        self._setup(engine, timeout_s, line, window_bytes)
         self.protocol = protocol
+        self.session_id = f"{hostname}:{engine.get_rpc_port()}"
+
+    @classmethod
+    def over(cls, engine: Any, timeout_s: float, line: Optional[WanLine] = None,
+             window_bytes: int = WAN_SLICE_BYTES) -> "WanTransferEngine":
+        """This engine's logic over an engine already made (a scripted one in unit tests)."""
+        self = cls.__new__(cls)
+        self._setup(engine, timeout_s, line, window_bytes)
+        self.protocol, self.session_id = "scripted", "scripted"
+        return self
+
+    def _setup(self, engine: Any, timeout_s: float, line: Optional[WanLine],
+               window_bytes: int) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"the WAN transfer timeout must be positive, got {timeout_s}")
+        if not window_bytes > 0:
+            raise ValueError(f"the WAN window must be positive, got {window_bytes} bytes")
+        self.engine = engine
         self.timeout_s = float(timeout_s)
-        # --pdd-debug-wan-blocking-wait: Mooncake's own (spinning) wait, for the benchmark only.
-        self.blocking_wait = blocking_wait
+        self.window_bytes = int(window_bytes)
         self.line = line if line is not None else WanLine()
-        self.session_id = f"{hostname}:{self.engine.get_rpc_port()}"
         self._registered: list[int] = []
         self._lock = threading.Lock()
         # Batches given up on (timed out) that Mooncake still owns: freed once they end.
         self._abandoned: list[int] = []
         self._stopping = False  # set by stop_waiting: a waiting copy gives up at its next poll
         self._closed = False
+        self._thread_copy = threading.local()  # .copy: the WanCopy its sender thread has open
 
     def register_regions(self, regions: List[tuple]) -> None:
         if not regions:
@@ -75,85 +155,35 @@ class WanTransferEngine:
             raise RuntimeError(f"PDD: registering KV memory with the WAN engine failed ({ret})")
         self._registered.extend(ptrs)
 
+    @contextlib.contextmanager
+    def copy(self, session_id: str):
+        """One copy to ``session_id`` on this thread: its slices go out within the window, and
+        whatever is still in flight when the block exits (a cancel, an error) is waited out, so
+        no block of it can land after its sender has reported."""
+        copy = WanCopy(self, session_id)
+        self._thread_copy.copy = copy
+        try:
+            yield copy
+        finally:
+            self._thread_copy.copy = None
+            copy.drain()
+
     def batch_transfer_sync(self, session_id: str, buffers, peer_addresses, lengths) -> int:
-        """Write the blocks to ``session_id``; 0 when all landed, -1 otherwise (as SGLang's)."""
-        nbytes = int(sum(lengths))
-        started_at = self.line.started(session_id, nbytes)
+        """Write the blocks to ``session_id``; 0 when all landed (or, inside this thread's
+        :meth:`copy`, were handed to Mooncake within the window), -1 otherwise (as SGLang's)."""
+        args = (list(buffers), list(peer_addresses), list(lengths))
+        open_copy = getattr(self._thread_copy, "copy", None)
+        if open_copy is not None and open_copy.session == session_id:
+            return 0 if open_copy.submit(*args) else -1
+        copy = WanCopy(self, session_id)
         ok = False
         try:
-            ok = self._write(session_id, list(buffers), list(peer_addresses), list(lengths))
+            ok = copy.submit(*args) and copy.finish()
         except Exception:  # SGLang's engine wrapper reports failures as -1 the same way
             logger.exception("PDD: WAN transfer to %s raised", session_id)
         finally:
-            self.line.finished(session_id, nbytes, started_at, ok)
+            copy.drain()
         return 0 if ok else -1
-
-    def _write(self, session_id: str, buffers: list, peers: list, lengths: list) -> bool:
-        if self.blocking_wait:
-            return self.engine.batch_transfer_sync_write(session_id, buffers, peers, lengths) == 0
-        pending: list[int] = []
-        for src, dst, length in zip(buffers, peers, lengths):
-            batch = self.engine.transfer_submit_write(session_id, src, dst, length)
-            if batch <= 0:
-                logger.error("PDD: submitting a WAN transfer to %s failed (%s)", session_id, batch)
-                self._drain(pending, session_id)  # the blocks submitted may still be writing
-                return False
-            pending.append(batch)
-        deadline = time.monotonic() + self.timeout_s
-        pause = FIRST_POLL_S
-        # Blocks complete roughly in submission order: wait on the oldest, then the next.
-        while pending:
-            status = self.engine.transfer_check_status(pending[0])
-            if status == _DONE:
-                pending.pop(0)
-                pause = FIRST_POLL_S
-                continue
-            if status != _PENDING:
-                # A failed batch is freed by Mooncake's status call; a timed-out one is not.
-                failed = pending.pop(0)
-                if status != _FAILED:
-                    self._abandon([failed])
-                logger.error("PDD: a WAN transfer to %s failed (Mooncake status %s)",
-                             session_id, status)
-                self._drain(pending, session_id)  # its other blocks may still be writing
-                return False
-            if self._stopping:
-                self._abandon(pending)
-                logger.warning("PDD: shutting down with a WAN transfer to %s in flight; failing it",
-                               session_id)
-                return False
-            if time.monotonic() > deadline:
-                logger.error("PDD: a WAN transfer to %s took over --pdd-wan-transfer-timeout "
-                             "(%.0f s); failing it once its blocks have ended", session_id,
-                             self.timeout_s)
-                self._drain(pending, session_id)
-                return False
-            time.sleep(pause)
-            pause = min(pause * 2, LONGEST_POLL_S)
-        self._reap_abandoned()
-        return True
-
-    def _drain(self, pending: list, session_id: str) -> None:
-        """A timed-out copy fails its room, and main frees the room's pages on that word; a block
-        Mooncake still writes would land in pages main has given to another request (a chaos
-        soak caught one by its KV digest: a copy slow on a congested line, failed at the timeout,
-        wrote on). So the failure is reported only once Mooncake has ended every block, waiting
-        up to another timeout (the fan-out calls a chunk stuck only past twice the timeout plus
-        a margin). A block still running after that is abandoned, with an error in the log."""
-        deadline = time.monotonic() + self.timeout_s
-        while pending and not self._stopping and time.monotonic() < deadline:
-            status = self.engine.transfer_check_status(pending[0])
-            if status == _PENDING:
-                time.sleep(LONGEST_POLL_S)
-            elif status in (_DONE, _FAILED):  # ended; Mooncake's status call freed it
-                pending.pop(0)
-            else:  # ended without being freed (Mooncake's own timeout): the reaper frees it
-                self._abandon([pending.pop(0)])
-        if pending:
-            self._abandon(pending)
-            logger.error("PDD: %d block(s) of a failed WAN transfer to %s still run past twice "
-                         "--pdd-wan-transfer-timeout; main may free pages they still write",
-                         len(pending), session_id)
 
     def probe(self, session_id: str) -> bool:
         """Whether ``session_id`` answers over this engine (Mooncake's own probe): a main taken
@@ -193,6 +223,122 @@ class WanTransferEngine:
                 self._registered = []
 
 
+class WanCopy:
+    """The blocks of one copy to one session that Mooncake holds, oldest first, at most the
+    engine's window of bytes (a slice bigger than the window goes alone). Owned by the thread
+    that made it."""
+
+    def __init__(self, wan: WanTransferEngine, session: str):
+        self.wan = wan
+        self.session = session
+        self.in_flight: deque[_Block] = deque()
+        self.in_flight_bytes = 0
+        self.failed = False
+
+    def submit(self, buffers: list, peers: list, lengths: list) -> bool:
+        """Hand one slice to Mooncake once it fits in the window; False if the copy failed."""
+        nbytes = int(sum(lengths))
+        while (not self.failed and self.in_flight
+               and self.in_flight_bytes + nbytes > self.wan.window_bytes):
+            self._land_oldest()
+        if self.failed:
+            return False
+        for src, dst, length in zip(buffers, peers, lengths):
+            batch = self.wan.engine.transfer_submit_write(self.session, src, dst, length)
+            if batch <= 0:
+                logger.error("PDD: submitting a WAN transfer to %s failed (%s)", self.session,
+                             batch)
+                self.wan.line.finished(self.session, length,
+                                       self.wan.line.started(self.session, length), ok=False)
+                self._fail()
+                return False
+            self.in_flight.append(_Block(batch, length, self.wan.line.started(self.session,
+                                                                              length)))
+            self.in_flight_bytes += length
+        return True
+
+    def finish(self) -> bool:
+        """Wait until every block has landed; True when all did."""
+        while self.in_flight and not self.failed:
+            self._land_oldest()
+        if not self.failed:
+            self.wan._reap_abandoned()
+        return not self.failed
+
+    def _land_oldest(self) -> None:
+        """Wait for the oldest block (blocks complete roughly in submission order)."""
+        block = self.in_flight[0]
+        pause = FIRST_POLL_S
+        while True:
+            status = self.wan.engine.transfer_check_status(block.batch)
+            if status == _DONE:
+                self._ended(True)
+                return
+            if status != _PENDING:
+                # A failed batch is freed by Mooncake's status call; a timed-out one is not.
+                if status != _FAILED:
+                    self.wan._abandon([block.batch])
+                self._ended(False)
+                logger.error("PDD: a WAN transfer to %s failed (Mooncake status %s)",
+                             self.session, status)
+                self._fail()  # its other blocks may still be writing
+                return
+            if self.wan._stopping:
+                self._give_up()
+                logger.warning("PDD: shutting down with a WAN transfer to %s in flight; "
+                               "failing it", self.session)
+                return
+            if time.monotonic() - block.submitted_at > self.wan.timeout_s:
+                logger.error("PDD: a WAN transfer to %s took over --pdd-wan-transfer-timeout "
+                             "(%.0f s); failing it once its blocks have ended", self.session,
+                             self.wan.timeout_s)
+                self._fail()
+                return
+            time.sleep(pause)
+            pause = min(pause * 2, LONGEST_POLL_S)
+
+    def _ended(self, ok: bool) -> None:
+        block = self.in_flight.popleft()
+        self.in_flight_bytes -= block.nbytes
+        self.wan.line.finished(self.session, block.nbytes, block.submitted_at, ok)
+
+    def _fail(self) -> None:
+        self.failed = True
+        self.drain()
+
+    def drain(self) -> None:
+        """Wait until Mooncake has ended every block still in flight. A copy that failed or was
+        cancelled is reported only then: main frees the room's pages on that word, and a block
+        Mooncake still wrote would land in pages main has given to another request (a chaos soak
+        caught one by its KV digest). Waits up to another timeout (the fan-out calls a chunk
+        stuck only past twice the timeout plus a margin); a block still running after that is
+        abandoned, with an error in the log."""
+        deadline = time.monotonic() + self.wan.timeout_s
+        while self.in_flight and not self.wan._stopping and time.monotonic() < deadline:
+            status = self.wan.engine.transfer_check_status(self.in_flight[0].batch)
+            if status == _PENDING:
+                time.sleep(LONGEST_POLL_S)
+            elif status in (_DONE, _FAILED):  # ended; Mooncake's status call freed it
+                self._ended(status == _DONE)
+            else:  # ended without being freed (Mooncake's own timeout): the reaper frees it
+                self.wan._abandon([self.in_flight[0].batch])
+                self._ended(False)
+        if self.in_flight:
+            count = len(self.in_flight)
+            self._give_up()
+            if not self.wan._stopping:
+                logger.error("PDD: %d block(s) of a WAN transfer to %s still run past twice "
+                             "--pdd-wan-transfer-timeout; main may free pages they still write",
+                             count, self.session)
+
+    def _give_up(self) -> None:
+        """Leave every block in flight to Mooncake (the reaper frees them once they end)."""
+        self.failed = True
+        self.wan._abandon([block.batch for block in self.in_flight])
+        while self.in_flight:
+            self._ended(False)
+
+
 def wan_hostname(kv_mgr: Any, wan_host: Optional[str] = None,
                  advertise_host: Optional[str] = None) -> str:
     """The WAN engine's host: --pdd-wan-hostname, else --pdd-advertise-host, else the host of
@@ -202,13 +348,14 @@ def wan_hostname(kv_mgr: Any, wan_host: Optional[str] = None,
 
 
 def open_wan_engine(kv_mgr: Any, protocol: str, device: Optional[str], timeout_s: float,
-                    line: WanLine, blocking_wait: bool = False, hostname: Optional[str] = None
+                    line: WanLine, window_bytes: int, hostname: Optional[str] = None
                     ) -> WanTransferEngine:
     hostname = hostname or wan_hostname(kv_mgr)
-    engine = WanTransferEngine(hostname, protocol, device, timeout_s, line, blocking_wait)
+    engine = WanTransferEngine(hostname, protocol, device, timeout_s, line, window_bytes)
     engine.register_regions(kv_mgr._registerable_regions())
     logger.info(
-        "PDD: WAN transfer path ready: Mooncake %s engine %s (relay path: SGLang's engine %s)",
-        protocol, engine.session_id, kv_mgr.engine.get_session_id(),
+        "PDD: WAN transfer path ready: Mooncake %s engine %s, a window of %.1f MB per copy "
+        "(relay path: SGLang's engine %s)",
+        protocol, engine.session_id, window_bytes / 1e6, kv_mgr.engine.get_session_id(),
     )
     return engine

@@ -312,6 +312,25 @@ def assumptions() -> list:
         ""]
 
 
+def sender_window_section(runs: dict | None) -> list:
+    """PDD and naive cross-DC PD on the brief's line under the WAN sender's old and new rule."""
+    if not runs:
+        return []
+    lines = ["## The WAN sender's window at the brief's line (10 Gb/s, 20 ms)", "",
+             f"The operating point's load scaled by the lines' rates (x{runs['load_scale']:.3f}); "
+             "one copy moves at most its window per RTT. `one_slice`: the sender before issue 34 "
+             "(one 4 MiB slice per round trip); `window`: two bandwidth-delay products plus a "
+             "slice in flight (`prefill/wan_engine.py`, measured by `scripts/bench_wan_line.py`).",
+             "", "| setup | rule | window MB | TTFT P50 s | P90 s | P99 s |", "|---|---|---|---|---|---|"]
+    for key, run in runs.items():
+        if key == "load_scale":
+            continue
+        setup, rule = key.split("/")
+        lines.append(f"| {setup} | {rule} | {run['window_bytes'] / 1e6:.1f} | {run['p50']:.2f} | "
+                     f"{run['p90']:.2f} | {run['p99']:.2f} |")
+    return lines + [""]
+
+
 def write_report(out: Path, data: dict, results: dict, paper: dict, quick: bool, measured) -> None:
     lines = ["# PDD simulator: the report's figures, simulated", "",
              f"Mode: {'quick' if quick else 'full'}. Every simulated number is computed by "
@@ -323,5 +342,6 @@ def write_report(out: Path, data: dict, results: dict, paper: dict, quick: bool,
     lines += f2_f3_section(data, results, paper, measured)
     lines += f4_section(data, results, paper, quick)
     lines += studies(data, paper)
+    lines += sender_window_section(data.get("sender_window"))
     lines += assumptions()
     (out / "report.md").write_text("\n".join(lines))

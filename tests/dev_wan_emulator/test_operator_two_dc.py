@@ -72,7 +72,7 @@ def two_dc(tmp_path_factory):
 
     servers = [
         server("prefill", "a", "--pdd-role", "prefill", "--pdd-advertise-host", a,
-               "--disaggregation-bootstrap-port", str(bootstrap_port)),
+               "--disaggregation-bootstrap-port", str(bootstrap_port), *line.prefill_flags()),
         server("relay", "a", "--pdd-role", "relay", "--pdd-advertise-host", a, *RELAY_CPU_ARGS),
         server("main", "b", "--pdd-role", "main", "--pdd-advertise-host", b),
     ]

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from pdd_sglang.prefill.fanout import HELLO_FRAME_INDEX, PrefillFanout
+from pdd_sglang.prefill.wan_engine import WanTransferEngine
 from pdd_sglang.protocol.messages import DestinationHello, encode
 
 RELAY, MAIN = "127.0.0.1:1001", "127.0.0.1:2002"
@@ -133,6 +134,9 @@ def make_fanout(kv, local=2, wan=1):
     fanout = PrefillFanout(kv)
     fanout.local_queues = [ListQueue() for _ in range(local)]
     fanout.wan_queues = [ListQueue() for _ in range(wan)]
+    # The WAN engine's windowed copy over no Mooncake: the harness's send_kvcache records what
+    # it was asked to send and hands the engine nothing, so each copy ends with nothing in flight.
+    fanout.wan_engine = WanTransferEngine.over(engine=None, timeout_s=60.0)
     kv.pdd_fanout = fanout
     return fanout
 

@@ -190,7 +190,7 @@ def test_race4_a_room_whose_relay_and_main_land_at_once_is_concluded_once(caplog
 
     kv.send_aux, kv.conclude_transfer = last_write, conclude
     path = WanPath(fanout)
-    path.start(kv, workers=1, delay_s=0, local_workers=1)
+    path.start(kv, workers=1, local_workers=1)
     try:
         for room in (16, 17):
             open_room(kv, room)
@@ -222,7 +222,7 @@ def test_race6_only_the_owner_thread_writes_sglangs_status_for_a_pdd_room():
     fanout = make_fanout(kv)
     fanout.local_queues, fanout.wan_queues = [], []
     path = WanPath(fanout)
-    path.start(kv, workers=1, delay_s=0, local_workers=1)
+    path.start(kv, workers=1, local_workers=1)
     try:
         open_room(kv, 11)
         for session, role in ((RELAY, "relay"), (MAIN, "main")):
@@ -315,7 +315,7 @@ def test_race9_a_main_out_after_a_wan_failure_comes_back_on_a_wan_probe():
     kv = Kv()
     fanout = make_fanout(kv)
     probes = []
-    fanout.wan_engine = type("Wan", (), {"probe": lambda self, s: probes.append(s) or len(probes) > 1})()
+    fanout.wan_engine.probe = lambda session: probes.append(session) or len(probes) > 1
     kv.fail_kv = {MAIN}
     open_room(kv, 14)
     register(fanout, kv, 14, MAIN, "main", destinations=1)

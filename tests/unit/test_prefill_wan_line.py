@@ -128,11 +128,9 @@ def test_a_copy_on_the_line_gives_up_when_the_engine_stops_waiting():
     """Shutdown must not wait out a multi-second WAN copy: the waiting worker returns -1."""
     from pdd_sglang.prefill.wan_engine import WanTransferEngine
 
-    sender = WanTransferEngine.__new__(WanTransferEngine)  # no Mooncake: a scripted engine
-    sender.engine = type("Stalled", (), {"transfer_submit_write": lambda self, *a: 7,
-                                         "transfer_check_status": lambda self, b: 0})()
-    sender.timeout_s, sender.blocking_wait, sender.line = 60.0, False, WanLine()
-    sender._lock, sender._abandoned, sender._stopping, sender._closed = threading.Lock(), [], False, False
+    stalled = type("Stalled", (), {"transfer_submit_write": lambda self, *a: 7,
+                                   "transfer_check_status": lambda self, b: 0})()
+    sender = WanTransferEngine.over(stalled, timeout_s=60.0)  # no Mooncake: a scripted engine
     results = []
     worker = threading.Thread(target=lambda: results.append(
         sender.batch_transfer_sync("main", [1], [2], [3])))
@@ -160,12 +158,9 @@ def scripted_sender(statuses: dict, timeout_s: float):
         polls.append(batch)
         return statuses[batch](time.monotonic() - began[0])
 
-    sender = WanTransferEngine.__new__(WanTransferEngine)
-    sender.engine = type("Scripted", (), {"transfer_submit_write": submit,
-                                          "transfer_check_status": check})()
-    sender.timeout_s, sender.blocking_wait, sender.line = timeout_s, False, WanLine()
-    sender._lock, sender._abandoned, sender._stopping, sender._closed = threading.Lock(), [], False, False
-    return sender, polls
+    scripted = type("Scripted", (), {"transfer_submit_write": submit,
+                                     "transfer_check_status": check})()
+    return WanTransferEngine.over(scripted, timeout_s), polls
 
 
 def test_a_timed_out_copy_fails_only_once_mooncake_has_ended_its_blocks():
@@ -192,3 +187,78 @@ def test_a_failed_block_waits_for_the_other_blocks_of_its_copy():
     sender, polls = scripted_sender({1: lambda t: -1, 2: lambda t: 1 if t > 0.1 else 0}, 60.0)
     assert sender.batch_transfer_sync("main", [1, 2], [3, 4], [5, 6]) == -1
     assert polls[0] == 1 and polls[-1] == 2 and len(polls) > 2 and sender._abandoned == []
+
+
+# ---- the window: a copy keeps bytes in flight across slices (issue 34) -------------------------
+def test_the_window_is_two_bdps_of_the_declared_line_plus_a_slice_or_the_flag():
+    from pdd_sglang.prefill.wan_engine import WAN_SLICE_BYTES, window_for_line
+
+    assert window_for_line(10, 20) == 50_000_000 + WAN_SLICE_BYTES  # the brief's line: 25 MB BDP
+    assert window_for_line(0.02, 20) == 100_000 + WAN_SLICE_BYTES
+    assert window_for_line(10, 20, window_mb=4) == WAN_SLICE_BYTES  # the old one-slice rule
+    with pytest.raises(ValueError, match="positive"):
+        window_for_line(0, 20)
+
+
+def _windowed(window_bytes, done_after_polls):
+    """A scripted Mooncake whose block N reports done on its ``done_after_polls``-th poll;
+    records the order of submissions and polls."""
+    from pdd_sglang.prefill.wan_engine import WanTransferEngine
+
+    events, polls = [], {}
+    counter = iter(range(1, 10_000))
+
+    def submit(_engine, session, src, dst, length):
+        batch = next(counter)
+        events.append(("submit", batch))
+        return batch
+
+    def check(_engine, batch):
+        polls[batch] = polls.get(batch, 0) + 1
+        events.append(("poll", batch))
+        return 1 if polls[batch] >= done_after_polls else 0
+
+    scripted = type("Scripted", (), {"transfer_submit_write": submit,
+                                     "transfer_check_status": check})()
+    return WanTransferEngine.over(scripted, 60.0, window_bytes=window_bytes), events
+
+
+def test_inside_a_copy_slices_go_out_without_waiting_while_they_fit_in_the_window():
+    wan, events = _windowed(window_bytes=300, done_after_polls=2)
+    with wan.copy("main") as copy:
+        for _ in range(3):  # three slices of two 50-byte blocks: 300 bytes, all fit
+            assert wan.batch_transfer_sync("main", [1, 2], [3, 4], [50, 50]) == 0
+        assert [e for e in events if e[0] == "poll"] == []  # nothing waited for yet
+        assert copy.in_flight_bytes == 300
+        assert copy.finish()
+    assert wan.line.snapshot()["main"]["sent_bytes"] == 300
+
+
+def test_a_window_of_one_slice_waits_for_each_slice_before_the_next():
+    """The old rule is this sender with a window of one slice: slice 2 goes out only once every
+    block of slice 1 has landed."""
+    wan, events = _windowed(window_bytes=100, done_after_polls=2)
+    with wan.copy("main") as copy:
+        assert wan.batch_transfer_sync("main", [1, 2], [3, 4], [50, 50]) == 0
+        assert wan.batch_transfer_sync("main", [1, 2], [3, 4], [50, 50]) == 0
+        assert copy.finish()
+    second_submit = events.index(("submit", 3))
+    assert ("poll", 1) in events[:second_submit] and ("poll", 2) in events[:second_submit]
+    assert events[:second_submit].count(("poll", 2)) == 2  # block 2 reported done first
+
+
+def test_a_copy_left_early_waits_out_its_blocks_in_flight():
+    """A cancelled copy (the sender leaves the copy before finish) must not return while a block
+    could still land: main frees the room's pages on the sender's word."""
+    wan, events = _windowed(window_bytes=1000, done_after_polls=3)
+    with wan.copy("main") as copy:
+        assert wan.batch_transfer_sync("main", [1], [2], [50]) == 0
+    assert copy.in_flight_bytes == 0 and events[-1] == ("poll", 1)
+    assert wan.line.snapshot()["main"]["in_flight_bytes"] == 0
+
+
+def test_a_call_outside_a_copy_or_for_another_session_waits_for_its_own_blocks():
+    wan, events = _windowed(window_bytes=1000, done_after_polls=2)
+    with wan.copy("main"):
+        assert wan.batch_transfer_sync("other", [1], [2], [50]) == 0  # aux to another main
+        assert events[-1] == ("poll", 1)  # waited for before it returned

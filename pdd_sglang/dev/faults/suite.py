@@ -84,7 +84,7 @@ class FaultCluster:
             line=line,
             prefill=server("prefill", "a", line.address("a"), "--pdd-role", "prefill",
                            "--disaggregation-bootstrap-port", str(bootstrap_port),
-                           *SERVER_TIMEOUTS["prefill"]),
+                           *SERVER_TIMEOUTS["prefill"], *line.prefill_flags()),
             # A fixed control port: a restarted relay is found where it was.
             relay=server("relay", "a", line.address("a"), "--pdd-role", "relay",
                          "--pdd-control-port", str(control_port), *RELAY_CPU_ARGS),

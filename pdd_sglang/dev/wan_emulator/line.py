@@ -21,6 +21,7 @@ from pdd_sglang.dev.wan_emulator.forwarder import DEVICE
 SIDES = ("a", "b")
 DEFAULT_ADDR_A = "10.77.0.1"
 DEFAULT_ADDR_B = "10.77.0.2"
+UNLIMITED_LINE_GBPS = 1.0
 START_TIMEOUT_S = 60.0  # generous: `ip` calls crawl when other servers load both cores
 
 _live_lines: "set[WanLine]" = set()  # strong refs: atexit must reach unreferenced lines
@@ -194,6 +195,14 @@ class WanLine:
         if side not in SIDES:
             raise ValueError(f"side must be one of {SIDES}, not {side!r}")
         return self.addresses[side]
+
+    def prefill_flags(self) -> tuple[str, ...]:
+        """A prefill's declaration of this line, which sizes its WAN copies' window
+        (``--pdd-wan-bandwidth-gbps``, ``--pdd-wan-rtt-ms``); a line with no rate limit is
+        declared at the forwarder's ceiling, about 1 Gbit/s (``scripts/wan_check.py``)."""
+        gbps = self.rate_mbit / 1e3 if self.rate_mbit > 0 else UNLIMITED_LINE_GBPS
+        return ("--pdd-wan-bandwidth-gbps", repr(gbps),
+                "--pdd-wan-rtt-ms", repr(max(self.rtt_ms, 0.1)))
 
     def popen(self, side: str, argv: Sequence[str], **kwargs) -> subprocess.Popen:
         return subprocess.Popen([*self.exec_prefix(side), *argv], **kwargs)

@@ -1,0 +1,177 @@
+"""Real copies through the real WAN engine across the emulated line (issue 34: a copy fills the
+line whatever its bandwidth-delay product).
+
+The sender (cluster A) is the prefill's own :class:`~pdd_sglang.prefill.wan_engine.WanTransferEngine`
+(Mooncake TCP), driven as a WAN sender drives it: a copy is a run of slices of
+``WAN_SLICE_BYTES``, each one ``batch_transfer_sync`` call of ``blocks_per_slice`` blocks (the KV
+of a slice's pages, per layer, K and V), inside :meth:`WanTransferEngine.copy`. The receiver
+(cluster B) is a plain Mooncake TCP engine with one registered buffer, as main's KV pool is. Per
+point the sender runs one copy, then ``concurrent`` copies at once (one thread each, as the
+prefill's WAN senders run), under each slice rule:
+
+- ``one_slice``: a window of one slice, the rule before: each slice waited for before the next;
+- ``window``: the window :func:`~pdd_sglang.prefill.wan_engine.window_for_line` gives for the
+  line as set (two bandwidth-delay products).
+
+The same sender, the same code path; only ``window_bytes`` differs. Before the timed copies, one
+small copy warms the session (Mooncake's handshake, the first connection).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+from pdd_sglang.dev.wan_emulator import WanLine
+from pdd_sglang.dev.wan_emulator.handoff_peers import _mooncake, _report, _stdin_closed
+from pdd_sglang.dev.wan_emulator.line import stop_process
+
+PEER_READY_TIMEOUT_S = 120.0
+RULES = ("one_slice", "window")
+
+
+def run_receiver(args) -> None:
+    engine, buffer, ptr, session = _mooncake(args.host, args.buffer_bytes)
+    _report({"ready": True, "session_id": session, "buffer_ptr": ptr})
+    _stdin_closed().wait()
+    del engine, buffer
+
+
+def _slices(copy_bytes: int, slice_bytes: int, blocks: int, offset: int):
+    """Each slice's (offsets, lengths) within [offset, offset + copy_bytes)."""
+    for start in range(0, copy_bytes, slice_bytes):
+        size = min(slice_bytes, copy_bytes - start)
+        step, extra = divmod(size, blocks)
+        lengths = [step + (1 if i < extra else 0) for i in range(blocks) if step or i < extra]
+        offsets = [offset + start + sum(lengths[:i]) for i in range(len(lengths))]
+        yield offsets, lengths
+
+
+def _one_copy(wan, session: str, src_ptr: int, dst_ptr: int, copy_bytes: int, offset: int,
+              slice_bytes: int, blocks: int) -> float:
+    began = time.perf_counter()
+    with wan.copy(session) as copy:
+        for offsets, lengths in _slices(copy_bytes, slice_bytes, blocks, offset):
+            if wan.batch_transfer_sync(session, [src_ptr + o for o in offsets],
+                                       [dst_ptr + o for o in offsets], lengths) != 0:
+                raise RuntimeError("a slice of the copy failed")
+        if not copy.finish():
+            raise RuntimeError("the copy failed")
+    return time.perf_counter() - began
+
+
+def run_sender(args) -> None:
+    from pdd_sglang.prefill.wan_engine import WAN_SLICE_BYTES, WanTransferEngine
+
+    wan = WanTransferEngine(args.host, "tcp", None, timeout_s=600.0, window_bytes=WAN_SLICE_BYTES)
+    src = ctypes.create_string_buffer(args.buffer_bytes)
+    src_ptr = ctypes.addressof(src)
+    wan.register_regions([(src_ptr, args.buffer_bytes)])
+    session, dst_ptr = args.target_session, args.target_ptr
+    wan.window_bytes = WAN_SLICE_BYTES
+    _one_copy(wan, session, src_ptr, dst_ptr, 1 << 20, 0, WAN_SLICE_BYTES, args.blocks)
+    runs = []
+    for rule, window in (("one_slice", WAN_SLICE_BYTES), ("window", args.window_bytes)):
+        wan.window_bytes = window
+        for concurrent in sorted({1, args.concurrent}):
+            seconds: list[float] = [0.0] * concurrent
+
+            def copy_at(i: int) -> None:
+                seconds[i] = _one_copy(wan, session, src_ptr, dst_ptr, args.copy_bytes,
+                                       i * args.copy_bytes, WAN_SLICE_BYTES, args.blocks)
+            began = time.perf_counter()
+            threads = [threading.Thread(target=copy_at, args=(i,)) for i in range(concurrent)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            wall = time.perf_counter() - began
+            runs.append({"rule": rule, "window_bytes": window, "concurrent": concurrent,
+                         "copy_bytes": args.copy_bytes, "wall_s": wall, "copy_s": seconds,
+                         "achieved_mbit": concurrent * args.copy_bytes * 8 / wall / 1e6})
+            time.sleep(args.pause_s)  # the line's queue drains between runs
+    wan.close()
+    _report({"runs": runs})
+
+
+def run_point(out_dir: Path, *, rate_mbit: float, rtt_ms: float, copy_bytes: int,
+              window_bytes: int, concurrent: int = 4, blocks: int = 8,
+              sysctls: dict | None = None, log: Callable[[str], None] = print) -> dict:
+    """One grid point: a fresh line (``sysctls`` set in both namespaces), its bulk TCP goodput
+    (the forwarder's own figure, as ``scripts/wan_check.py`` measures it), then a receiver in B
+    and the sender in A; returns ``{"goodput_mbit", "runs"}``."""
+    from pdd_sglang.dev.wan_emulator import measure
+    from pdd_sglang.dev.wan_emulator.handoff_bench import REPO, _read_json_line
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO),
+                                                                     os.environ.get("PYTHONPATH")]))}
+    buffer_bytes = copy_bytes * concurrent
+    common = ["--buffer-bytes", str(buffer_bytes)]
+    line = WanLine(rate_mbit, rtt_ms, 0.0, seed=3)
+    receiver = sender = None
+    tag = f"{rate_mbit:g}mbit_{rtt_ms:g}ms"
+    logs = {name: open(out_dir / f"line_bench_{tag}_{name}.log", "ab")
+            for name in ("receiver", "sender")}
+    try:
+        line.start(log_path=str(out_dir / f"line_bench_{tag}_line.log"))
+        for side in ("a", "b"):
+            for key, value in (sysctls or {}).items():
+                subprocess.run([*line.exec_prefix(side), "sysctl", "-q", "-w", f"{key}={value}"],
+                               check=True)
+        goodput_mbit = measure.bulk_rate(line, seconds=4.0)["steady_goodput_mbit"]
+        module = [sys.executable, "-m", "pdd_sglang.dev.wan_emulator.line_bench"]
+        receiver = line.popen("b", [*module, "receiver", "--host", line.address("b"), *common],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=logs["receiver"], env=env, text=True)
+        target = _read_json_line(receiver, "receiver", PEER_READY_TIMEOUT_S)
+        sender = line.popen("a", [*module, "sender", "--host", line.address("a"), *common,
+                                  "--target-session", target["session_id"],
+                                  "--target-ptr", str(target["buffer_ptr"]),
+                                  "--copy-bytes", str(copy_bytes),
+                                  "--window-bytes", str(window_bytes),
+                                  "--concurrent", str(concurrent), "--blocks", str(blocks)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=logs["sender"], env=env, text=True)
+        # The old rule at a long RTT is the slow one: a slice per round trip.
+        slices = copy_bytes * concurrent / (4 << 20)
+        budget = 2 * (2 * copy_bytes * concurrent * 8 / (rate_mbit * 1e6)
+                      + 2 * slices * (rtt_ms / 1e3 + 0.05)) + 120
+        report = _read_json_line(sender, "sender", budget)
+    finally:
+        stop_process(sender)
+        stop_process(receiver)
+        line.stop()
+        for handle in logs.values():
+            handle.close()
+    for run in report["runs"]:
+        log(f"  {rate_mbit:g} Mbit/s {rtt_ms:g} ms {run['rule']:>9} x{run['concurrent']}: "
+            f"{run['achieved_mbit']:.1f} Mbit/s of {goodput_mbit:.1f} ({run['wall_s']:.1f} s)")
+    return {"goodput_mbit": goodput_mbit, "runs": report["runs"]}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("role", choices=("receiver", "sender"))
+    parser.add_argument("--host", required=True)
+    parser.add_argument("--buffer-bytes", type=int, required=True)
+    parser.add_argument("--target-session", default="")
+    parser.add_argument("--target-ptr", type=int, default=0)
+    parser.add_argument("--copy-bytes", type=int, default=64 << 20)
+    parser.add_argument("--window-bytes", type=int, default=16 << 20)
+    parser.add_argument("--concurrent", type=int, default=4)
+    parser.add_argument("--blocks", type=int, default=8)
+    parser.add_argument("--pause-s", type=float, default=1.0)
+    args = parser.parse_args(argv)
+    (run_receiver if args.role == "receiver" else run_sender)(args)
+
+
+if __name__ == "__main__":
+    main()

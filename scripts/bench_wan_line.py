@@ -1,0 +1,130 @@
+#!/usr/bin/env python3
+"""Does one WAN copy fill the line, whatever its bandwidth-delay product? (issue 34, item 1)
+
+Over a grid of rate x RTT on the emulated line, real copies through the prefill's own WAN engine
+(Mooncake TCP; ``pdd_sglang/dev/wan_emulator/line_bench.py``): one copy, then ``--concurrent``
+at once, each at least ``--bdp-multiple`` bandwidth-delay products, under the old slice rule (a
+window of one 4 MiB slice, each waited for before the next) and the windowed one (two BDPs in
+flight), the same sender in the same run. ``utilization`` is the achieved rate over the line's
+own TCP goodput at that point (``measure.bulk_rate``, as ``scripts/wan_check.py`` measures it).
+Also measures the forwarder's ceiling (no rate limit), which bounds the grid.
+
+Both namespaces get the host tuning a long fat line needs, as any bulk-transfer host does:
+``tcp_slow_start_after_idle=0`` (Mooncake's pooled connections idle between copies) and socket
+buffers up to 64 MiB (``tcp_rmem``/``tcp_wmem``; Linux's default 4 MiB send buffer caps one
+connection's window below a 5 MB BDP). docs/operations.md says the same for real hosts.
+
+    sudo .venv/bin/python scripts/bench_wan_line.py                 # the default grid
+    sudo .venv/bin/python scripts/bench_wan_line.py --points 200x100 --concurrent 2
+Writes ``out/wan_line_bench/wan_line_bench.json`` (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from pdd_sglang.dev.wan_emulator import WanLine, check_prerequisites, measure  # noqa: E402
+from pdd_sglang.dev.wan_emulator.line_bench import run_point  # noqa: E402
+from pdd_sglang.prefill.wan_engine import (TCP_TRANSPORT_ENV, WAN_SLICE_BYTES,  # noqa: E402
+                                           window_for_line)
+
+# rate (Mbit/s) x RTT (ms): BDPs from 0.5 MB to 10 MB, past the 4 MiB slice, within the
+# forwarder's ceiling (it holds a set rate up to about 400 Mbit/s on 2 cores).
+DEFAULT_POINTS = ("100x40", "200x100", "200x200", "400x100", "400x200")
+LONG_FAT_LINE_SYSCTLS = {"net.ipv4.tcp_slow_start_after_idle": 0,
+                         "net.ipv4.tcp_rmem": "4096 131072 67108864",
+                         "net.ipv4.tcp_wmem": "4096 131072 67108864"}
+MIN_COPY_BYTES = 32 << 20
+
+
+def parse_point(text: str) -> tuple[float, float]:
+    try:
+        rate, rtt = (float(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a point is RATExRTT in Mbit/s and ms, got {text!r}")
+    if rate <= 0 or rtt <= 0:
+        raise argparse.ArgumentTypeError(f"rate and RTT must be positive, got {text!r}")
+    return rate, rtt
+
+
+def ceiling(rtt_ms: float) -> float:
+    with WanLine(0, rtt_ms, 0) as line:
+        return measure.bulk_rate(line, seconds=4.0)["steady_goodput_mbit"]
+
+
+def bench(args) -> dict:
+    out_dir = Path(args.out)
+    points = []
+    for rate, rtt in args.points:
+        bdp = int(rate * 1e6 / 8 * rtt / 1e3)
+        copy_bytes = max(args.bdp_multiple * bdp, MIN_COPY_BYTES)
+        copy_bytes -= copy_bytes % (1 << 20)
+        window = window_for_line(rate / 1e3, rtt)
+        print(f"== {rate:g} Mbit/s x {rtt:g} ms: BDP {bdp / 1e6:.2f} MB, copies of "
+              f"{copy_bytes / 1e6:.0f} MB, window {window / 1e6:.1f} MB", flush=True)
+        point = run_point(out_dir, rate_mbit=rate, rtt_ms=rtt, copy_bytes=copy_bytes,
+                          window_bytes=window, concurrent=args.concurrent,
+                          blocks=args.blocks_per_slice, sysctls=LONG_FAT_LINE_SYSCTLS)
+        for run in point["runs"]:
+            points.append({"rate_mbit": rate, "rtt_ms": rtt, "bdp_bytes": bdp,
+                           "copy_bytes": run["copy_bytes"], "concurrent": run["concurrent"],
+                           "rule": run["rule"], "window_bytes": run["window_bytes"],
+                           "achieved_mbit": run["achieved_mbit"],
+                           "line_goodput_mbit": point["goodput_mbit"],
+                           "utilization": run["achieved_mbit"] / point["goodput_mbit"],
+                           "copy_s": run["copy_s"]})
+    result = {"points": points, "slice_bytes": WAN_SLICE_BYTES,
+              "blocks_per_slice": args.blocks_per_slice, "bdp_multiple": args.bdp_multiple,
+              "mooncake_tcp_env": TCP_TRANSPORT_ENV, "sysctls": LONG_FAT_LINE_SYSCTLS,
+              "date": time.strftime("%Y-%m-%d %H:%M"),
+              "note": "2 shared cores: the forwarder, both Mooncake engines and the bench share "
+                      "them; utilization = achieved / the same line's bulk TCP goodput"}
+    if not args.no_ceiling:
+        result["forwarder_ceiling_mbit"] = {f"rtt_{rtt:g}ms": ceiling(rtt)
+                                            for rtt in sorted({r for _, r in args.points})[:2]}
+        print(f"forwarder ceiling (no rate limit): {result['forwarder_ceiling_mbit']}")
+    return result
+
+
+def print_table(result: dict) -> None:
+    print("| rate Mbit/s | RTT ms | BDP MB | copies | rule | window MB | achieved Mbit/s | "
+          "utilization |")
+    print("|---|---|---|---|---|---|---|---|")
+    for p in result["points"]:
+        print(f"| {p['rate_mbit']:g} | {p['rtt_ms']:g} | {p['bdp_bytes'] / 1e6:.2f} | "
+              f"{p['concurrent']} | {p['rule']} | {p['window_bytes'] / 1e6:.1f} | "
+              f"{p['achieved_mbit']:.1f} | {p['utilization']:.2f} |")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--points", nargs="+", type=parse_point,
+                        default=[parse_point(p) for p in DEFAULT_POINTS])
+    parser.add_argument("--concurrent", type=int, default=4)
+    parser.add_argument("--bdp-multiple", type=int, default=20)
+    parser.add_argument("--blocks-per-slice", type=int, default=8,
+                        help="Mooncake requests per 4 MiB slice (the KV's per-layer blocks)")
+    parser.add_argument("--no-ceiling", action="store_true")
+    parser.add_argument("--out", default="out/wan_line_bench")
+    args = parser.parse_args()
+    if args.concurrent < 1 or args.bdp_multiple < 1 or args.blocks_per_slice < 1:
+        parser.error("--concurrent, --bdp-multiple and --blocks-per-slice must be >= 1")
+    check_prerequisites()
+    result = bench(args)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    path = Path(args.out) / "wan_line_bench.json"
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print_table(result)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
