@@ -31,6 +31,7 @@ from pdd_sglang.router.relay_loss import (MAX_RELAY_LOSS_REPLACEMENTS, CachingCo
                                           MainSilence, RelayLost)
 from pdd_sglang.router.servers import RELAY, HealthMonitor, NoHealthyServer, ServerPool, Upstream
 from pdd_sglang.router.splice import SplicedUpdate, SpliceError, StreamSplicer, UpstreamChunk
+from pdd_sglang.router.stop_strings import StopStrings
 from pdd_sglang.router.upstream import UpstreamClient, UpstreamError
 
 logger = logging.getLogger("pdd_sglang.router")
@@ -174,7 +175,9 @@ class Dispatcher:
                            placement.route_name, retries, self.retry_max_retries, relay_losses)
 
     def _resumed(self, job: GenerateJob, last: SplicedUpdate) -> Resumed:
-        return Resumed(len(job.prompt_ids), list(last.output_ids), last.text,
+        # The text held back from the client goes on before the continuation's: the client has
+        # every token of it, and the continuation's server sees no stop string across them.
+        return Resumed(len(job.prompt_ids), list(last.output_ids), last.text + last.held_text,
                        lambda ids: self.model.decode(ids, job.skip_special_tokens))
 
     async def run(self, job: GenerateJob, placement: Placement, api: str,
@@ -202,7 +205,8 @@ class Dispatcher:
         copies: dict = {}  # main's WAN copy (router/line_state.py), shared by the two pumps
         splicer = StreamSplicer(
             with_relay=placement.relay is not None,
-            decode=lambda ids: self.model.decode(ids, job.skip_special_tokens))
+            decode=lambda ids: self.model.decode(ids, job.skip_special_tokens),
+            stops=StopStrings.of(job.sampling_params))
         queues = {u.role: asyncio.Queue() for u in placement.decoders}
         main_after = self._main_waits_for(job, placement)
         tasks = {u.role: self._spawn(self.pumps.decoder(

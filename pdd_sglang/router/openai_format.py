@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Optional
 
-from pdd_sglang.router.splice import SplicedUpdate
+from pdd_sglang.router.splice import SplicedUpdate, SpliceError
 
 
 def finish_fields(meta: dict) -> tuple[Optional[str], object]:
@@ -38,7 +38,7 @@ class OpenAIStream:
         self.include_usage = include_usage
         self.created = int(time.time())
         self.id: Optional[str] = None
-        self.sent_text = ""
+        self.sent_chars = 0  # of the answer's text, sent as deltas
         self.sent_role = False
 
     @property
@@ -72,9 +72,13 @@ class OpenAIStream:
     def chunks(self, update: SplicedUpdate) -> list[dict]:
         """The chunks one update turns into (text delta, then a finish chunk for chat)."""
         self.id = update.meta.get("id")
-        delta = update.text[len(self.sent_text):] if update.text.startswith(self.sent_text) \
-            else update.text
-        self.sent_text = update.text
+        if len(update.text) < self.sent_chars:
+            # The splicer's text only grows (splice.py): a shorter one is a router bug, and the
+            # client is told so, not sent the answer again.
+            raise SpliceError(f"the answer's text shrank from {self.sent_chars} characters to "
+                              f"{len(update.text)} after it was sent")
+        delta = update.text[self.sent_chars:]
+        self.sent_chars = len(update.text)
         reason, matched = finish_fields(update.meta) if update.finished else (None, None)
         out = []
         if self.chat:

@@ -15,6 +15,11 @@ Tokens are placed by *position*, never by arrival: a position already sent to th
 the same token in every later chunk (else SpliceError: the two servers disagree), a position past
 the end of what was sent must follow directly (else SpliceError: a gap). So the client never sees
 a gap, a duplicate or a reordering, whatever the servers send.
+
+The client's text only grows: what might still be cut (the start of a stop string, an incomplete
+character) waits until it is known not to be, and the matched stop string is cut from what the
+client never had (:mod:`pdd_sglang.router.stop_strings`). Token ids are never held back: SGLang
+keeps a matched stop string's tokens in ``output_ids`` too.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Callable, Optional
 
 from pdd_sglang.protocol.messages import HANDOFF_FINISH_TYPE
 from pdd_sglang.router.detokenize import IncrementalDetokenizer
+from pdd_sglang.router.stop_strings import StopStrings
 
 
 class SpliceError(RuntimeError):
@@ -71,11 +77,14 @@ class SplicedUpdate:
 
     new_ids: list[int]
     output_ids: list[int]
-    text: str
+    text: str  # the client's whole text: every earlier update's text, extended
     meta: dict
     finished: bool
     source: str  # "relay" or "main"
     first_after_handoff: bool = False
+    # The text of output_ids that follows ``text`` but may still be cut (a stop string's start):
+    # a continuation of the answer (resume.py) goes on after it.
+    held_text: str = ""
 
 
 @dataclass
@@ -84,8 +93,10 @@ class StreamSplicer:
 
     with_relay: bool
     decode: Callable[[list[int]], str]
+    stops: StopStrings = field(default_factory=StopStrings)
     emitted: list[int] = field(default_factory=list)
-    text: str = ""
+    text: str = ""  # the text of ``emitted``; the client has ``client_text``, a prefix of it
+    client_text: str = ""
     handed_tokens: Optional[int] = None
     handoff_info: Optional[dict] = None  # the relay's pdd_handoff dict (mode etc., if it says)
     main_cached_tokens: Optional[int] = None  # set by the caller as soon as main reports it
@@ -93,7 +104,6 @@ class StreamSplicer:
     relay_lost_at: Optional[int] = None  # positions the client had from the relay when it died
     diverged: bool = False  # after relay_lost: main sampled other tokens at those positions
     phase: str = field(init=False)
-    _base_text: str = field(default="", init=False)
     _detok: Optional[IncrementalDetokenizer] = field(default=None, init=False)
     # ((phase, first position), ids of that stream already placed): see _place.
     _checked: tuple = field(default=(None, 0), init=False)
@@ -137,14 +147,13 @@ class StreamSplicer:
 
     def _start_main_text(self) -> None:
         """From here the router decodes main's tokens itself, incrementally (O(new tokens) per
-        chunk, :mod:`pdd_sglang.router.detokenize`), after the text the client already has."""
-        self._base_text = self.text
+        chunk, :mod:`pdd_sglang.router.detokenize`), after the relay's text."""
         self._detok, decoded = IncrementalDetokenizer.start(self.decode, self.emitted)
-        if self._detok.read_offset < len(self.emitted) and self._base_text != decoded:
+        if self._detok.read_offset < len(self.emitted) and self.text != decoded:
             # The relay's last tokens end inside a character and its text shows them (as
-            # U+FFFD): the router's decode up to the character's start counts from here, the
-            # character comes whole with main's tokens.
-            self._base_text = decoded
+            # U+FFFD, which the client was not sent): the router's decode up to the character's
+            # start counts from here, the character comes whole with main's tokens.
+            self.text = decoded
 
     # ---- main ---------------------------------------------------------------------------
     def main_chunk(self, chunk: UpstreamChunk) -> Optional[SplicedUpdate]:
@@ -164,8 +173,7 @@ class StreamSplicer:
         if self._detok is not None:
             piece = self._detok.step(self.emitted, final=chunk.finished)
             if piece:
-                self._base_text += piece
-            self.text = _trim_matched_stop(self._base_text, chunk)
+                self.text += piece
         else:
             self.text = chunk.text if chunk.text is not None else self.decode(self.emitted)
         if chunk.finished:
@@ -220,15 +228,21 @@ class StreamSplicer:
             client_meta["cached_tokens"] = self.main_cached_tokens
         if not finished:
             client_meta["finish_reason"] = None
-        return SplicedUpdate(list(new_ids), list(self.emitted), self.text, client_meta, finished,
-                             source, first_after_handoff)
+        text = self._grow_client_text(finished, meta.get("finish_reason"))
+        held = "" if finished or len(self.text) == len(text) else self.text[len(text):]
+        return SplicedUpdate(list(new_ids), list(self.emitted), text, client_meta, finished,
+                             source, first_after_handoff, held)
 
-
-def _trim_matched_stop(text: str, chunk: UpstreamChunk) -> str:
-    """SGLang trims a matched stop string from the text; the router's own decode must too."""
-    reason = chunk.meta.get("finish_reason") if chunk.finished else None
-    if isinstance(reason, dict) and reason.get("type") == "stop":
-        matched = reason.get("matched")
-        if isinstance(matched, str) and matched and text.endswith(matched):
-            return text[: -len(matched)]
-    return text
+    def _grow_client_text(self, finished: bool, finish_reason) -> str:
+        """The client's text after this update: ``text`` up to what may be sent now."""
+        sent = len(self.client_text)
+        if not finished:
+            end = self.stops.sendable_end(self.text, sent)
+        elif self._detok is not None:
+            # The router's own decode: cut the matched stop string as SGLang would have.
+            end = self.stops.final_end(self.text, sent, finish_reason)
+        else:
+            end = len(self.text)  # a server's own text, which SGLang cut already
+        if end > sent:  # else nothing new (or a server whose text shrank: the client keeps its)
+            self.client_text = self.text if end == len(self.text) else self.text[:end]
+        return self.client_text

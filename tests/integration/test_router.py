@@ -155,6 +155,58 @@ def test_router_splices_a_real_handoff(router_cluster, stream):
     assert_idle(router_cluster)
 
 
+# Where the stop string's first word may be: past where main is ready (the relay has decoded some
+# 200-400 tokens by then, test_router_splices_a_real_handoff), so that main matches it.
+STOP_FROM_TOKEN = 550
+
+
+def _first_new_word_pair(ids: list[int], start: int) -> str:
+    """Two consecutive words of the answer from ``start`` on that occur nowhere before."""
+    for at in range(start, len(ids) - 1):
+        pair = text_of(ids[at:at + 2])
+        if text_of(ids[:at + 2]).find(pair) == len(text_of(ids[:at])) + 1:
+            return pair
+    pytest.fail("the answer repeats every pair of words from its middle on")
+
+
+@pytest.mark.parametrize("no_stop_trim", [False, True], ids=["trimmed", "no_stop_trim"])
+def test_a_stop_string_main_matches_after_a_real_handoff_is_sent_once(router_cluster,
+                                                                       no_stop_trim):
+    """A two-word stop string that main completes after the relay handed off: the router decodes
+    main's tokens itself, holds back the first word until the second shows the stop, and cuts the
+    text as the plain server does (keeping the stop string with no_stop_trim); every stream gets
+    each character once. Handing off is a race (see the test above): one of three prompts must."""
+    router, plain = router_cluster.router.url, router_cluster["plain"]
+    sampling = {**GREEDY, "max_new_tokens": ANSWER_TOKENS, "ignore_eos": True}
+    outcomes = []
+    for attempt in range(3):
+        prompt = words(29 + no_stop_trim + 10 * attempt, 3 * ROUTER_RELAY_ABOVE_TOKENS)
+        free = plain.post_json("/generate", {"input_ids": prompt, "sampling_params": sampling})
+        stop = {"stop": [_first_new_word_pair(free["output_ids"], STOP_FROM_TOKEN)],
+                "no_stop_trim": no_stop_trim}
+        reference = plain.post_json("/generate", {"input_ids": prompt,
+                                                  "sampling_params": {**sampling, **stop}})
+        assert reference["meta_info"]["finish_reason"] == {"type": "stop",
+                                                           "matched": stop["stop"][0]}
+        chunks = post_stream(router, "/generate", {"input_ids": prompt, "stream": True,
+                                                   "sampling_params": {**sampling, **stop}})
+        for before, after in zip(chunks, chunks[1:]):
+            assert after["text"].startswith(before["text"]), (before["text"], after["text"])
+        final = chunks[-1]
+        assert final["text"] == reference["text"] and final["output_ids"] == reference["output_ids"]
+        assert final["meta_info"]["finish_reason"] == reference["meta_info"]["finish_reason"]
+        completion = post_stream(router, "/v1/completions", {
+            "prompt": prompt, "max_tokens": ANSWER_TOKENS, "temperature": 0, "ignore_eos": True,
+            "stream": True, **stop})
+        assert "".join(c["choices"][0]["text"] for c in completion if c["choices"]) == \
+            reference["text"]
+        outcomes.append(final["meta_info"]["pdd"]["outcome"])
+        if outcomes[-1] == "handoff":
+            break
+    assert outcomes[-1] == "handoff", outcomes
+    assert_idle(router_cluster)
+
+
 def test_the_router_polls_each_prefills_compact_wan_line(router_cluster):
     """``GET /pdd/line`` (patch 0018), what the router's congestion-aware placement polls every
     second: the prefill's WAN line and mains out, as ``/server_info`` has them, from a report its

@@ -107,6 +107,39 @@ def pipeline_of(body: dict) -> str:
     return body["kv_hints"]["actions"][0]["payload"]["pipeline"]
 
 
+def relay_dies_unnoticed(relay_ids: list[list[int]], continuation: list) -> ScriptedClient:
+    """The relay streams ``relay_ids`` (cumulative) and resets before main, which never connected
+    to it, says anything; main's copy lands after the death; the continuation on a fresh
+    placement streams the ``continuation`` chunks. The router's probe finds the relay gone."""
+    died = asyncio.Event()
+
+    async def relay_then_reset(upstream):
+        for ids in relay_ids:
+            yield chunk(ids)
+        died.set()
+        raise UpstreamError(upstream, "ServerDisconnectedError", "upstream_connection")
+
+    async def waits_for_a_handoff(upstream):
+        await forever()
+        yield
+
+    async def continues(upstream):
+        for item in continuation:
+            yield item
+
+    async def lands_after_the_relay_died(upstream):
+        await died.wait()
+        return {}
+
+    async def answered(upstream):
+        return {}
+
+    client = ScriptedClient({RELAY: [relay_then_reset], MAIN: [waits_for_a_handoff, continues]},
+                            [lands_after_the_relay_died, answered])
+    client.health_of["http://r"] = HEALTH_UNREACHABLE
+    return client
+
+
 def test_a_relay_refusing_the_connection_is_out_at_once_and_the_request_goes_p_to_md():
     async def refused(upstream):
         raise UpstreamError(upstream, "Connect call failed", "upstream_connection",
@@ -150,32 +183,9 @@ def test_a_relay_dying_mid_answer_goes_on_at_main_from_the_clients_last_token():
     """Main never connected to the relay, so it never notices: once its copy has landed (the
     prefill answered) and main stays silent, the router continues the request on main."""
     async def test():
-        died = asyncio.Event()
-
-        async def relay_then_reset(upstream):
-            yield chunk([10])
-            yield chunk([10, 11])
-            died.set()
-            raise UpstreamError(upstream, "ServerDisconnectedError", "upstream_connection")
-
-        async def waits_for_a_handoff(upstream):
-            await forever()
-            yield
-
-        async def continues(upstream):  # the continuation's own ids, from its first token
-            yield chunk([12], completion=1)
-            yield chunk([12, 13], LENGTH, completion=2)
-
-        async def lands_after_the_relay_died(upstream):
-            await died.wait()
-            return {}
-
-        async def answered(upstream):
-            return {}
-
-        client = ScriptedClient({RELAY: [relay_then_reset], MAIN: [waits_for_a_handoff, continues]},
-                                [lands_after_the_relay_died, answered])
-        client.health_of["http://r"] = HEALTH_UNREACHABLE  # what the router's probe finds
+        # The continuation's own ids, from its first token.
+        client = relay_dies_unnoticed([[10], [10, 11]], [chunk([12], completion=1),
+                                                         chunk([12, 13], LENGTH, completion=2)])
         dispatcher = make_dispatcher(client, grace_s=0.0)
         updates = await answer(dispatcher)
         assert [u.output_ids for u in updates] == [[10], [10, 11], [10, 11, 12],
@@ -194,6 +204,23 @@ def test_a_relay_dying_mid_answer_goes_on_at_main_from_the_clients_last_token():
         assert client.log.index(("abort", MAIN, first["rid"])) < client.log.index(
             ("generate", MAIN, second["rid"]))
         assert not dispatcher.pool.by_role[RELAY][0].healthy  # the probe's verdict
+
+    run(test())
+
+
+def test_text_held_back_for_a_stop_string_goes_on_before_the_continuations():
+    """The client had w10 w11 and the relay's w12, held back as the possible start of the stop
+    string "w12 w13": the continuation after the relay's loss goes on after w12, which it keeps
+    (its server sees no stop string across the resume point, resume.py)."""
+    async def test():
+        client = relay_dies_unnoticed([[10], [10, 11, 12]], [chunk([13], LENGTH, completion=1)])
+        dispatcher = make_dispatcher(client, grace_s=0.0)
+        job = GenerateJob(list(PROMPT), {"max_new_tokens": 4, "stop": ["w12 w13"]}, stream=True)
+        updates = [u async for u in dispatcher.serve(job, dispatcher.place(job), "generate",
+                                                     time.perf_counter())]
+        await dispatcher.drain()
+        assert [u.text for u in updates] == ["w10", "w10 w11 ", "w10 w11 w12 w13"]
+        assert client.bodies[MAIN][1]["input_ids"] == PROMPT + [10, 11, 12]
 
     run(test())
 

@@ -108,7 +108,7 @@ MAIN_SCRIPT = [{"ids": [13], "cached": 40, "meta": {"completion_tokens": 4}},
 
 
 async def with_router(scripts, test, delay_s=0.0, policy=None, prefill_failures=0,
-                      retry_after_first_token=False):
+                      retry_after_first_token=False, incremental_streaming_output=False):
     model_path = str(ensure_tiny_model())
     prefill = FakeServer("prefill", model_path, failures=prefill_failures)
     relay = FakeServer("relay", model_path, scripts[0], delay_s)
@@ -118,6 +118,7 @@ async def with_router(scripts, test, delay_s=0.0, policy=None, prefill_failures=
     config = RouterConfig(prefills=(PrefillEndpoint(prefill.url, 9999),), relays=(relay.url,),
                           mains=(main.url,), link=LinkParams(1.0, 0.0),  # 1 B/s: always relay
                           retry_after_first_token=retry_after_first_token,
+                          incremental_streaming_output=incremental_streaming_output,
                           **({"policy": policy} if policy is not None else {}))
     runner = web.AppRunner(build_app(RouterService(config)), handler_cancellation=True)
     await runner.setup()
@@ -436,3 +437,99 @@ def test_servers_that_disagree_after_the_handoff_cost_a_continuation_not_an_erro
         return [{"ids": [20]}, {"ids": [21], "finish": LENGTH}]
 
     asyncio.run(with_router([relay_script, main_script], test, delay_s=0.05))
+
+
+# A stop string of two tokens: w8 is token 12, w9 token 13 (the fake servers' words are id - 4).
+STOP_STRING = "w8 w9"
+STOPPED = {"type": "stop", "matched": STOP_STRING}
+
+
+def _handoff_after(handed: int) -> list:
+    return [{"ids": [10 + i]} for i in range(handed - 1)] + [
+        {"ids": [10 + handed - 1], "finish": {"type": "pdd_handoff", "handed_tokens": handed}}]
+
+
+def _main_from(position: int) -> list:
+    """Main's stream from ``position`` up to the stop string's last token (13), which it matches;
+    completion_tokens counts from the answer's first token, as SGLang counts after a handoff."""
+    ids = range(10 + position, 14)
+    return [{"ids": [i], "meta": {"completion_tokens": i - 9},
+             **({"finish": STOPPED} if i == 13 else {})} for i in ids]
+
+
+# (relay, main) scripts in which the client's stream must hold w8 back until w9 shows it is the
+# stop string's start. The relay's pdd_handoff chunk carries every token it generated, w8
+# included (a finish flushes what SGLang's scheduler held back while w8 could start a stop).
+STOP_SPLIT_AFTER_A_HANDOFF = {
+    "across_the_handoff": (_handoff_after(3), _main_from(3)),
+    "across_mains_chunks": (_handoff_after(2), _main_from(2)),
+}
+# The relay dies after two tokens; main, decoding alone from the first token, streams w8 and w9
+# in two chunks after the client's last position.
+STOP_SPLIT_AFTER_A_RELAY_LOSS = ([{"ids": [10]}, {"ids": [11]}, {"die": True}], _main_from(0))
+
+
+async def _client_views(session, url: str, stop_fields: dict) -> dict:
+    """One request per streaming API, each as its client reads it: /generate's texts chunk by chunk
+    (cumulative, or pieces with --incremental-streaming-output), the OpenAI APIs' text deltas."""
+    views = {}
+    generate = {"input_ids": [5, 6, 7], "stream": True,
+                "sampling_params": {"max_new_tokens": 6, **stop_fields}}
+    async with session.post(url + "/generate", json=generate) as resp:
+        events = await sse(resp)
+    views["generate"] = [event["text"] for event in events]
+    views["outcome"] = events[-1]["meta_info"]["pdd"]["outcome"]
+    completion = {"prompt": "w1 w2", "max_tokens": 6, "stream": True, **stop_fields}
+    async with session.post(url + "/v1/completions", json=completion) as resp:
+        views["completions"] = [e["choices"][0]["text"] for e in await sse(resp) if e["choices"]]
+    chat = {"messages": [{"role": "user", "content": "w1 w2"}], "max_tokens": 6, "stream": True,
+            **stop_fields}
+    async with session.post(url + "/v1/chat/completions", json=chat) as resp:
+        views["chat"] = [e["choices"][0]["delta"].get("content") or ""
+                         for e in await sse(resp) if e["choices"]]
+    return views
+
+
+def _assert_streamed_once(views: dict, expected: str, incremental: bool = False) -> None:
+    """Every API's client ends with ``expected`` and was never sent text it had to take back."""
+    assert views["outcome"] in ("handoff", "relay_lost"), views  # main's tokens, the router's text
+    if incremental:
+        assert "".join(views["generate"]) == expected, views
+    else:
+        texts = views["generate"]
+        for before, after in zip(texts, texts[1:]):
+            assert after.startswith(before), views  # no chunk takes back what one showed
+        assert texts[-1] == expected, views
+    for api in ("completions", "chat"):
+        assert "".join(views[api]) == expected, (api, views)
+
+
+def _stop_string_run(scripts, stop_fields: dict, expected: str, incremental: bool = False):
+    async def test(session, url, prefill, relay, main):
+        _assert_streamed_once(await _client_views(session, url, stop_fields), expected,
+                              incremental)
+
+    asyncio.run(with_router(scripts, test, delay_s=0.02,
+                            incremental_streaming_output=incremental))
+
+
+@pytest.mark.parametrize("split", sorted(STOP_SPLIT_AFTER_A_HANDOFF))
+def test_a_stop_string_split_across_chunks_after_a_handoff_is_never_sent_then_taken_back(split):
+    # SGLang trims the matched stop string: the answer is the text before it.
+    _stop_string_run(STOP_SPLIT_AFTER_A_HANDOFF[split], {"stop": [STOP_STRING]}, "w6 w7 ")
+
+
+def test_a_stop_string_split_across_chunks_after_a_relay_loss_is_never_sent_then_taken_back():
+    _stop_string_run(STOP_SPLIT_AFTER_A_RELAY_LOSS, {"stop": [STOP_STRING]}, "w6 w7 ")
+
+
+def test_a_stop_string_is_held_back_from_incremental_generate_streams_too():
+    _stop_string_run(STOP_SPLIT_AFTER_A_HANDOFF["across_the_handoff"], {"stop": [STOP_STRING]},
+                     "w6 w7 ", incremental=True)
+
+
+@pytest.mark.parametrize("scripts", [STOP_SPLIT_AFTER_A_HANDOFF["across_the_handoff"],
+                                     STOP_SPLIT_AFTER_A_RELAY_LOSS],
+                         ids=["handoff", "relay_loss"])
+def test_no_stop_trim_keeps_the_matched_stop_string_in_every_stream(scripts):
+    _stop_string_run(scripts, {"stop": [STOP_STRING], "no_stop_trim": True}, "w6 w7 w8 w9")

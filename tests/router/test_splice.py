@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdd_sglang.router.splice import SpliceError, StreamSplicer, UpstreamChunk
+from pdd_sglang.router.stop_strings import StopStrings
 
 
 def decode(ids):
@@ -165,3 +166,90 @@ def test_incremental_chunks_share_one_growing_list_without_seeing_later_ids():
     updates = [s.main_chunk(c) for c in chunks]  # all three queued before the first is read
     assert [u.new_ids for u in updates] == [[4], [5], [6]]
     assert updates[-1].output_ids == [1, 2, 3, 4, 5, 6] and updates[-1].text == decode([1, 2, 3, 4, 5, 6])
+
+
+# ---- stop strings: nothing sent is taken back (stop_strings.py) ---------------------------------
+def test_the_start_of_a_stop_string_waits_until_the_text_shows_what_it_is():
+    stops = StopStrings(("t3 t4",))
+    s = StreamSplicer(with_relay=True, decode=decode, stops=stops)
+    s.relay_chunk(chunk([1, 2], True, finish_reason={"type": "pdd_handoff", "handed_tokens": 2}))
+    assert s.main_chunk(chunk([3], completion_tokens=3)).text == "t1 t2 "  # t3 may start it
+    assert s.main_chunk(chunk([3, 5], completion_tokens=4)).text == "t1 t2 t3 t5"  # it did not
+    s = StreamSplicer(with_relay=True, decode=decode, stops=stops)
+    s.relay_chunk(chunk([1, 2], True, finish_reason={"type": "pdd_handoff", "handed_tokens": 2}))
+    held = s.main_chunk(chunk([3], completion_tokens=3))
+    assert held.held_text == "t3"
+    final = s.main_chunk(chunk([3, 4], True, completion_tokens=4,
+                               finish_reason={"type": "stop", "matched": "t3 t4"}))
+    assert final.text == "t1 t2 " and final.held_text == ""
+
+
+def test_a_stop_string_the_relays_handoff_chunk_starts_is_held_back_from_it():
+    s = StreamSplicer(with_relay=True, decode=decode, stops=StopStrings(("t3 t4",)))
+    relay = s.relay_chunk(chunk([1, 2, 3], True,
+                                finish_reason={"type": "pdd_handoff", "handed_tokens": 3}))
+    assert relay.text == "t1 t2 " and relay.output_ids == [1, 2, 3]  # ids are never held
+    final = s.main_chunk(chunk([4], True, completion_tokens=4,
+                               finish_reason={"type": "stop", "matched": "t3 t4"}))
+    assert final.text == "t1 t2 " and final.new_ids == [4]
+
+
+def test_no_stop_trim_keeps_the_stop_string_and_cuts_what_follows_it_in_its_token():
+    stops = StopStrings(("t3 t",), no_stop_trim=True)  # ends inside token 4 ("t4")
+    s = StreamSplicer(with_relay=True, decode=decode, stops=stops)
+    s.relay_chunk(chunk([1, 2], True, finish_reason={"type": "pdd_handoff", "handed_tokens": 2}))
+    final = s.main_chunk(chunk([3, 4], True, completion_tokens=4,
+                               finish_reason={"type": "stop", "matched": "t3 t"}))
+    assert final.text == "t1 t2 t3 t"  # SGLang's cut: the text up to the stop string's end
+
+
+def test_a_servers_own_text_is_passed_through_as_sglang_cut_it():
+    s = StreamSplicer(with_relay=False, decode=decode, stops=StopStrings(("b c",)))
+    assert s.main_chunk(chunk([1], text="a b")).text == "a "  # a server that did not hold back
+    final = s.main_chunk(chunk([1, 2], True, text="a ",
+                               finish_reason={"type": "stop", "matched": "b c"}))
+    assert final.text == "a "
+
+
+@pytest.mark.parametrize("text,sent,end", [
+    ("ab st", 0, 3),  # "st" may start "stop"
+    ("ab stop", 0, 3),  # a whole stop string the server has not finished on yet
+    ("ab sx", 0, 5),
+    ("ab s\ufffd", 0, 3),  # an incomplete character, then a stop string's start
+    ("ab st", 4, 5),  # what the client has is not held again: "t" starts no stop string
+])
+def test_sendable_end(text, sent, end):
+    assert StopStrings(("stop",)).sendable_end(text, sent) == end
+
+
+@pytest.mark.parametrize("text,sent,reason,no_trim,end", [
+    ("ab stop", 3, {"type": "stop", "matched": "stop"}, False, 3),
+    ("ab stop", 3, {"type": "stop", "matched": "stop"}, True, 7),
+    ("ab stopx", 3, {"type": "stop", "matched": "stop"}, True, 7),
+    ("ab st", 5, {"type": "stop", "matched": "stop"}, False, 5),  # no stop found: all of it
+    ("ab stop", 5, {"type": "stop", "matched": "stop"}, False, 5),  # part sent: only the rest
+    ("ab stop", 3, {"type": "length"}, False, 7),
+    ("ab stop", 3, {"type": "stop", "matched": 2}, False, 7),  # a stop token: ids, not text
+])
+def test_final_end(text, sent, reason, no_trim, end):
+    assert StopStrings(("stop",), no_trim).final_end(text, sent, reason) == end
+
+
+def test_stop_strings_come_from_sglangs_sampling_params():
+    assert StopStrings.of({"stop": "x"}) == StopStrings(("x",))
+    assert StopStrings.of({"stop": ["x", ""], "no_stop_trim": True}) == StopStrings(("x",), True)
+    assert StopStrings.of({}) == StopStrings()
+
+
+def test_the_openai_stream_sends_each_character_once_and_refuses_text_that_shrank():
+    from pdd_sglang.router.openai_format import OpenAIStream
+    from pdd_sglang.router.splice import SplicedUpdate
+    stream = OpenAIStream(chat=False, model="m")
+
+    def update(text):
+        return SplicedUpdate([1], [1], text, {"finish_reason": None}, False, "main")
+
+    assert [c["choices"][0]["text"] for c in stream.chunks(update("ab"))] == ["ab"]
+    assert [c["choices"][0]["text"] for c in stream.chunks(update("abc"))] == ["c"]
+    with pytest.raises(SpliceError, match="shrank"):  # never the whole answer a second time
+        stream.chunks(update("a"))
