@@ -104,12 +104,15 @@ def test_every_folder_is_a_regular_package():
     assert not missing
 
 
-def test_the_packaging_ships_every_package():
-    from setuptools import find_packages
+def test_the_packaging_ships_every_package_and_nothing_else():
+    """pyproject.toml's discovery, as setuptools runs it: regular packages only (a folder that
+    lost its ``__init__.py`` would silently leave the wheel, with every folder below it)."""
+    from setuptools import find_namespace_packages, find_packages
 
-    config = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())
-    include = config["tool"]["setuptools"]["packages"]["find"]["include"]
-    shipped = set(find_packages(where=str(PACKAGE.parent), include=include))
+    find = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "packages"]["find"]
+    finder = find_namespace_packages if find.get("namespaces", True) else find_packages
+    shipped = set(finder(where=str(PACKAGE.parent), include=find["include"]))
     expected = {".".join(d.relative_to(PACKAGE.parent).parts) for d in _source_folders()}
-    assert expected - shipped == set()
+    assert shipped == expected
     assert "pdd_sglang.prefill" in shipped and "pdd_sglang.dev.testing" in shipped
