@@ -146,35 +146,6 @@ class PddArgs(msgspec.Struct):
         "mismatch the relay finishes the request itself and main drops its copy uncached. "
         "Hashes every received KV row on the CPU: set it on both relay and main. Default: off.",
     ] = False
-    pdd_debug_corrupt_wan_kv: A[
-        bool,
-        "PDD debug (main): honour a request's route field debug_corrupt_wan_kv, which changes "
-        "one value of the KV the request received across the WAN before the digest is taken, "
-        "to exercise --pdd-enable-kv-digest. For tests only.",
-    ] = False
-    pdd_debug_handoff_hold: A[
-        bool,
-        "PDD debug (relay): honour a request's route fields debug_handoff_after_tokens and "
-        "debug_handoff_mode, which force where and how the handoff happens. For tests only.",
-    ] = False
-    pdd_debug_wan_delay_ms: A[
-        int,
-        "PDD debug (prefill): hold every KV chunk on the WAN path this many milliseconds before "
-        "it is sent, so a test can make main's copy slow without a WAN emulator. For tests "
-        "only. Default: 0.",
-    ] = 0
-    pdd_debug_wan_blocking_wait: A[
-        bool,
-        "PDD debug (prefill): wait on WAN copies inside Mooncake's synchronous batch call, "
-        "which polls without sleeping (the behaviour before the asynchronous WAN path), so a "
-        "benchmark can compare the two. For benchmarks only.",
-    ] = False
-    pdd_debug_kv_digest: A[
-        bool,
-        "PDD debug: hash each request's prompt KV on every server (prefill after its last "
-        "chunk, relay and main once the transfer lands) and show the digests in /server_info. "
-        "Reads every layer's rows: for tests only.",
-    ] = False
 
 
 class PddConfigError(ValueError):
@@ -335,8 +306,6 @@ def _check_handoff_flags(cfg: Any) -> None:
         raise PddConfigError(
             f"--pdd-relay-load-watermark must be >= 0, got {cfg.pdd_relay_load_watermark}"
         )
-    if cfg.pdd_debug_wan_delay_ms < 0:
-        raise PddConfigError(f"--pdd-debug-wan-delay-ms must be >= 0, got {cfg.pdd_debug_wan_delay_ms}")
     for flag in ("pdd_relay_bootstrap_timeout", "pdd_main_bootstrap_timeout"):
         if getattr(cfg, flag) <= 0:
             raise PddConfigError(

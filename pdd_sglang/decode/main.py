@@ -54,6 +54,7 @@ from collections import Counter
 from http import HTTPStatus
 from typing import Any, Optional
 
+from pdd_sglang import seam
 from pdd_sglang.diagnostics import kv_digest
 from pdd_sglang.protocol.control_channel import PeerState
 from pdd_sglang.decode.handoff_channel import HandoffStats, main_loop
@@ -109,18 +110,16 @@ class MainHandoff(ExtendSteps):
                                                  now + self.args.pdd_handoff_timeout,
                                                  own_tokens=len(req.output_ids))
             if self.args.pdd_enable_kv_digest:
-                self._start_digest(parked, route)
+                self._start_digest(parked)
             else:
                 self._send_ready(parked, HandoffReady(room=room), now)
         return passed
 
-    def _start_digest(self, parked: _Parked, route: Any) -> None:
+    def _start_digest(self, parked: _Parked) -> None:
         """Hash the KV that crossed the WAN off the scheduler thread; HandoffReady waits."""
         req = parked.req
         parked.digest_start = int(req.kv.cache_protected_len)  # before it: main's own cache
-        if (self.args.pdd_debug_corrupt_wan_kv and route.debug_corrupt_wan_kv
-                and parked.digest_start < len(req.origin_input_ids)):
-            kv_digest.corrupt_one_value(self.scheduler, req, parked.digest_start)
+        seam.aids.main_wan_kv_landed(self, req, parked.digest_start)
         parked.digest = kv_digest.PendingHashes.start(self.scheduler, req, parked.digest_start,
                                                       background=True)
         parked.state = Held.DIGESTING

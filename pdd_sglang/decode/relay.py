@@ -45,13 +45,12 @@ import time
 from collections import OrderedDict
 from typing import Any, Optional
 
-from pdd_sglang import policy
+from pdd_sglang import policy, seam
 from pdd_sglang.diagnostics import kv_digest
 from pdd_sglang.decode.handoff_channel import HandoffStats, policy_config, relay_loop
 from pdd_sglang.decode.finish import HandedOff
-from pdd_sglang.decode.relay_debug_hold import READY_WAIT_S, DebugHold
 from pdd_sglang.decode.relay_state import Handing, Active, Pending
-from pdd_sglang.decode.route_cache import is_relay_main, route_for
+from pdd_sglang.decode.route_cache import is_relay_main
 from pdd_sglang.decode.tp_sync import FollowerLoop, RankInputs
 from pdd_sglang.protocol.messages import (HandoffAck, HandoffReady, HandoffRefused, HandoffTokens,
                                  encode, pack_tokens)
@@ -59,6 +58,9 @@ from pdd_sglang.protocol.messages import (HandoffAck, HandoffReady, HandoffRefus
 logger = logging.getLogger(__name__)
 
 FINISHED_ROOMS_KEPT = 8192
+# A HandoffReady may beat the relay's own copy of the request into its running batch (the
+# relay's prebuilt step lags a little); past this, the room is unknown.
+READY_WAIT_S = 30.0
 # Main acknowledges the last chunk once its extend ran (a step and a round trip); past this the
 # relay takes the request back (main died, or is far behind) and answers it itself. The client
 # waits at most this long for the rest of a handed request whose main died at that moment.
@@ -68,7 +70,7 @@ FINAL_ACK_WAIT_S = 10.0
 KV_HASHED_ROOMS_KEPT = 1024
 
 
-class RelayHandoff(DebugHold):
+class RelayHandoff:
     def __init__(self, scheduler: Any, args: Any):
         self.scheduler = scheduler
         self.args = args
@@ -80,7 +82,10 @@ class RelayHandoff(DebugHold):
         self.pending: dict[int, Pending] = {}
         self.active: dict[int, Active] = {}
         self.finished_rooms: OrderedDict[int, str] = OrderedDict()
-        self.held_out: dict[int, tuple] = {}  # room -> (req, since): test-only handoff hold
+        # Requests this relay took out of SGLang's batch, their row and KV kept (a last chunk
+        # waiting for main's ack; or an aid's, pdd_sglang.seam): out of SGLang's reach, so the
+        # relay resumes, finishes or aborts each itself.
+        self.out_of_batch: dict[int, Any] = {}
         # --pdd-enable-kv-digest: each room's prompt-KV hashes, computed off the scheduler thread.
         self.kv_hashes: OrderedDict[int, kv_digest.PendingHashes] = OrderedDict()
         self._closed = False
@@ -110,9 +115,8 @@ class RelayHandoff(DebugHold):
             self._on_message(peer, message)
         if self.ranks.size == 1:
             now = time.monotonic()
-        if self.args.pdd_debug_handoff_hold:
-            running_batch = self._hold_out(running_batch, now)
-            reqs.update({room: req for room, (req, _) in self.held_out.items()})
+        running_batch = seam.aids.relay_before_handoffs(self, running_batch, now)
+        reqs.update(self.out_of_batch)
         for room, pending in list(self.pending.items()):
             hashes = self.kv_hashes.get(room)
             if pending.ready.kv_digest and hashes is not None and not hashes.ready():
@@ -133,15 +137,14 @@ class RelayHandoff(DebugHold):
                     del self.pending[room]
                     self._refuse(pending.peer, room, "relay_not_ready")
                 continue
-            if not self._hold_satisfied(req):
+            if not seam.aids.relay_may_hand_off(self, req):
                 continue
             del self.pending[room]
             refusal = self._kv_verdict(pending.ready)
             if refusal is not None:  # main's copy is damaged: the relay decodes on to the end
                 self._refuse(pending.peer, room, refusal)
-                held = self.held_out.pop(room, None)
-                if held is not None:  # test-only hold: out of the batch, back in to finish
-                    self._resume(held[0], "main's KV copy was damaged")
+                if room in self.out_of_batch:
+                    self._resume(req, "main's KV copy was damaged")
                 continue
             self._start(room, req, pending.peer)
         for room, active in list(self.active.items()):
@@ -154,33 +157,28 @@ class RelayHandoff(DebugHold):
                 self._resume(active.req, "main did not acknowledge the last chunk")
             elif active.state is Handing.AWAITING_ACK and (
                     active.req.finished() or now - active.last_sent_at > FINAL_ACK_WAIT_S):
-                # Mid Catch-Up the request is still in the batch: it just stops being handed.
+                # Mid Catch-Up the request is in the batch (unless an aid took it out, and then it
+                # goes back in): it just stops being handed.
                 del self.active[room]
                 why = "finished_at_relay" if active.req.finished() else "ack_timeout"
                 self._refuse(active.peer, room, why)
                 logger.warning("PDD relay: room %s left mid Catch-Up (%s); decoded here", room, why)
-                if room in self.held_out:  # the test-only hold took its last token's step
+                if room in self.out_of_batch:
                     self._resume(active.req, "main did not acknowledge a Catch-Up chunk")
         # A request whose last chunk is out stops decoding here until main says it has it.
         leaving = [a.req for a in self.active.values() if a.state is Handing.AWAITING_FINAL_ACK]
         leaving = [req for req in leaving if any(req is r for r in running_batch.reqs)]
         running_batch = self._leave_batch(running_batch, leaving)
-        if self.args.pdd_debug_handoff_hold:
-            running_batch = self._hold_catch_up_tail(running_batch, now)
+        running_batch = seam.aids.relay_after_handoffs(self, running_batch, now)
         return running_batch, None
 
     def idle(self) -> bool:
-        return not self.pending and not self.active and not self.held_out
+        return not self.pending and not self.active and not self.out_of_batch
 
     def abort(self, abort_req: Any) -> None:
-        """Requests out of the batch (waiting for main's last ack, or the test-only hold) are
-        not in SGLang's reach: abort them here."""
-        out = {room: req for room, (req, _) in self.held_out.items()}
-        out.update({room: a.req for room, a in self.active.items()
-                    if a.state is Handing.AWAITING_FINAL_ACK})
-        for room, req in out.items():
+        """Requests out of the batch are not in SGLang's reach: abort them here."""
+        for room, req in list(self.out_of_batch.items()):
             if abort_req.abort_all or req.rid.startswith(abort_req.rid):
-                self.held_out.pop(room, None)
                 active = self.active.pop(room, None)
                 if active is not None:
                     self._refuse(active.peer, room, "aborted_at_relay")
@@ -192,6 +190,7 @@ class RelayHandoff(DebugHold):
         from sglang.srt.disaggregation.utils import prepare_abort
         from sglang.srt.mem_cache.common import release_kv_cache
 
+        self.out_of_batch.pop(req.bootstrap_room, None)
         prepare_abort(req, message, status_code=HTTPStatus.SERVICE_UNAVAILABLE)
         self.scheduler.output_streamer.stream_output([req], req.return_logprob)
         release_kv_cache(req, self.scheduler.tree_cache, checkpoint=False)
@@ -199,7 +198,7 @@ class RelayHandoff(DebugHold):
 
     def state(self) -> dict:
         return {**self.stats.snapshot(self.loop), "pending": len(self.pending),
-                "active": len(self.active), "held_out": len(self.held_out)}
+                "active": len(self.active), "out_of_batch": len(self.out_of_batch)}
 
     # ---- messages --------------------------------------------------------------------------
     def _on_message(self, peer: bytes, message: Any) -> None:
@@ -226,13 +225,10 @@ class RelayHandoff(DebugHold):
             # Main gave up on this request; the relay keeps decoding it to the end.
             self.stats.event(f"main_refused_{message.reason}")
             self.pending.pop(message.room, None)
-            held = self.held_out.pop(message.room, None)
             active = self.active.pop(message.room, None)
-            if held is not None or (active is not None
-                                    and active.state is Handing.AWAITING_FINAL_ACK):
-                # Out of the decode batch: back in through SGLang's waiting queue.
-                self._resume(held[0] if held is not None else active.req,
-                             f"main refused the handoff ({message.reason})")
+            out = self.out_of_batch.get(message.room)
+            if out is not None:  # back in through SGLang's waiting queue
+                self._resume(out, f"main refused the handoff ({message.reason})")
             elif active is not None:
                 logger.warning("PDD relay: main refused room %s (%s); finishing it here",
                                message.room, message.reason)
@@ -270,10 +266,9 @@ class RelayHandoff(DebugHold):
 
     # ---- handing off -----------------------------------------------------------------------
     def _choose_mode(self, req: Any) -> policy.HandoffMode:
-        route = route_for(req)
-        forced = route.debug_handoff_mode if route is not None else None
-        if forced is None or not self.args.pdd_debug_handoff_hold:
-            forced = None if self.args.pdd_handoff_mode == "auto" else self.args.pdd_handoff_mode
+        forced = seam.aids.relay_handoff_mode(self, req)
+        if forced is None and self.args.pdd_handoff_mode != "auto":
+            forced = self.args.pdd_handoff_mode
         if forced is not None:
             return policy.HandoffMode(forced)
         return policy.choose_handoff_mode(len(req.output_ids), self._load(), self.cfg)
@@ -320,7 +315,7 @@ class RelayHandoff(DebugHold):
         """Finish a request between two steps, exactly as a normal finish would."""
         from sglang.srt.mem_cache.common import release_kv_cache
 
-        self.held_out.pop(req.bootstrap_room, None)
+        self.out_of_batch.pop(req.bootstrap_room, None)
         req.finished_reason = HandedOff(handed, mode.value)
         req.is_retracted = False  # finished now: the overlap scheduler skips it on that ground
         req.time_stats.set_completion_time()
@@ -329,15 +324,16 @@ class RelayHandoff(DebugHold):
         self.stats.event("handed_off")
 
     def _leave_batch(self, running_batch: Any, reqs: list) -> Any:
-        """Take ``reqs`` out of the decode batch, their row and KV kept. Under the overlap
-        scheduler a decode step for them is already in flight: marked as SGLang marks a
-        retracted request, its token is dropped (and its over-allocated slot freed with the
-        request), so the client never gets a token past what was handed."""
+        """Take ``reqs`` out of the decode batch, their row and KV kept, into ``out_of_batch``.
+        Under the overlap scheduler a decode step for them is already in flight: marked as
+        SGLang marks a retracted request, its token is dropped (and its over-allocated slot
+        freed with the request), so the client never gets a token past what was handed."""
         if not reqs:
             return running_batch
         if getattr(self.scheduler, "enable_overlap", False):
             for req in reqs:
                 req.is_retracted = True  # cleared by SGLang when the request is resumed
+        self.out_of_batch.update((req.bootstrap_room, req) for req in reqs)
         running_batch.filter_batch(reqs_to_exclude=reqs)
         return running_batch
 
@@ -345,10 +341,9 @@ class RelayHandoff(DebugHold):
         """A request out of the batch for a handoff that will not happen: the relay decodes it
         on from its last token, through SGLang's waiting queue (the path a retracted request
         takes back: its row and KV are kept)."""
+        self.out_of_batch.pop(req.bootstrap_room, None)
         if req.finished():
             return
-        self.held_out.pop(req.bootstrap_room, None)
-        req._pdd_resumed = True  # the test-only hold must not take it out again
         self.scheduler.waiting_queue.append(req)
         self.stats.event("resumed")
         logger.warning("PDD relay: room %s: %s; the relay decodes it to the end",
@@ -372,23 +367,20 @@ class RelayHandoff(DebugHold):
 
         Every main waiting on this relay is told (``relay_shutting_down``): one that has absorbed
         nothing decodes the request itself, one mid Catch-Up drops its copy with that reason.
-        Requests out of the batch (waiting for main's last ack, test-only hold) are aborted here,
-        their KV freed; the rest are SGLang's. Then the control loop flushes and stops."""
+        Requests out of the batch are aborted here, their KV freed; the rest are SGLang's. Then
+        the control loop flushes and stops."""
         if self._closed:
             return
         self._closed = True
         for room, pending in self.pending.items():
             self._refuse(pending.peer, room, "relay_shutting_down")
-        out = {room: req for room, (req, _) in self.held_out.items()}
         for room, active in self.active.items():
             self._refuse(active.peer, room, "relay_shutting_down")
-            if active.state is Handing.AWAITING_FINAL_ACK:
-                out[room] = active.req
-        for req in out.values():
+        for req in list(self.out_of_batch.values()):
             self._abort(req, "PDD relay is shutting down")
         self.pending.clear()
         self.active.clear()
-        self.held_out.clear()
+        self.out_of_batch.clear()
         self.loop.close()
         kv_digest.PendingHashes.shutdown()
 

@@ -198,13 +198,6 @@ def range_digest(hashes: bytes, skip_tokens: int = 0) -> bytes:
                            digest_size=KV_DIGEST_BYTES).digest()
 
 
-def corrupt_one_value(scheduler: Any, req: Any, position: int) -> None:
-    """Debug: change the first K value of one prompt position in place (a flipped WAN byte)."""
-    slot = int(scheduler.req_to_token_pool.req_to_token[req.kv.req_pool_idx, position])
-    pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
-    pool.get_key_buffer(pool.start_layer)[slot].view(-1)[0] += 1.0
-
-
 def prompt_kv_fingerprints(scheduler: Any, req: Any) -> dict:
     blob = token_hashes(scheduler, req)
     return {

@@ -24,6 +24,7 @@ import threading
 import time
 from typing import Any, Optional
 
+from pdd_sglang import seam
 from pdd_sglang.lifecycle import name_os_thread
 from pdd_sglang.prefill.fanout import PrefillFanout, logger
 from pdd_sglang.prefill.senders import run_sender
@@ -46,7 +47,7 @@ class WanPath:
         self._executors: list = []
         fanout.peer_jobs = self._peer_jobs.put
 
-    def start(self, kv_mgr: Any, workers: int, delay_s: float, local_workers: int = 2) -> None:
+    def start(self, kv_mgr: Any, workers: int, local_workers: int = 2) -> None:
         from sglang.srt.disaggregation.common.utils import FastQueue
 
         report = self.fanout.events.put
@@ -60,12 +61,11 @@ class WanPath:
                         else self._executor(2, f"pdd-local-layers-{index}"))
             self._spawn(f"pdd-local-xfer-{index}", run_sender, kv_mgr, local_queue, executor,
                         report)
-        pause = _delay(delay_s) if delay_s > 0 else None
         for index in range(workers):
             wan_queue = ChargedQueue(FastQueue(), self.fanout.wan_line)
             self.fanout.wan_queues.append(wan_queue)
             self._spawn(f"pdd-wan-xfer-{index}", run_sender, kv_mgr, wan_queue,
-                        self._executor(1, f"pdd-wan-layers-{index}"), report, pause)
+                        self._executor(1, f"pdd-wan-layers-{index}"), report, _before_send)
 
     def _executor(self, threads: int, prefix: str):
         executor = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix=prefix)
@@ -137,10 +137,8 @@ class WanPath:
         return left
 
 
-def _delay(delay_s: float):
-    """Test-only (--pdd-debug-wan-delay-ms): every WAN chunk waits before it is sent, so the
-    relay reliably runs ahead of main (forced handoff points, the singular filter)."""
-    return lambda work: time.sleep(delay_s)
+def _before_send(work: Any) -> None:
+    seam.aids.before_send(work)  # looked up per item: aids installed after the start count
 
 
 def start_wan_path(kv_mgr: Any, args: Optional[Any] = None) -> WanPath:
@@ -165,15 +163,15 @@ def start_wan_path(kv_mgr: Any, args: Optional[Any] = None) -> WanPath:
     fanout.wan_engine = open_wan_engine(
         kv_mgr, args.pdd_wan_transfer_protocol, args.pdd_wan_ib_device,
         timeout_s=float(args.pdd_wan_transfer_timeout), line=fanout.wan_line,
-        blocking_wait=bool(args.pdd_debug_wan_blocking_wait),
         hostname=wan_hostname(kv_mgr, getattr(args, "pdd_wan_hostname", None),
                               getattr(args, "pdd_advertise_host", None)))
+    seam.aids.wan_engine_opened(fanout.wan_engine)
     path = WanPath(fanout)
     kv_mgr.pdd_fanout = fanout
     kv_mgr.pdd_wan_path = path
     start_prefill_exporter(kv_mgr)  # --enable-metrics only; closed by lifecycle.close_scheduler
     start_line_report(kv_mgr)  # the router's GET /pdd/line; closed there too
-    path.start(kv_mgr, WAN_WORKERS, float(args.pdd_debug_wan_delay_ms or 0) / 1e3,
+    path.start(kv_mgr, WAN_WORKERS,
                local_workers=max(len(getattr(kv_mgr, "transfer_queues", ()) or ()), 1))
     return path
 

@@ -4,12 +4,15 @@ SGLang passes a versioned, orchestrator-set ``kv_hints`` envelope from ``/genera
 scheduler's ``Req`` untouched, and each consumer reads only the action types it implements. The
 PDD router (and tests) attach one ``pdd.route`` action naming the request's pipeline; prefill,
 relay and main read it from ``req.kv_hints``. Requests without it are plain SGLang PD requests.
+The route says only where a request goes: per-request test controls travel in an action of their
+own (``pdd_sglang.dev.debug_aids.controls``), which a server reads only with aids installed
+(``pdd_sglang.seam``); without them it is one more action type nobody here reads.
 """
 
 from __future__ import annotations
 
 import uuid
-from typing import Any, Literal, Optional
+from typing import Any, Optional
 
 import msgspec
 
@@ -25,21 +28,12 @@ class Route(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaul
     # The relay's control-channel address (``tcp://host:port``), on P->RLD->MD: main tells the
     # relay there that it is ready, and receives the relay's token IDs.
     relay_control: Optional[str] = None
-    # Test-only, honoured by a relay started with --pdd-debug-handoff-hold: hand off only once
-    # the relay holds this many tokens, and in this mode.
-    debug_handoff_after_tokens: Optional[int] = None
-    debug_handoff_mode: Optional[Literal["one-shot", "catch-up"]] = None
-    # Test-only, honoured by a main started with --pdd-debug-corrupt-wan-kv: damage this
-    # request's KV as it lands, as a flipped bit on the WAN would.
-    debug_corrupt_wan_kv: Optional[bool] = None
 
     def __post_init__(self) -> None:
         if self.pipeline is Pipeline.PREFILL_RELAY_MAIN and not self.relay_control:
             raise ValueError("a prefill_relay_main route needs relay_control")
         if self.relay_control is not None and not self.relay_control.startswith("tcp://"):
             raise ValueError(f"relay_control must be tcp://host:port, got {self.relay_control!r}")
-        if self.debug_handoff_after_tokens is not None and self.debug_handoff_after_tokens < 1:
-            raise ValueError("debug_handoff_after_tokens must be >= 1")
 
     @property
     def destinations(self) -> int:

@@ -25,12 +25,13 @@ still starts servers exactly as SGLang does. One reference for both page sizes, 
 no-role test, saves two server starts; greedy tokens do not depend on the page size (float32,
 torch-native attention).
 
-Per-request test controls travel in the route (forced handoff points, a damaged WAN copy); what
-is a server flag here is test-only and inert unless a route asks for it, except the WAN delay on
-prefill's path to main (every chunk waits ``WAN_DELAY_MS``, so a relay runs ahead as behind a real
-WAN). Servers stop on every exit path; their logs stay in pytest's temporary directory, and a
-failing start prints the log tail. The demo and the fault suite start their own servers, in
-network namespaces behind the emulated line.
+Per-request test controls travel beside the route (forced handoff points, a damaged WAN copy:
+``pdd_sglang.dev.debug_aids.controls``); what is a server flag here is test-only (the debug patch
+series registers the flags) and inert unless a request's controls ask for it, except the WAN
+delay on prefill's path to main (every chunk waits ``WAN_DELAY_MS``, so a relay runs ahead as
+behind a real WAN). Servers stop on every exit path; their logs stay in pytest's temporary
+directory, and a failing start prints the log tail. The demo and the fault suite start their own
+servers, in network namespaces behind the emulated line.
 """
 
 from __future__ import annotations

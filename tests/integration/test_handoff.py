@@ -1,8 +1,9 @@
 """The relay -> main token-ID handoff on real SGLang processes (P, RLD, MD and a plain server).
 
 Handoff points are forced with the relay's test-only hold (``--pdd-debug-handoff-hold`` and the
-route's ``debug_handoff_after_tokens``): the relay decodes to that many tokens, then waits for
-main out of its batch. The WAN path to main carries a test-only delay, so main is ready late.
+request's test control ``debug_handoff_after_tokens``, ``pdd_sglang.dev.debug_aids``): the relay
+decodes to that many tokens, then waits for main out of its batch. The WAN path to main carries a
+test-only delay, so main is ready late.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def assert_back_to_baseline(cluster, baselines: dict) -> None:
         state = cluster[name].pdd_state().get("handoff")
         if state is not None:
             assert state.get("parked", 0) == 0 and state.get("pending", 0) == 0, state
-            assert state.get("active", 0) == 0 and state.get("held_out", 0) == 0, state
+            assert state.get("active", 0) == 0 and state.get("out_of_batch", 0) == 0, state
 
 
 @pytest.fixture

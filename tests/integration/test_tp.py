@@ -215,7 +215,7 @@ def test_pdd_at_tp_2_on_every_role_matches_plain_tp_2(tp2_cluster, tiny_model):
             assert pool["in_use_tokens"] == 0 and pool["locked_tokens"] == 0, (name, rank, pool)
             assert pool["free_request_slots"] == before["free_request_slots"], (name, rank, pool)
         state = cluster[name].pdd_state().get("handoff") or {}
-        assert not any(state.get(k) for k in ("parked", "pending", "active", "held_out")), state
+        assert not any(state.get(k) for k in ("parked", "pending", "active", "out_of_batch")), state
     assert cluster.dead_servers() == []
     print("TP 2 handoffs (mode, handed tokens), and main's KV bytes over the relay's per room "
           "(the last: the next turn):", seen)

@@ -19,7 +19,7 @@ from pdd_sglang.protocol.messages import HandoffReady, HandoffRefused
 ARGS = dict(pdd_control_keypair=None, pdd_control_relay_key=None,
             pdd_control_authorized_keys=None, host="127.0.0.1", pdd_control_port=0,
             pdd_catch_up_threshold=64, pdd_catch_up_chunk=64, pdd_relay_load_watermark=0.7,
-            pdd_handoff_timeout=30.0, pdd_enable_kv_digest=False, pdd_debug_handoff_hold=False)
+            pdd_handoff_timeout=30.0, pdd_enable_kv_digest=False)
 
 
 def control_threads() -> int:
@@ -81,6 +81,7 @@ def test_relay_close_tells_every_waiting_main_and_frees_what_it_holds_out_of_the
         relay.active[11] = Active(request(11), peer, one_shot, state=Handing.AWAITING_ACK)
         relay.active[12] = Active(request(12), peer, one_shot,
                                    state=Handing.AWAITING_FINAL_ACK)
+        relay.out_of_batch[12] = relay.active[12].req  # its last chunk out: it left the batch
         relay.close()
         # Main decodes 10 itself, drops its Catch-Up copy of 11 with the reason, and 12 (out
         # of the relay's batch, waiting for main's last ack) is aborted here, its KV freed.
@@ -129,23 +130,33 @@ def test_the_debug_hold_keeps_a_catch_up_request_from_finishing_at_the_relay():
     answered 503, the test saw no handoff). Under the test-only hold, a Catch-Up request one token
     short of its limit now leaves the batch until main acknowledges, and is resumed when the ack
     never comes; without the hold the relay decodes it to the end, as in production."""
+    from sglang.srt.managers.kv_hints import decode_kv_hints_envelope
+
     from pdd_sglang.decode import relay as relay_module
     from pdd_sglang.decode.relay import Handing, RelayHandoff, Active
-    from pdd_sglang.protocol.route import Route
+    from pdd_sglang.dev.debug_aids import installed
+    from pdd_sglang.dev.debug_aids.aids import DebugAids
+    from pdd_sglang.dev.debug_aids.controls import request_kv_hints
 
-    route = Route(pipeline=policy.Pipeline.PREFILL_RELAY_MAIN, relay_control="tcp://r:1",
-                  debug_handoff_after_tokens=200, debug_handoff_mode="catch-up")
+    hints = decode_kv_hints_envelope(request_kv_hints(
+        "prefill_relay_main", relay_control="tcp://r:1", debug_handoff_after_tokens=200,
+        debug_handoff_mode="catch-up"))
 
     def catch_up_request(room: int, tokens: int) -> SimpleNamespace:
         req = request(room)
         req.output_ids = list(range(tokens))
         req.sampling_params = SimpleNamespace(max_new_tokens=300)
-        req._pdd_route_cache = route
+        req.kv_hints = hints
         return req
+
+    class Batch(SimpleNamespace):
+        def filter_batch(self, reqs_to_exclude):
+            left.extend(reqs_to_exclude)
+            self.reqs = [r for r in self.reqs if all(r is not x for x in reqs_to_exclude)]
 
     for hold in (False, True):
         scheduler = SimpleNamespace(waiting_queue=[])
-        relay = RelayHandoff(scheduler, SimpleNamespace(**{**ARGS, "pdd_debug_handoff_hold": hold}))
+        relay = RelayHandoff(scheduler, SimpleNamespace(**ARGS))
         main = ControlLoop()
         try:
             main.send(relay.loop.address, HandoffReady(room=97))
@@ -156,15 +167,17 @@ def test_the_debug_hold_keeps_a_catch_up_request_from_finishing_at_the_relay():
                 relay.active[req.bootstrap_room] = Active(
                     req, peer, catch_up, state=Handing.AWAITING_ACK, last_sent_at=time.monotonic())
             left = []
-            relay._leave_batch = lambda batch, reqs: left.extend(reqs) or batch
-            relay.step(SimpleNamespace(reqs=[short, last_token]))
-            assert left == ([last_token] if hold else []), hold
-            assert list(relay.held_out) == ([32] if hold else [])
-            if hold:  # no ack past the deadline: main is told, the relay decodes it on
-                relay.active[32].last_sent_at -= relay_module.FINAL_ACK_WAIT_S + 1
-                relay.step(SimpleNamespace(reqs=[short]))
-                assert refusals(main, 1) == {32: "ack_timeout"}
-                assert scheduler.waiting_queue == [last_token] and not relay.held_out
+            with installed(DebugAids(handoff_hold=hold)):
+                batch, _ = relay.step(Batch(reqs=[short, last_token]))
+                assert left == ([last_token] if hold else []), hold
+                assert batch.reqs == ([short] if hold else [short, last_token])
+                assert list(relay.out_of_batch) == ([32] if hold else [])
+                assert relay.idle() is False
+                if hold:  # no ack past the deadline: main is told, the relay decodes it on
+                    relay.active[32].last_sent_at -= relay_module.FINAL_ACK_WAIT_S + 1
+                    relay.step(Batch(reqs=[short]))
+                    assert refusals(main, 1) == {32: "ack_timeout"}
+                    assert scheduler.waiting_queue == [last_token] and not relay.out_of_batch
         finally:
             relay.close()
             main.close()

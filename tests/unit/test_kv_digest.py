@@ -9,6 +9,7 @@ import threading
 
 import torch
 
+from pdd_sglang.dev.debug_aids.aids import corrupt_one_value
 from pdd_sglang.diagnostics import kv_digest
 from pdd_sglang.protocol.messages import KV_DIGEST_BYTES
 
@@ -71,7 +72,7 @@ def test_one_changed_value_changes_the_digest_in_any_dtype():
         kv = prompt()
         scheduler, req = server(kv, list(range(10)), dtype)
         before = kv_digest.range_digest(kv_digest.token_hashes(scheduler, req, 4))
-        kv_digest.corrupt_one_value(scheduler, req, 7)
+        corrupt_one_value(scheduler, req, 7)  # the test aid of --pdd-debug-corrupt-wan-kv
         after = kv_digest.range_digest(kv_digest.token_hashes(scheduler, req, 4))
         assert before != after, dtype
 

@@ -24,6 +24,7 @@ import msgspec
 import pytest
 
 from pdd_sglang.router.config import build_parser, parse_args
+from pdd_sglang.dev.debug_aids.flags import PddDebugArgs
 from pdd_sglang.server_args import PddArgs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -90,7 +91,8 @@ def test_every_launch_line_uses_only_flags_that_exist():
 def server_flags() -> dict[str, tuple[object, set[str] | None]]:
     """``--pdd-...`` -> (default, the roles its help names, or None)."""
     flags = {}
-    for field in msgspec.structs.fields(PddArgs):
+    # The --pdd-debug-* flags too (patches/debug/ registers them: the test profile's servers).
+    for field in [*msgspec.structs.fields(PddArgs), *msgspec.structs.fields(PddDebugArgs)]:
         help_text = typing.get_args(field.type)[1] if typing.get_origin(field.type) \
             is typing.Annotated else ""
         match = re.match(r"PDD (?:debug )?\(?([a-z/]+)\)?:", help_text)

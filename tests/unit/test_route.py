@@ -27,12 +27,9 @@ RELAY = "tcp://10.0.0.1:5557"
 def test_sglangs_own_envelope_type_accepts_our_hints():
     from sglang.srt.managers.kv_hints import decode_kv_hints_envelope
 
-    envelope = decode_kv_hints_envelope(route_kv_hints(
-        "prefill_relay_main", relay_control=RELAY, debug_handoff_after_tokens=7,
-        debug_handoff_mode="catch-up"))
+    envelope = decode_kv_hints_envelope(route_kv_hints("prefill_relay_main", relay_control=RELAY))
     route = route_of(envelope)
     assert route.destinations == 2 and route.relay_control == RELAY
-    assert route.debug_handoff_after_tokens == 7 and route.debug_handoff_mode == "catch-up"
 
 
 def test_default_fields_stay_off_the_wire():
@@ -43,8 +40,9 @@ def test_default_fields_stay_off_the_wire():
 @pytest.mark.parametrize("fields", [
     {},  # P->RLD->MD without the relay's address: main could never reach it
     {"relay_control": "10.0.0.1:5557"},
-    {"relay_control": RELAY, "debug_handoff_after_tokens": 0},
-    {"relay_control": RELAY, "debug_handoff_mode": "sideways"},
+    # Test controls are no route field (they travel in an action of their own, test_debug_aids.py).
+    {"relay_control": RELAY, "debug_handoff_after_tokens": 7},
+    {"relay_control": RELAY, "debug_corrupt_wan_kv": True},
 ])
 def test_bad_relay_main_routes_are_refused_at_the_source(fields):
     with pytest.raises((msgspec.ValidationError, ValueError)):

@@ -102,7 +102,7 @@ def handoff_flags(**overrides):
 
     values = dict(pdd_role="relay", pdd_control_port=0, pdd_catch_up_threshold=64,
                   pdd_catch_up_chunk=64, pdd_relay_load_watermark=0.7, pdd_handoff_timeout=30.0,
-                  pdd_debug_wan_delay_ms=0, pdd_control_keypair=None,
+                  pdd_control_keypair=None,
                   pdd_control_authorized_keys=None, pdd_control_relay_key=None,
                   pdd_relay_bootstrap_timeout=5.0, pdd_main_bootstrap_timeout=30.0)
     values.update(overrides)
@@ -117,7 +117,6 @@ def handoff_flags(**overrides):
     ({"pdd_handoff_timeout": 0}, "--pdd-handoff-timeout"),
     ({"pdd_main_bootstrap_timeout": 0}, "--pdd-main-bootstrap-timeout"),
     ({"pdd_relay_bootstrap_timeout": -1}, "--pdd-relay-bootstrap-timeout"),
-    ({"pdd_debug_wan_delay_ms": -5}, "--pdd-debug-wan-delay-ms"),
     ({"pdd_control_keypair": "/k/relay.key_secret"}, "--pdd-control-authorized-keys"),
     ({"pdd_role": "main", "pdd_control_keypair": "/k/main.key_secret"}, "--pdd-control-relay-key"),
 ])

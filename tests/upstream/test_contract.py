@@ -92,6 +92,9 @@ HOOKED_SYMBOLS = [
     ("entrypoints/http_server.py", "app"),
     ("entrypoints/http_server.py", "launch_server"),
     ("entrypoints/http_server.py", "_setup_and_run_http_server"),
+    # debug/0002: the debug flags' namespace; each scheduler process installs the test aids once
+    # its server args are published
+    ("managers/scheduler.py", "publish"),
     # Environment switches that the CPU profile and the tests set
     ("environ.py", "Envs.SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE"),
 ]
@@ -153,6 +156,20 @@ def test_every_patch_calls_only_the_hooks_module():
     defined = {n.name for n in hooks.body if isinstance(n, ast.FunctionDef)}
     assert calls, "no patch calls pdd_sglang.hooks"
     assert calls <= defined, f"patches call undefined hooks: {calls - defined}"
+
+
+def test_every_debug_patch_calls_only_the_hooks_or_the_debug_aids():
+    """The debug series reaches pdd_sglang through two modules: the hooks, and the test aids
+    (``pdd_sglang.dev.debug_aids``: serving code, hooks.py included, never imports dev)."""
+    text = "".join(p.read_text() for p in (REPO / "patches" / "debug").glob("*.patch"))
+    imports = set(re.findall(r"^\+\s*from (pdd_sglang\S*) import (\w+)", text, flags=re.M))
+    assert imports <= {("pdd_sglang", "hooks"), ("pdd_sglang.dev", "debug_aids")}, imports
+    for alias, module in (("_pdd_hooks", "hooks.py"),
+                          ("_pdd_debug_aids", "dev/debug_aids/__init__.py")):
+        calls = set(re.findall(rf"^\+.*{alias}\.(\w+)\(", text, flags=re.M))
+        tree = ast.parse((REPO / "pdd_sglang" / module).read_text())
+        defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+        assert calls and calls <= defined, f"debug patches call undefined {calls - defined}"
 
 
 # Per-request state the handoff reads or sets on SGLang's Req (assigned in Req.__init__).

@@ -72,7 +72,7 @@ def open_rooms(cluster: Any, timeout_s: float = 30.0) -> tuple[dict, str]:
             else:
                 handoff = pdd.get("handoff") or {}
                 counts[server.name] = sum(int(handoff.get(k, 0))
-                                          for k in ("pending", "active", "held_out", "parked"))
+                                          for k in ("pending", "active", "out_of_batch", "parked"))
         return counts
 
     counts: dict = read()

@@ -12,7 +12,7 @@ import threading
 import uuid
 
 from pdd_sglang.protocol.messages import HANDOFF_FINISH_TYPE
-from pdd_sglang.protocol.route import route_kv_hints
+from pdd_sglang.dev.debug_aids.controls import request_kv_hints
 from pdd_sglang.dev.testing.cluster import SGLangServer
 
 _rooms = random.Random()
@@ -48,7 +48,8 @@ def generate_fanout(
     """One request to a prefill and its decode servers at once; every decode server's answer.
 
     With ``pipeline`` set, the request carries PDD's route in ``kv_hints`` (what the router does),
-    with the extra ``route`` fields (the relay's control address, test-only handoff controls).
+    with the extra ``route`` fields (the relay's control address) and, prefixed ``debug_``, test
+    controls (:mod:`pdd_sglang.dev.debug_aids.controls`: forced handoff points, a damaged copy).
     """
     room = new_room() if room is None else room
     body = {
@@ -58,7 +59,7 @@ def generate_fanout(
         "bootstrap_room": room,
     }
     if pipeline is not None:
-        body["kv_hints"] = route_kv_hints(pipeline, **(route or {}))
+        body["kv_hints"] = request_kv_hints(pipeline, **(route or {}))
     results: dict = {}
 
     def call(server: SGLangServer) -> None:
@@ -104,7 +105,7 @@ def generate_pdd(
     route.setdefault("relay_control", relay_control_address(relay))
     room, rid = new_room(), f"pdd-test-{uuid.uuid4().hex}"
     body = {**body, "rid": rid, "bootstrap_host": prefill.host, "bootstrap_port": bootstrap_port,
-            "bootstrap_room": room, "kv_hints": route_kv_hints("prefill_relay_main", **route)}
+            "bootstrap_room": room, "kv_hints": request_kv_hints("prefill_relay_main", **route)}
     results: dict = {}
 
     def call(server: SGLangServer) -> None:
