@@ -1,5 +1,5 @@
 """What the router records when a request finishes: its meta_info["pdd"] summary, the outcome
-metrics, the WAN bytes, and what main now caches (the prefix mirror)."""
+metrics, the WAN bytes, and what main now caches (the prefix mirror), when main answered."""
 
 from __future__ import annotations
 
@@ -7,14 +7,16 @@ from pdd_sglang import policy
 from pdd_sglang.router.metrics import RouterMetrics, TokenClock
 from pdd_sglang.router.placement import Placement
 from pdd_sglang.router.prefix_mirror import PrefixMirror
+from pdd_sglang.router.prompt import TokenEstimate
 from pdd_sglang.router.request_parsing import GenerateJob
 from pdd_sglang.router.splice import SplicedUpdate, StreamSplicer
 
 
 class FinishRecorder:
     def __init__(self, metrics: RouterMetrics, mirrors: dict[str, PrefixMirror],
-                 kv_bytes_per_token: float, cfg: policy.PolicyConfig):
+                 kv_bytes_per_token: float, cfg: policy.PolicyConfig, estimate: TokenEstimate):
         self.metrics = metrics
+        self.estimate = estimate  # of text prompts' tokens: each answer's exact count teaches it
         self.mirrors = mirrors
         self.kv_bytes_per_token = kv_bytes_per_token
         self.cfg = cfg
@@ -22,12 +24,12 @@ class FinishRecorder:
     def cancels_wan_copy(self, job: GenerateJob, placement: Placement,
                          splicer: StreamSplicer) -> bool:
         """Whether main's WAN copy goes too when the relay answered alone (policy's call)."""
-        uncached = max(len(job.prompt_ids) - placement.main_cached_tokens, 0)
+        uncached = max(job.prompt.tokens - placement.main_cached_tokens, 0)
         return policy.cancel_wan_copy(uncached, len(splicer.emitted), self.cfg)
 
     @staticmethod
-    def summary(placement: Placement, splicer: StreamSplicer, clock: TokenClock,
-                marks: dict) -> dict:
+    def summary(job: GenerateJob, placement: Placement, splicer: StreamSplicer,
+                clock: TokenClock, marks: dict) -> dict:
         """What the router adds to meta_info["pdd"]: its decisions and its measurements."""
         return {
             "pipeline": placement.route_name,
@@ -46,6 +48,9 @@ class FinishRecorder:
             "handoff_gap_s": clock.handoff_gap_s,
             "handoff_mode": (splicer.handoff_info or {}).get("mode"),
             "line_bytes_ahead": placement.line_bytes_ahead,
+            # A text prompt's token count as placement estimated it (None: exact ids); the
+            # answer's prompt_tokens is the servers' exact count.
+            "estimated_prompt_tokens": None if job.prompt.exact else job.prompt.tokens,
             "marks": dict(marks),
         }
 
@@ -57,23 +62,27 @@ class FinishRecorder:
             mode = str((splicer.handoff_info or {}).get("mode", "unknown"))
         label = "main_only" if outcome == "main" else outcome
         self.metrics.outcomes.labels(label, mode).inc()
+        prompt, exact_tokens = job.prompt, update.meta.get("prompt_tokens")
+        if not prompt.exact and isinstance(exact_tokens, int):
+            self.estimate.observe(prompt.text, exact_tokens)
         main = placement.main
         if main is None:
             return
         if outcome == "relay_finished":
-            if not self.cancels_wan_copy(job, placement, splicer):
-                self.mirrors[main.url].insert(list(job.prompt_ids))  # main caches the prompt
+            # Main caches the prompt only once its copy has landed: the attempt records it then
+            # (attempt.py, main's copy after the relay answered alone).
             return
         mirror = self.mirrors[main.url]
         actual = splicer.main_cached_tokens
-        prompt = job.prompt_ids
-        predicted_uncached = len(prompt) - placement.main_cached_tokens
+        tokens = exact_tokens if isinstance(exact_tokens, int) else prompt.tokens
         self.metrics.wan_bytes_predicted.labels(main.url).inc(
-            max(predicted_uncached, 0) * self.kv_bytes_per_token)
+            max(prompt.tokens - placement.main_cached_tokens, 0) * self.kv_bytes_per_token)
         if isinstance(actual, int):
             self.metrics.wan_bytes.labels(main.url).inc(
-                max(len(prompt) - actual, 0) * self.kv_bytes_per_token)
+                max(tokens - actual, 0) * self.kv_bytes_per_token)
             self.metrics.mirror_error_tokens.observe(placement.main_cached_tokens - actual)
-            mirror.observe_hit(prompt, actual)
-        # Main keeps the prompt and the output's KV, all but the last token (never computed).
-        mirror.insert(list(prompt) + update.output_ids[:-1])
+            mirror.observe_hit(prompt.key, prompt.key_length_of(actual))
+        # Main keeps the prompt and the output's KV, all but the last token (never computed):
+        # of a text prompt, the prompt's text and the answer's.
+        mirror.insert(prompt.key + (update.text if isinstance(prompt.key, str)
+                                    else tuple(update.output_ids[:-1])))

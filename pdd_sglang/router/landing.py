@@ -7,58 +7,134 @@ landed. Sent to main at once, it would find only the older prefix in main's radi
 the same pages across the line a second time, beside the copy already on its way: twice the WAN
 bytes, and every transfer behind them slower.
 
-So the router remembers each landing copy (:class:`Landing`), counts only what main holds *now*
-when it places the next turn (the mirror already counts the landing prompt), and on P->RLD->MD
-sends that turn to main only once the copy it extends has landed (at most
-``--main-wait-for-landing-s``). The relay answers meanwhile, and prefill, which starts on the
-relay's registration, keeps the KV for main until it registers.
+Life cycle of a kept copy (:func:`keep_mains_copy`, called by the attempt whose relay answered):
+
+1. the prefill is told the copy is cache-only (``POST /pdd/cache_only``: it goes behind every copy
+   a request waits for), and so is the router's line accounting;
+2. the copy joins :class:`LandingCopies` (a :class:`Landing`, by main and by relay): the next
+   turn counts only what main holds *now* when it is placed, and on P->RLD->MD reaches main only
+   once the copy it extends has ended (at most ``--main-wait-for-landing-s``). The relay answers
+   meanwhile, and prefill, which starts on the relay's registration, keeps the KV for main until
+   it registers;
+3. main's stream ends: the prefix mirror records the prompt only if the copy landed
+   (:func:`copy_landed`), never when it failed or was dropped (the prefill drops a cache-only
+   copy past its backlog bound); the copy leaves the table;
+4. or its relay leaves rotation first (:meth:`LandingCopies.drop_for`): main would wait
+   ``--pdd-handoff-timeout`` for the relay's refusal, then decode an answer nobody reads, while
+   the line carries the copy ahead of the requests that now all go P->MD; it is dropped (3.).
+
+Owner of the table: the router's event loop (an attempt adds a copy, the copy's end removes it).
 """
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from pdd_sglang.router.prompt import Key, as_key
+from pdd_sglang.router.upstream import UpstreamError
+
+if TYPE_CHECKING:  # both import placement, which imports this module
+    from pdd_sglang.router.attempt import Attempt
+    from pdd_sglang.router.pumps import StreamEnd
+
+# The reason main's relay gives when it refuses main's handoff because it answered the request
+# alone (pdd_sglang/decode/main.py, RELAY_ANSWERED_ALONE): main then aborts its copy with it in the
+# message, and keeps the prompt's landed KV in its radix cache.
+RELAY_ANSWERED_ALONE = "finished_at_relay"
+
+
+def copy_landed(end: "StreamEnd") -> bool:
+    """Whether main's copy landed, from how main's stream ended: main streamed tokens (it
+    decoded on the landed KV), or it let go of the copy because the relay had answered alone.
+    Any other end (a failed or dropped copy, a broken stream) leaves main without it."""
+    if end.chunks:
+        return True
+    err = end.error
+    return (isinstance(err, UpstreamError) and err.cause == "upstream_abort"
+            and RELAY_ANSWERED_ALONE in err.message)
 
 
 @dataclass(eq=False)
 class Landing:
-    prompt: tuple
-    cached_before: int  # what main held of this prompt when its copy started
+    prompt: Key  # the prompt's key (router/prompt.py: its text, or its tuple of ids)
+    cached_before: int  # the tokens main held of this prompt when its copy started
+    answered_by: Any = None  # the relay that answered the request (its Upstream)
+    rid: str = ""
+    drop: Optional[Callable[[], None]] = None  # cancels the copy and the transfer feeding it
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class LandingCopies:
     def __init__(self) -> None:
         self._by_main: dict[str, list[Landing]] = {}
+        self._by_relay: dict[Any, dict[str, Landing]] = {}
 
-    def add(self, main_url: str, prompt: Sequence[int], cached_before: int) -> Landing:
-        landing = Landing(tuple(prompt), cached_before)
+    def add(self, main_url: str, prompt: Key, cached_before: int, answered_by=None,
+            rid: str = "", drop: Optional[Callable[[], None]] = None) -> Landing:
+        """A copy to ``main_url``; ``answered_by``: the relay that answered its request, whose
+        leaving drops it (``drop``)."""
+        landing = Landing(as_key(prompt), cached_before, answered_by, rid, drop)
         self._by_main.setdefault(main_url, []).append(landing)
+        if answered_by is not None:
+            self._by_relay.setdefault(answered_by, {})[rid] = landing
         return landing
 
-    def landed(self, main_url: str, landing: Landing) -> None:
+    def ended(self, main_url: str, landing: Landing) -> None:
+        """The copy landed, failed or was dropped: nobody waits for it any more."""
         landing.done.set()
         copies = self._by_main.get(main_url, [])
         if landing in copies:
             copies.remove(landing)
         if not copies:
             self._by_main.pop(main_url, None)
+        kept = self._by_relay.get(landing.answered_by, {})
+        if kept.get(landing.rid) is landing:
+            del kept[landing.rid]
+            if not kept:
+                self._by_relay.pop(landing.answered_by, None)
 
-    def predecessor(self, main_url: str, prompt: Sequence[int]) -> Optional[Landing]:
+    def drop_for(self, relay) -> list[str]:
+        """Drop every copy kept for ``relay`` (it left rotation); the rids dropped."""
+        kept = list(self._by_relay.pop(relay, {}).values())
+        for landing in kept:
+            if landing.drop is not None:
+                landing.drop()
+        return [landing.rid for landing in kept]
+
+    def predecessor(self, main_url: str, prompt: Key) -> Optional[Landing]:
         """The longest landing copy whose prompt begins ``prompt`` (the previous turn's)."""
-        best = None
-        for landing in self._by_main.get(main_url, []):
+        prompt, best = as_key(prompt), None
+        for landing in self._by_main.get(main_url, ()):
             n = len(landing.prompt)
             if n <= len(prompt) and (best is None or n > len(best.prompt)) \
-                    and tuple(prompt[:n]) == landing.prompt:
+                    and prompt[:n] == landing.prompt:
                 best = landing
         return best
 
-    def cached_now(self, main_url: str, prompt: Sequence[int], mirror_match: int) -> int:
-        """The mirror's match, less the part of it still crossing the WAN."""
-        landing = self.predecessor(main_url, prompt)
-        return mirror_match if landing is None else min(mirror_match, landing.cached_before)
+    def kept_for(self, relay) -> int:
+        return len(self._by_relay.get(relay, ()))
 
     def __len__(self) -> int:
         return sum(len(v) for v in self._by_main.values())
+
+
+def keep_mains_copy(attempt: "Attempt") -> None:
+    """The relay answered ``attempt``'s request alone, but main's WAN copy completes and main
+    caches the prompt (the relay refuses main's handoff, main frees the request): the
+    conversation's next turn still hits at main. Nothing more for the client."""
+    router, placement, main_task = attempt.router, attempt.placement, attempt.tasks["main"]
+    router.metrics.outcomes.labels("relay_finished_main_cached", "none").inc()
+    router.spawn(router.client.cache_only(placement.prefill, attempt.body["bootstrap_room"]))
+    router.placer.lines.cache_only(attempt.copy.get("main"))
+    main_url, prompt = placement.main.url, attempt.job.prompt.key
+    landing = router.landing.add(main_url, prompt, placement.main_cached_tokens,
+                                 placement.relay, attempt.rid, attempt.drop_mains_copy)
+
+    def ended(task: asyncio.Task) -> None:
+        if not task.cancelled() and copy_landed(task.result()):
+            router.mirrors[main_url].insert(prompt)  # main has it now
+        router.landing.ended(main_url, landing)
+
+    main_task.add_done_callback(ended)

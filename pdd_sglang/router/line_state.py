@@ -11,17 +11,25 @@ Life cycle of a copy the router placed:
 3. ``land(copy)`` when main shows it has the KV (its first chunk: it has run a forward on it), or
    ``drop(copy)`` when main's leg ends without (aborted, failed, cancelled). Landing records
    (start, end, bytes) among the recent copies.
-4. ``state(main_url)`` is a :class:`pdd_sglang.policy.LineState`: the bytes of copies begun and
-   not landed, and the throughput over the recent copies (their bytes over the time at least
-   one of them was on the line, so copies sharing the line are not counted as slow).
+4. ``state(main_url)`` is a :class:`pdd_sglang.policy.LineState`: the bytes a new copy waits
+   behind (copies begun and not landed, less those marked ``cache_only``), and the throughput
+   over the recent copies (their bytes over the time at least one of them was on the line, so
+   copies sharing the line are not counted as slow).
+
+A copy is *needed-now* when begun (a request waits for it: P->MD, or a handoff waiting for main)
+and becomes *cache-only* when its relay answers alone (``cache_only(copy)``: it only warms
+main's cache). The prefill's line sends needed-now copies first (pdd_sglang/prefill/wan_lines.py),
+so a new request's copy, always needed-now, waits behind needed-now bytes only.
 
 What this does not see: copies another router placed, and prefill's own queueing. Prefill sees
 both: its /server_info carries ``pdd.wan_line``, bytes queued and in flight per main Mooncake
-session and the throughput over its recent batches (pdd_sglang/prefill/wan_line.py). The router
-polls it (``report``, summed over prefills). A fresh report adds what it shows beyond the
-router's own open copies at the poll (other routers' copies, prefill's queue), so a copy the
-router saw land since the poll no longer counts, and one it placed since counts once; the
-report's rate replaces the router's.
+session and the throughput over its recent batches (pdd_sglang/prefill/wan_line.py), by class
+(``needed_now_bytes_ahead``, ``cache_only_bytes_ahead``; ``bytes_ahead`` their sum, all a prefill
+older than the classes reports, read as needed-now). The router polls it (``report``, summed
+over prefills). A fresh report adds what it shows beyond the router's own open needed-now
+copies at the poll (other routers' copies, prefill's queue), so a copy the router saw land since
+the poll no longer counts, and one it placed since counts once; the report's rate replaces the
+router's.
 
 The poll reads ``GET /pdd/line``, the prefill's compact report (about 200 bytes per main,
 written by a PDD thread of its scheduler process: pdd_sglang/diagnostics/line_report.py), which
@@ -59,6 +67,7 @@ class Copy:
     kv_bytes: int
     started: float
     open: bool = field(default=True)
+    cache_only: bool = False  # its relay answered alone: no request waits for it
 
 
 class LineAccounting:
@@ -71,10 +80,11 @@ class LineAccounting:
 
     def report(self, main_url: str, bytes_ahead: int, bytes_per_s: float | None,
                own_bytes_at_poll: int | None = None) -> None:
-        """What the prefills' WAN paths said about the line to ``main_url`` when polled.
+        """What the prefills' WAN paths said about the line to ``main_url`` when polled:
+        ``bytes_ahead`` a new copy would wait behind there (needed-now).
 
-        ``own_bytes_at_poll``: this router's open bytes to that main when the poll was sent
-        (default: now); what the report shows beyond them is somebody else's.
+        ``own_bytes_at_poll``: this router's open needed-now bytes to that main when the poll
+        was sent (default: now); what the report shows beyond them is somebody else's.
         """
         rate = bytes_per_s if bytes_per_s and bytes_per_s > 0 else None
         own = self.bytes_ahead(main_url) if own_bytes_at_poll is None else own_bytes_at_poll
@@ -97,6 +107,11 @@ class LineAccounting:
     def drop(self, copy: Copy) -> None:
         self._close(copy)
 
+    def cache_only(self, copy: Copy | None) -> None:
+        """The copy's relay answered alone: it goes on, behind every needed-now copy."""
+        if copy is not None:
+            copy.cache_only = True
+
     def _close(self, copy: Copy) -> bool:
         if not copy.open:
             return False
@@ -105,7 +120,8 @@ class LineAccounting:
         return True
 
     def bytes_ahead(self, main_url: str) -> int:
-        return sum(c.kv_bytes for c in self._open.get(main_url, ()))
+        """The router's own open copies to ``main_url`` that a new copy waits behind."""
+        return sum(c.kv_bytes for c in self._open.get(main_url, ()) if not c.cache_only)
 
     def measured_bytes_per_s(self, main_url: str) -> float | None:
         samples = sorted(self._recent.get(main_url, ()))
@@ -177,7 +193,8 @@ async def poll_prefill_lines(lines: LineAccounting, prefills, mains, get_json,
     dict. Each prefill's ``/pdd/line`` is read; one that answers 404 has its ``/server_info``
     read from then on (compactly, :func:`read_line_report`). A prefill without the fields (an
     older build) or a failed poll just leaves the router's own accounting in charge. Several
-    prefills' bytes add up; the line's rate is the lowest any of them measured."""
+    prefills' needed-now bytes add up (:func:`needed_now_bytes`); the line's rate is the lowest
+    any of them measured."""
     without_report: set[str] = set()  # prefills that answered /pdd/line with 404
     while True:
         own_at_poll = {main.url: lines.bytes_ahead(main.url) for main in mains}
@@ -194,13 +211,20 @@ async def poll_prefill_lines(lines: LineAccounting, prefills, mains, get_json,
                 entry = wan_line.get(main.mooncake_session) if main.mooncake_session else None
                 if entry is not None:
                     total = totals.setdefault(main.url, [0, []])
-                    total[0] += int(entry.get("bytes_ahead") or 0)
+                    total[0] += needed_now_bytes(entry)
                     if entry.get("recent_bytes_per_s"):
                         total[1].append(entry["recent_bytes_per_s"])
         for url, (ahead, rates) in totals.items():
             lines.report(url, ahead, min(rates) if rates else None, own_at_poll[url])
         mark_mains_out(mains, out)
         await asyncio.sleep(interval_s)
+
+
+def needed_now_bytes(entry: dict) -> int:
+    """The bytes of one prefill's line to a main that a new request's copy waits behind: its
+    needed-now bytes, or the whole line from a prefill that reports no classes."""
+    needed = entry.get("needed_now_bytes_ahead")
+    return int(entry.get("bytes_ahead") or 0) if needed is None else int(needed)
 
 
 async def _line_report(prefill, get_json, without_report: set):

@@ -85,6 +85,9 @@ class RouterMetrics:
                                  registry=r)
         self.healthy = Gauge("pdd_router_server_healthy", "1 when in rotation", ["role", "url"],
                              registry=r)
+        self.tp_size = Gauge("pdd_router_server_tp_size", "The server's --tp-size (from its "
+                             "/server_info); roles may differ where one size divides the other",
+                             ["role", "url"], registry=r)
         self.placements = Counter(
             "pdd_router_placements", "Requests placed, by pipeline and the rule that chose it "
             "(wan_below_hide_threshold: P->MD, nothing worth hiding; wan_above_hide_threshold: "
@@ -98,6 +101,13 @@ class RouterMetrics:
         self.wan_time_actual = Histogram(
             "pdd_router_wan_time_seconds", "Main's WAN copy as the router measures it (see "
             "pdd_router_wan_time_predicted_over_actual)", buckets=_TTFT_BUCKETS, registry=r)
+
+    def request_placed(self, placement, api: str) -> None:
+        """A request (or a retry of one) goes to its servers."""
+        pipeline = placement.pipeline.label
+        self.requests.labels(pipeline, api).inc()
+        self.ttft_budget.labels(placement.ttft_budget).inc()
+        self.placed(placement)
 
     def placed(self, placement) -> None:
         self.placements.labels(placement.pipeline.label, placement_reason(placement)).inc()
@@ -114,6 +124,8 @@ class RouterMetrics:
         for upstream in pool.all():
             self.outstanding.labels(upstream.role, upstream.url).set(upstream.outstanding)
             self.healthy.labels(upstream.role, upstream.url).set(1 if upstream.healthy else 0)
+            if upstream.tp_size is not None:
+                self.tp_size.labels(upstream.role, upstream.url).set(upstream.tp_size)
         return generate_latest(self.registry)
 
 

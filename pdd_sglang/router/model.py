@@ -1,15 +1,26 @@
 """The served model as the router needs it: names, context length, tokenizer, KV bytes per token.
 
-The router tokenizes every prompt itself: placement needs token ids (main's prefix match), and
-the servers then receive ``input_ids``, so all three roles see exactly the same tokens.
+The tokenizer is off the hot path: text prompts go to the servers as text, their token counts
+estimated (:mod:`pdd_sglang.router.prompt`). It serves what needs exact tokens: a prompt whose
+count could reach the context limit, a chat template whose tokenizer adds special tokens to any
+text (SGLang encodes a rendered chat without them, a /generate text with them), a retry that
+resends the prompt plus the client's tokens, and the text of main's tokens after a handoff.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
+
+from pdd_sglang.router.prompt import TokenEstimate
+
+# An English sample whose tokens per byte start the estimate (the servers' counts then correct
+# it, answer by answer).
+_SAMPLE_TEXT = ("The router places each request on a path through the servers, and splices the "
+                "answers of the relay and the main decode server into one stream for the client. "
+                "Placement weighs the prefix each main holds against its load.")
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "fp8_e4m3": 1,
                 "fp8_e5m2": 1}
@@ -22,6 +33,7 @@ class ModelInfo:
     context_length: int
     tokenizer: Any
     kv_bytes_per_token: float
+    estimate: TokenEstimate = field(default_factory=TokenEstimate)
 
     def known_names(self) -> set[str]:
         # SGLang answers to its served name, its path and "default" (its protocol's default).
@@ -34,11 +46,14 @@ class ModelInfo:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict]) -> Union[str, list[int]]:
         """Render like SGLang's chat serving: template to text, then encode without re-adding
-        special tokens (the template already placed them)."""
+        special tokens (the template already placed them). The rendered text itself when the
+        tokenizer adds no special token to a text: the servers then encode it to the same ids."""
         rendered = self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True)
+        if self.estimate.specials == 0:
+            return rendered
         return list(self.tokenizer.encode(rendered, add_special_tokens=False))
 
 
@@ -82,7 +97,16 @@ def load_model_info(model_info: dict, server_info: dict, tokenizer_path: Optiona
         context_length=int(context),
         tokenizer=tokenizer,
         kv_bytes_per_token=kv_bytes or 50 * 1024.0,  # the brief's 1T-class figure
+        estimate=estimate_for(tokenizer),
     )
+
+
+def estimate_for(tokenizer: Any) -> TokenEstimate:
+    """The estimate's start: the tokens the tokenizer adds to any text, and a sample's tokens
+    per byte."""
+    specials = len(tokenizer.encode(""))
+    sample = len(tokenizer.encode(_SAMPLE_TEXT)) - specials
+    return TokenEstimate(max(sample, 1) / len(_SAMPLE_TEXT.encode()), specials)
 
 
 def _context_from_config(model_path: str) -> int:

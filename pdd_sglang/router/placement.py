@@ -3,18 +3,20 @@
 Every decision is pdd_sglang.policy's (the simulator makes the same ones); this module only feeds
 it the router's view: each main's prefix match from its mirror, outstanding requests per server,
 and (congestion-aware placement) the line to each main as router/line_state.py accounts it.
+Token counts of a text prompt are estimates (:mod:`pdd_sglang.router.prompt`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 from pdd_sglang import policy
 from pdd_sglang.router.config import RouterConfig
 from pdd_sglang.router.landing import LandingCopies
 from pdd_sglang.router.line_state import LineAccounting
 from pdd_sglang.router.prefix_mirror import PrefixMirror
+from pdd_sglang.router.prompt import Prompt
 from pdd_sglang.router.servers import MAIN, PREFILL, RELAY, NoHealthyServer, ServerPool, Upstream
 
 @dataclass(frozen=True)
@@ -69,29 +71,36 @@ class Placer:
         self.kv_bytes_per_token = kv_bytes_per_token
         self.cfg = config.policy
 
-    def choose_main(self, prompt_ids: Sequence[int]) -> tuple[Upstream, int]:
+    def choose_main(self, prompt: Prompt) -> tuple[Upstream, int]:
+        """The main for ``prompt`` by the prefix it will hold (a copy still landing there
+        counts: the turn waits for it) against load; and the tokens it holds *now* (a copy
+        still crossing the WAN is not there yet), which the WAN prediction uses."""
         mains = self.pool.healthy(MAIN)
         if not mains:
             raise NoHealthyServer(MAIN)
-        # What each main holds now: a copy still crossing the WAN is not there yet.
-        matches = [self.landing.cached_now(m.url, prompt_ids,
-                                           self.mirrors[m.url].match_length(prompt_ids))
-                   for m in mains]
+        key = prompt.key
+        held, now = [], []
+        for m in mains:
+            match = self.mirrors[m.url].match_length(key)
+            landing = self.landing.predecessor(m.url, key)
+            held.append(prompt.tokens_of(max(match, len(landing.prompt) if landing else 0)))
+            now.append(prompt.tokens_of(match) if landing is None
+                       else min(prompt.tokens_of(match), landing.cached_before))
         candidates = [policy.MainCandidate(cached_prefix_tokens=match,
                                            running_requests=min(m.outstanding,
                                                                 m.max_running_requests),
                                            max_running_requests=m.max_running_requests)
-                      for m, match in zip(mains, matches)]
+                      for m, match in zip(mains, held)]
         index = policy.choose_main(candidates, self.cfg)
-        return mains[index], matches[index]
+        return mains[index], now[index]
 
-    def place(self, prompt_ids: Sequence[int], max_new_tokens: int,
+    def place(self, prompt: Prompt, max_new_tokens: int,
               avoid: frozenset = frozenset(), ttft_slo_s: Optional[float] = None) -> Placement:
         """``avoid``: relays this request must not use (one that just failed it, before the
         health monitor has its verdict). ``ttft_slo_s``: the request's own TTFT budget (default:
         the router's, ``--ttft-slo-ms``; none: ``hide_wan_below_s`` decides)."""
         try:
-            main, cached = self.choose_main(prompt_ids)
+            main, cached = self.choose_main(prompt)
         except NoHealthyServer:
             # Main is unreachable: the relay, beside prefill, answers alone (P->RLD, as for
             # singular traffic) instead of the client getting an error.
@@ -107,7 +116,7 @@ class Placer:
             return Placement(policy.Pipeline.RELAY_SINGULAR, self.pool.least_loaded(PREFILL),
                              relay, None, 0, 0.0, main_fallback=True)
         # SGLang never reuses the KV of the prompt's last token (it recomputes it to sample).
-        uncached = len(prompt_ids) - min(cached, max(len(prompt_ids) - 1, 0))
+        uncached = prompt.tokens - min(cached, max(prompt.tokens - 1, 0))
         line = self.lines.state(main.url) if self.congestion_aware else policy.IDLE_LINE
         wan_s = policy.predict_wan_seconds_on_line(uncached, self.kv_bytes_per_token,
                                                    self.link.wan_bytes_per_s, self.link.rtt_s,

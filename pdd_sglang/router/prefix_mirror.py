@@ -1,4 +1,6 @@
-"""The router's estimate of one main server's radix cache: a token-level radix tree with LRU eviction.
+"""The router's estimate of one main server's radix cache: a radix tree with LRU eviction, over
+the prompts' keys (:attr:`pdd_sglang.router.prompt.Prompt.key`: a text prompt's characters, as
+sglang-router's cache-aware tree keeps them, or a tuple of token ids).
 
 SGLang exposes no "how much of this prompt do you hold" endpoint, so the router mirrors what it
 sent: every prompt plus its output (the KV a main server keeps after a request finishes) goes into
@@ -7,7 +9,11 @@ the main's mirror. It is an *estimate*, and knows it:
   - requests that reached main without the router are invisible.
 Two things keep it honest: the mirror's budget defaults to main's KV pool size, and each answer's
 ``cached_tokens`` (main's real prefix hit) corrects it: a shorter hit than predicted means main
-evicted below that depth, so the mirror drops that branch too (``observe_hit``).
+evicted below that depth, so the mirror drops that branch too (``observe_hit``). Lengths are in
+key units (characters or tokens); the budget counts a character as TOKENS_PER_CHAR of a token.
+
+Owner: the router's event loop (one mirror per main; placement reads, the finish records and the
+landing copies write).
 """
 
 from __future__ import annotations
@@ -16,7 +22,15 @@ import heapq
 import itertools
 from typing import Optional, Sequence
 
+from pdd_sglang.router.prompt import as_key
+
 EVICT_TO_FRACTION = 0.9
+TOKENS_PER_CHAR = 0.25  # a character's share of the token budget (a typical text's)
+
+
+def _cost(key) -> float:
+    """Budget taken by an edge: a token each, or a character's share of one."""
+    return len(key) * TOKENS_PER_CHAR if isinstance(key, str) else len(key)
 
 
 class _Node:
@@ -29,13 +43,20 @@ class _Node:
         self.last_access = stamp
 
 
-def _common_length(a: Sequence[int], b: Sequence[int], start: int) -> int:
-    """Length of the common prefix of a and b[start:]."""
+def _common_length(a, b, start: int) -> int:
+    """Length of the common prefix of a and b[start:] (both str, or both tuples): one C-speed
+    comparison when the whole edge matches, else a binary search over prefix comparisons."""
     n = min(len(a), len(b) - start)
-    i = 0
-    while i < n and a[i] == b[start + i]:
-        i += 1
-    return i
+    if b[start:start + n] == a[:n]:
+        return n
+    low, high = 0, n - 1  # a[:low] matches; a[:high + 1] does not
+    while low < high:
+        mid = (low + high + 1) // 2
+        if b[start:start + mid] == a[:mid]:
+            low = mid
+        else:
+            high = mid - 1
+    return low
 
 
 class PrefixMirror:
@@ -50,8 +71,9 @@ class PrefixMirror:
         self.total_tokens = 0
 
     # ---- queries ------------------------------------------------------------------------
-    def match_length(self, tokens: Sequence[int], touch: bool = False) -> int:
-        """How many leading tokens of ``tokens`` the mirror holds."""
+    def match_length(self, tokens: Sequence, touch: bool = False) -> int:
+        """How many leading units of ``tokens`` (a key) the mirror holds."""
+        tokens = as_key(tokens)
         node, depth = self._root, 0
         stamp = next(self._clock) if touch else None
         while depth < len(tokens):
@@ -68,9 +90,9 @@ class PrefixMirror:
         return depth
 
     # ---- updates ------------------------------------------------------------------------
-    def insert(self, tokens: Sequence[int]) -> None:
+    def insert(self, tokens: Sequence) -> None:
         """Record that main now holds KV for ``tokens`` (and so for each of its prefixes)."""
-        tokens = tuple(tokens)
+        tokens = as_key(tokens)
         stamp = next(self._clock)
         node, depth = self._root, 0
         while depth < len(tokens):
@@ -78,7 +100,7 @@ class PrefixMirror:
             if child is None:
                 leaf = _Node(tokens[depth:], node, stamp)
                 node.children[tokens[depth]] = leaf
-                self.total_tokens += len(leaf.key)
+                self.total_tokens += _cost(leaf.key)
                 break
             common = _common_length(child.key, tokens, depth)
             if common < len(child.key):
@@ -89,12 +111,13 @@ class PrefixMirror:
             # Evict a little below the budget: each eviction scans the leaves, so do it rarely.
             self._evict(self.total_tokens - int(self.max_tokens * EVICT_TO_FRACTION))
 
-    def observe_hit(self, prompt: Sequence[int], cached_tokens: int) -> None:
+    def observe_hit(self, prompt: Sequence, cached_tokens: int) -> None:
         """Correct the mirror with main's real prefix hit for ``prompt``.
 
         SGLang's radix cache evicts leaves first, so a hit shorter than the mirror's match means
         the whole subtree below that depth is gone from main: drop it here too.
         """
+        prompt = as_key(prompt)
         if cached_tokens >= self.match_length(prompt):
             return
         node, depth = self._root, 0
@@ -126,7 +149,7 @@ class PrefixMirror:
         stack, removed = [node], 0
         while stack:
             current = stack.pop()
-            removed += len(current.key)
+            removed += _cost(current.key)
             stack.extend(current.children.values())
         del node.parent.children[node.key[0]]
         self.total_tokens -= removed
@@ -139,8 +162,8 @@ class PrefixMirror:
             _, _, leaf = heapq.heappop(leaves)
             parent = leaf.parent
             del parent.children[leaf.key[0]]
-            freed += len(leaf.key)
-            self.total_tokens -= len(leaf.key)
+            freed += _cost(leaf.key)
+            self.total_tokens -= _cost(leaf.key)
             if parent is not self._root and not parent.children:
                 heapq.heappush(leaves, (parent.last_access, id(parent), parent))
 

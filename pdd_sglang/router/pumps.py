@@ -1,8 +1,9 @@
 """The I/O side of one request: each decoder's stream and the prefill's answer, fed into the
 queues that the dispatcher's splice loop reads. Plumbing only: the loop owns every decision.
 
-A decoder's queue receives its chunks, then END (the stream ended) or the exception that broke
-it. Every decoder's queue also receives the prefill's failure, or PREFILL_ANSWERED: prefill
+A decoder's queue receives its chunks, then the end of its stream (:class:`StreamEndedEarly`,
+read only when the stream ended before the answer did) or the exception that broke it; the decoder's task returns how its stream ended (:class:`StreamEnd`), which tells whether a
+copy kept after the client's answer landed at main (landing.py). Every decoder's queue also receives the prefill's failure, or PREFILL_ANSWERED: prefill
 answers once its last KV copy has landed, main's across the WAN included, which is how the
 router knows main has the prompt (dispatch.py's relay-loss handling relies on it).
 """
@@ -13,6 +14,8 @@ import asyncio
 import json
 import logging
 import time
+from dataclasses import dataclass
+from typing import Optional
 
 from pdd_sglang.router.line_state import LineAccounting
 from pdd_sglang.router.metrics import RouterMetrics
@@ -24,8 +27,23 @@ from pdd_sglang.router.upstream import UpstreamClient
 
 logger = logging.getLogger("pdd_sglang.router")
 
-END = object()
 PREFILL_ANSWERED = object()
+
+
+class StreamEndedEarly(RuntimeError):
+    """A decoder closed its stream before finishing (or handing off) the answer."""
+
+    def __init__(self, upstream: Upstream):
+        super().__init__(f"{upstream.role} {upstream.url} closed its stream before finishing")
+        self.upstream = upstream
+
+
+@dataclass(frozen=True)
+class StreamEnd:
+    """How a decoder's stream ended: after how many chunks, and the error that ended it."""
+
+    chunks: int
+    error: Optional[BaseException] = None
 
 
 class Pumps:
@@ -40,9 +58,10 @@ class Pumps:
     async def decoder(self, upstream: Upstream, body: dict, queue: asyncio.Queue,
                       splicer: StreamSplicer, after: asyncio.Event | None = None,
                       placement: Placement | None = None, job: GenerateJob | None = None,
-                      marks: dict | None = None, copies: dict | None = None) -> None:
+                      marks: dict | None = None, copies: dict | None = None) -> StreamEnd:
         """A relay's or main's stream, chunk by chunk; main's also accounts its WAN copy."""
         copy = None
+        chunks = 0
         try:
             if after is not None and not after.is_set():
                 # The relay streams meanwhile; prefill holds main's KV until main registers.
@@ -52,7 +71,7 @@ class Pumps:
                 except asyncio.TimeoutError:
                     self.metrics.main_waits.labels("timed_out").inc()
             if upstream.role == "main" and placement is not None and job is not None:
-                uncached = max(len(job.prompt_ids) - placement.main_cached_tokens, 0)
+                uncached = max(job.prompt.tokens - placement.main_cached_tokens, 0)
                 copy = self.lines.begin(upstream.url, uncached * self.kv_bytes_per_token)
                 if copies is not None:
                     copies["main"] = copy
@@ -68,12 +87,15 @@ class Pumps:
                     if upstream.role == "relay" and copies is not None:
                         # Prefill's forward is done: main's copy is on the line from here.
                         self.lines.on_wire(copies.get("main"))
+                chunks += 1
                 queue.put_nowait(chunk)
-            queue.put_nowait(END)
+            queue.put_nowait(StreamEndedEarly(upstream))
+            return StreamEnd(chunks)
         except asyncio.CancelledError:
             raise
         except BaseException as err:  # handed to the splice loop, which owns error handling
             queue.put_nowait(err)
+            return StreamEnd(chunks, err)
         finally:
             if copy is not None:
                 self.lines.drop(copy)  # no-op once landed

@@ -23,10 +23,11 @@ What the router does, in the order a relay's death shows:
    (:mod:`resume`): prompt + emitted tokens, so only the emitted tokens' KV crosses the line.
    Main or prefill failing the request after the relay's loss (prefill fails a whole room when
    one of its copies fails) sends it the same way, whatever ``--retry-after-first-token`` says.
-4. Main copies kept after the relay answered a request alone, only to cache its prompt
-   (``landing.py``), are dropped when their relay leaves rotation: main would wait
-   ``--pdd-handoff-timeout`` for the relay's refusal, then decode an answer nobody reads, while
-   the line carries them ahead of the copies of requests that now all go P->MD.
+4. Main copies kept after the relay answered a request alone, only to cache its prompt, are
+   dropped when their relay leaves rotation (``landing.py``).
+
+Steps 2 and 3 are the fault paths below (:func:`relay_lost`, :func:`failed_after_the_relay_was_lost`,
+:func:`main_never_noticed`), each run on the attempt whose relay was lost (``attempt.py``).
 
 What still needs the servers: main cannot take the relay's tokens from the router (only from the
 relay's control channel), so step 3 costs the emitted tokens' KV on the line or main's decode
@@ -38,10 +39,17 @@ a slow one, which is why step 3 needs the router at all.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
-from typing import Callable, Optional
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
 
 from pdd_sglang.router.servers import Upstream
+from pdd_sglang.router.upstream import UpstreamError
+
+if TYPE_CHECKING:  # attempt.py runs these paths
+    from pdd_sglang.router.attempt import Attempt
+
+logger = logging.getLogger("pdd_sglang.router")
 
 # Re-placements after relay losses that one request may take (each avoids the relays that
 # failed it, so a second one means a second relay died under the same request).
@@ -86,39 +94,46 @@ class MainSilence:
         return None if deadline is None else max(0.0, deadline - now)
 
 
-@dataclass(eq=False)
-class _Kept:
-    rid: str
-    task: asyncio.Task
-    drop: Callable[[], None]
+def relay_lost(attempt: "Attempt", item) -> None:
+    """The relay's stream broke before any handoff. The client sees a pause, then main's tokens
+    from the next position it lacks: main, whose copy is already on the line (step 2), decodes
+    from the first token. A relay that refused the connection never had the request: a longer
+    wait, for a placement without it (step 2's first case)."""
+    router, relay, splicer = attempt.router, attempt.placement.relay, attempt.splicer
+    attempt.relay_failure = failure = item  # an UpstreamError, or its stream's early end
+    router.metrics.errors.labels("relay_lost").inc()
+    router.report(failure)
+    if isinstance(failure, UpstreamError) and failure.refused and not splicer.emitted:
+        raise RelayLost(relay, failure, 0, "refused before its first token")
+    logger.warning("%s: relay %s lost (%s); going on with main %s", attempt.rid, relay.url,
+                   failure, attempt.placement.main.url)
+    splicer.relay_lost()
+    attempt.silence.relay_lost_at = asyncio.get_running_loop().time()
+    router.abort([relay], attempt.rid)
 
 
-@dataclass
-class CachingCopies:
-    """Main copies kept only to cache a prompt the relay already answered, by that relay."""
+def failed_after_the_relay_was_lost(attempt: "Attempt", source: str, item) -> RelayLost:
+    """Main or prefill failed the request after its relay was lost (prefill fails a whole room
+    when one of its copies fails): the relay's loss is the cause. The client sees a pause, then
+    the rest of its answer from a fresh placement without that relay (step 3)."""
+    if isinstance(item, UpstreamError):
+        attempt.router.report(item)
+    return RelayLost(attempt.placement.relay, attempt.relay_failure,
+                     len(attempt.splicer.emitted), f"{source} failed after it: {item}")
 
-    _by_relay: dict = field(default_factory=dict)
 
-    def keep(self, relay: Upstream, rid: str, task: asyncio.Task,
-             drop: Callable[[], None]) -> None:
-        """``drop`` cancels the copy (its stream and the WAN transfer feeding it)."""
-        kept = _Kept(rid, task, drop)
-        copies = self._by_relay.setdefault(relay, {})
-        copies[rid] = kept
-        task.add_done_callback(lambda _: self._forget(relay, rid))
-
-    def _forget(self, relay: Upstream, rid: str) -> None:
-        copies = self._by_relay.get(relay, {})
-        copies.pop(rid, None)
-        if not copies:
-            self._by_relay.pop(relay, None)
-
-    def drop_for(self, relay: Upstream) -> list[str]:
-        """Drop every copy kept for ``relay``; the rids dropped."""
-        copies = list(self._by_relay.pop(relay, {}).values())
-        for kept in copies:
-            kept.drop()
-        return [kept.rid for kept in copies]
-
-    def __len__(self) -> int:
-        return sum(len(copies) for copies in self._by_relay.values())
+async def main_never_noticed(attempt: "Attempt") -> RelayLost:
+    """Main's copy landed after the relay was lost and main stays silent: it never connected to
+    the relay, so it waits for a handoff that never comes. The client sees a pause, then the rest
+    of its answer from a fresh placement, from its last token (step 3)."""
+    router, main, emitted = attempt.router, attempt.placement.main, len(attempt.splicer.emitted)
+    logger.warning("%s: main %s silent %.1f s after its copy landed and relay %s was lost; "
+                   "going on from token %d on a fresh placement", attempt.rid, main.url,
+                   attempt.silence.grace_s, attempt.placement.relay.url, emitted)
+    # Abort main's copy before the continuation reaches main: main then has the prompt in its
+    # radix cache (an aborted held request keeps its landed KV there), and only the emitted
+    # tokens' KV crosses the line.
+    await router.client.abort(main, attempt.rid)
+    router.mirrors[main.url].insert(attempt.job.prompt.key)
+    return RelayLost(attempt.placement.relay, attempt.relay_failure, emitted,
+                     "main never noticed")

@@ -4,14 +4,17 @@ Every check a server would make on its own is made here first, with the server's
 bad request is refused before any server allocates anything for it (and an empty prompt, which
 crashes SGLang 0.5.23's CPU scheduler, never reaches one).
 
-A long prompt is tokenized off the event loop (:func:`parse_off_loop`): a 32K-token prompt takes
-tens of milliseconds to encode, which would hold every other stream for as long. Hugging Face's
-fast tokenizers release the GIL while they encode, so the pool's threads run beside the loop.
+A text prompt is not tokenized (:mod:`pdd_sglang.router.prompt`) unless its count could reach
+the context limit. Then, and for a chat whose tokenizer adds special tokens, a long prompt is
+tokenized off the event loop (:func:`parse_off_loop`): a 32K-token prompt takes tens of
+milliseconds to encode, which would hold every other stream for as long. Hugging Face's fast
+tokenizers release the GIL while they encode, so the pool's threads run beside the loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, TypeVar
@@ -20,6 +23,7 @@ import orjson
 
 from pdd_sglang.router.errors import RequestRejected
 from pdd_sglang.router.model import ModelInfo
+from pdd_sglang.router.prompt import Prompt
 
 SGLANG_DEFAULT_MAX_NEW_TOKENS = 128  # SamplingParams' default when a request names none
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # SGLang's CompletionRequest default
@@ -36,7 +40,7 @@ _T = TypeVar("_T")
 
 @dataclass
 class GenerateJob:
-    prompt_ids: list[int]
+    prompt: Prompt
     sampling_params: dict
     stream: bool
     extra: dict = field(default_factory=dict)  # other /generate fields, forwarded unchanged
@@ -70,15 +74,46 @@ def prompt_chars(body: dict) -> int:
     return total
 
 
+def _may_tokenize(body: dict, model: ModelInfo) -> bool:
+    """Whether parsing ``body`` may run the tokenizer: a chat whose tokenizer adds special
+    tokens, or a text whose token count could reach the context with the tokens it asks for."""
+    if "messages" in body:
+        return model.estimate.specials > 0
+    sampling = body.get("sampling_params")
+    asked = [body.get("max_tokens"), body.get("max_completion_tokens"),
+             sampling.get("max_new_tokens") if isinstance(sampling, dict) else None]
+    new_tokens = max([n for n in asked if isinstance(n, int)], default=0)
+    texts = [body.get(k) for k in ("text", "prompt")]
+    return any(isinstance(t, str) and model.estimate.bound(t) + new_tokens >= model.context_length
+               for t in texts)
+
+
 async def parse_off_loop(parse: Callable[[dict, ModelInfo], _T], body: dict,
                          model: ModelInfo) -> _T:
-    """``parse(body, model)``, in the tokenizer pool when the prompt is long enough to matter."""
+    """``parse(body, model)``, in the tokenizer pool when it may tokenize a prompt long enough
+    to matter."""
     global _pool
-    if prompt_chars(body) < OFF_LOOP_MIN_CHARS:
+    if prompt_chars(body) < OFF_LOOP_MIN_CHARS or not _may_tokenize(body, model):
         return parse(body, model)
     if _pool is None:
         _pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="pdd-tokenize")
     return await asyncio.get_running_loop().run_in_executor(_pool, parse, body, model)
+
+
+async def with_exact_prompt(job: GenerateJob, model: ModelInfo) -> GenerateJob:
+    """``job`` with its prompt's token ids (a text prompt tokenized now, in the tokenizer pool
+    when long), for what must resend them exactly (a continuation)."""
+    global _pool
+    if job.prompt.exact:
+        return job
+    text = job.prompt.text
+    if len(text) < OFF_LOOP_MIN_CHARS:
+        ids = model.encode(text)
+    else:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="pdd-tokenize")
+        ids = await asyncio.get_running_loop().run_in_executor(_pool, model.encode, text)
+    return dataclasses.replace(job, prompt=Prompt.of_ids(ids))
 
 
 def _ttft_slo_s(body: dict) -> Optional[float]:
@@ -102,9 +137,11 @@ def parse_json_object(raw: bytes) -> dict:
     return body
 
 
-def _check_context(prompt_len: int, max_new_tokens: Optional[int], model: ModelInfo) -> None:
-    """SGLang's TokenizerManager checks, word for word."""
-    context = model.context_length
+def _check_context(prompt: Prompt, max_new_tokens: Optional[int], model: ModelInfo) -> None:
+    """SGLang's TokenizerManager checks, word for word (a text prompt fits: text_prompt)."""
+    if not prompt.exact:
+        return
+    prompt_len, context = prompt.tokens, model.context_length
     if prompt_len >= context:
         raise RequestRejected(f"The input ({prompt_len} tokens) is longer than the model's "
                               f"context length ({context} tokens).", "prompt_too_long")
@@ -115,6 +152,16 @@ def _check_context(prompt_len: int, max_new_tokens: Optional[int], model: ModelI
             f"tokens from the input messages and {max_new_tokens} tokens for the completion. "
             f"Please reduce the number of tokens in the input messages or the completion to fit "
             f"within the limit.", "max_tokens_too_large")
+
+
+def text_prompt(text: str, max_new_tokens: Optional[int], model: ModelInfo) -> Prompt:
+    """The text itself when its token count, whatever it is, fits the context; else its exact
+    ids, for SGLang's refusal word for word (a blank text too: it may have no token at all)."""
+    bound = model.estimate.bound(text)
+    if text.strip() and bound < model.context_length and bound + (max_new_tokens or 0) \
+            <= model.context_length:
+        return Prompt.of_text(text, model.estimate)
+    return Prompt.of_ids(model.encode(text))
 
 
 def _check_token_ids(ids: Any, what: str) -> list[int]:
@@ -136,17 +183,6 @@ def parse_generate(body: dict, model: ModelInfo) -> GenerateJob:
     sampling = body.get("sampling_params") or {}
     if not isinstance(sampling, dict):
         raise RequestRejected("sampling_params must be an object", "bad_field", "validation")
-    if text is not None:
-        if not isinstance(text, str):
-            raise RequestRejected("text must be a string", "bad_field", "validation")
-        prompt_ids = model.encode(text)
-    elif input_ids is not None:
-        prompt_ids = _check_token_ids(input_ids, "input_ids")
-    else:
-        raise RequestRejected("Either text, input_ids or input_embeds should be provided.",
-                              "empty_prompt")
-    if not prompt_ids:
-        raise RequestRejected("The prompt is empty.", "empty_prompt")
     max_new = sampling.get("max_new_tokens")
     if max_new is not None:
         if not isinstance(max_new, int) or isinstance(max_new, bool):
@@ -154,9 +190,20 @@ def parse_generate(body: dict, model: ModelInfo) -> GenerateJob:
         if max_new < 0:
             raise RequestRejected(f"max_new_tokens must be at least 0, got {max_new}.",
                                   "negative_max_tokens")
-    _check_context(len(prompt_ids), max_new, model)
+    if text is not None:
+        if not isinstance(text, str):
+            raise RequestRejected("text must be a string", "bad_field", "validation")
+        prompt = text_prompt(text, max_new, model)
+    elif input_ids is not None:
+        prompt = Prompt.of_ids(_check_token_ids(input_ids, "input_ids"))
+    else:
+        raise RequestRejected("Either text, input_ids or input_embeds should be provided.",
+                              "empty_prompt")
+    if not prompt.tokens:
+        raise RequestRejected("The prompt is empty.", "empty_prompt")
+    _check_context(prompt, max_new, model)
     extra = {k: v for k, v in body.items() if k not in _ROUTER_OWNED and k != "sampling_params"}
-    return GenerateJob(prompt_ids, dict(sampling), bool(body.get("stream")), extra,
+    return GenerateJob(prompt, dict(sampling), bool(body.get("stream")), extra,
                        _ttft_slo_s(body))
 
 
@@ -223,15 +270,15 @@ def parse_completion(body: dict, model: ModelInfo) -> tuple[GenerateJob, str]:
     if not prompt:
         raise RequestRejected("Prompt cannot be empty", "empty_prompt")
     if isinstance(prompt, str):
-        prompt_ids = model.encode(prompt)
+        parsed = text_prompt(prompt, max_tokens, model)
     elif isinstance(prompt, list) and isinstance(prompt[0], int):
-        prompt_ids = _check_token_ids(prompt, "prompt")
+        parsed = Prompt.of_ids(_check_token_ids(prompt, "prompt"))
     else:
         raise RequestRejected("The PDD router serves one prompt per request", "batch_unsupported")
-    if not prompt_ids:
+    if not parsed.tokens:
         raise RequestRejected("Prompt cannot be empty", "empty_prompt")
-    _check_context(len(prompt_ids), max_tokens, model)
-    return GenerateJob(prompt_ids, _openai_sampling(body, max_tokens), bool(body.get("stream")),
+    _check_context(parsed, max_tokens, model)
+    return GenerateJob(parsed, _openai_sampling(body, max_tokens), bool(body.get("stream")),
                        ttft_slo_s=_ttft_slo_s(body)), name
 
 
@@ -254,10 +301,12 @@ def parse_chat(body: dict, model: ModelInfo) -> tuple[GenerateJob, str]:
     max_tokens = _check_openai_common(body, "max_completion_tokens")
     if max_tokens is None:
         max_tokens = _check_openai_common(body, "max_tokens")
-    rendered = [{**m, "content": _message_text(m.get("content"))} for m in messages]
-    prompt_ids = model.apply_chat_template(rendered)
-    if not prompt_ids:
+    rendered = model.apply_chat_template(
+        [{**m, "content": _message_text(m.get("content"))} for m in messages])
+    prompt = (text_prompt(rendered, max_tokens, model) if isinstance(rendered, str)
+              else Prompt.of_ids(rendered))
+    if not prompt.tokens:
         raise RequestRejected("Messages cannot be empty.", "empty_prompt")
-    _check_context(len(prompt_ids), max_tokens, model)
-    return GenerateJob(prompt_ids, _openai_sampling(body, max_tokens), bool(body.get("stream")),
+    _check_context(prompt, max_tokens, model)
+    return GenerateJob(prompt, _openai_sampling(body, max_tokens), bool(body.get("stream")),
                        ttft_slo_s=_ttft_slo_s(body)), name

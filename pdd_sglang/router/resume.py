@@ -17,20 +17,24 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from pdd_sglang.router.prompt import Prompt
 from pdd_sglang.router.request_parsing import GenerateJob
 from pdd_sglang.router.splice import SplicedUpdate
 
 
 def continuation(job: GenerateJob, sent_ids: list[int]) -> Optional[GenerateJob]:
     """The job that produces the rest of ``job``'s answer after ``sent_ids``; None if nothing is
-    left to produce."""
+    left to produce. ``job``'s prompt must be exact (its ids: the continuation's prompt is them
+    followed by the client's tokens)."""
+    if not job.prompt.exact:
+        raise ValueError("a continuation needs the prompt's token ids")
     remaining = job.max_new_tokens - len(sent_ids)
     if remaining <= 0:
         return None
     params = dict(job.sampling_params, max_new_tokens=remaining)
     if isinstance(params.get("min_new_tokens"), int):
         params["min_new_tokens"] = max(0, params["min_new_tokens"] - len(sent_ids))
-    return dataclasses.replace(job, prompt_ids=list(job.prompt_ids) + list(sent_ids),
+    return dataclasses.replace(job, prompt=Prompt.of_ids(job.prompt.ids + tuple(sent_ids)),
                                sampling_params=params)
 
 

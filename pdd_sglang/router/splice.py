@@ -116,26 +116,47 @@ class StreamSplicer:
     def finished(self) -> bool:
         return self.phase == "done"
 
-    # ---- relay --------------------------------------------------------------------------
+    def chunk(self, source: str, chunk: UpstreamChunk) -> Optional[SplicedUpdate]:
+        """A chunk of ``source``'s stream ("relay" or "main", the phase the client reads): the
+        client's next update, None when it adds nothing."""
+        if source != self.phase:
+            raise SpliceError(f"{source} chunk in phase {self.phase!r}")
+        first_after_handoff = False
+        if source == "relay":
+            new_ids = self._relay_ids(chunk)
+        else:
+            new_ids, first_after_handoff = self._main_ids(chunk)
+        finished = self.phase == "done"
+        if not (new_ids or finished):
+            return None
+        return self._update(new_ids, chunk.meta, finished, source,
+                            first_after_handoff and bool(new_ids))
+
     def relay_chunk(self, chunk: UpstreamChunk) -> Optional[SplicedUpdate]:
-        if self.phase != "relay":
-            raise SpliceError(f"relay chunk in phase {self.phase!r}")
+        return self.chunk("relay", chunk)
+
+    def main_chunk(self, chunk: UpstreamChunk) -> Optional[SplicedUpdate]:
+        return self.chunk("main", chunk)
+
+    # ---- relay --------------------------------------------------------------------------
+    def _relay_ids(self, chunk: UpstreamChunk) -> list[int]:
+        """Place the relay's chunk; at its last, the relay finished alone or handed off."""
         new_ids = self._place(chunk.output_ids, 0)
         self.text = chunk.text if chunk.text is not None else self.decode(self.emitted)
         if not chunk.finished:
-            return self._update(new_ids, chunk.meta, False, "relay") if new_ids else None
+            return new_ids
         reason = chunk.meta.get("finish_reason")
         handoff = reason if isinstance(reason, dict) and reason.get("type") == HANDOFF_FINISH_TYPE else None
         if handoff is None:
             self.phase, self.outcome = "done", "relay_finished"
-            return self._update(new_ids, chunk.meta, True, "relay")
-        handed = handoff.get("handed_tokens") if isinstance(handoff, dict) else None
+            return new_ids
+        handed = handoff.get("handed_tokens")
         if not isinstance(handed, int) or not 0 <= handed <= len(self.emitted):
             raise SpliceError(f"relay handed {handed!r} tokens but streamed {len(self.emitted)}")
         self.handed_tokens, self.handoff_info = handed, handoff
         self.phase = "main"
         self._start_main_text()
-        return self._update(new_ids, chunk.meta, False, "relay") if new_ids else None
+        return new_ids
 
     def relay_lost(self) -> None:
         """The relay's stream broke before it handed anything over: go on with main's stream."""
@@ -156,9 +177,8 @@ class StreamSplicer:
             self.text = decoded
 
     # ---- main ---------------------------------------------------------------------------
-    def main_chunk(self, chunk: UpstreamChunk) -> Optional[SplicedUpdate]:
-        if self.phase != "main":
-            raise SpliceError(f"main chunk in phase {self.phase!r}")
+    def _main_ids(self, chunk: UpstreamChunk) -> tuple[list[int], bool]:
+        """Place main's chunk: its new ids, and whether they are main's first after the relay."""
         if self.main_cached_tokens is None:
             self.main_cached_tokens = chunk.meta.get("cached_tokens")
         first = self._main_start(chunk, self.handed_tokens or 0)
@@ -180,10 +200,7 @@ class StreamSplicer:
             self.phase = "done"
             self.outcome = ("relay_lost" if self.relay_lost_at is not None
                             else "handoff" if self.with_relay else "main")
-            return self._update(new_ids, chunk.meta, True, "main", first_after_handoff and bool(new_ids))
-        if not new_ids:
-            return None
-        return self._update(new_ids, chunk.meta, False, "main", first_after_handoff)
+        return new_ids, first_after_handoff
 
     # ---- helpers ------------------------------------------------------------------------
     @staticmethod

@@ -108,6 +108,22 @@ class UpstreamClient:
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as err:
             logger.warning("abort %s on %s %s failed: %r", rid, upstream.role, upstream.url, err)
 
+    async def cache_only(self, upstream: Upstream, room: int) -> None:
+        """Tell a prefill that ``room``'s relay answered alone: main's copy of it only warms
+        main's cache and goes behind every copy a request waits for (POST /pdd/cache_only).
+        Best effort: a prefill that misses it keeps the copy needed-now."""
+        try:
+            async with self._session.post(upstream.url + "/pdd/cache_only",
+                                          json={"rooms": [room]},
+                                          timeout=self._timeout(10.0)) as resp:
+                await resp.read()
+                if resp.status not in (202, 404):  # 404: a prefill older than the route
+                    logger.warning("cache-only notice for room %s to %s answered %s", room,
+                                   upstream.url, resp.status)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as err:
+            logger.warning("cache-only notice for room %s to %s failed: %r", room, upstream.url,
+                           err)
+
     async def generate_final(self, upstream: Upstream, body: dict) -> dict:
         """A non-streamed /generate (the prefill's side of a request)."""
         try:

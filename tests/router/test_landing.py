@@ -13,16 +13,13 @@ def test_the_next_turn_finds_its_predecessor_and_counts_only_what_main_holds_now
     landing = copies.add("http://main", turn1, cached_before=60)
     turn2 = turn1 + [7, 8, 9]
     assert copies.predecessor("http://main", turn2) is landing
-    # The mirror already counts turn 1's prompt; main holds only the 60 tokens it had before.
-    assert copies.cached_now("http://main", turn2, mirror_match=100) == 60
-    assert copies.cached_now("http://main", turn2, mirror_match=40) == 40
     # Another main, another conversation, or a prompt that diverges inside turn 1: no wait.
     assert copies.predecessor("http://other", turn2) is None
     assert copies.predecessor("http://main", [1] + turn2) is None
     assert copies.predecessor("http://main", turn1[:50]) is None
-    copies.landed("http://main", landing)
+    copies.ended("http://main", landing)
     assert landing.done.is_set() and len(copies) == 0
-    assert copies.cached_now("http://main", turn2, mirror_match=100) == 100
+    assert copies.predecessor("http://main", turn2) is None
 
 
 def test_the_longest_landing_prefix_wins():
@@ -31,8 +28,8 @@ def test_the_longest_landing_prefix_wins():
     long = copies.add("m", [1, 2, 3, 4], cached_before=2)
     assert copies.predecessor("m", [1, 2, 3, 4, 5]) is long
     assert copies.predecessor("m", [1, 2, 9]) is short
-    copies.landed("m", long)
-    copies.landed("m", long)  # a second report of the same landing changes nothing
+    copies.ended("m", long)
+    copies.ended("m", long)  # a second report of the same landing changes nothing
     assert copies.predecessor("m", [1, 2, 3, 4, 5]) is short and len(copies) == 1
 
 
@@ -43,7 +40,7 @@ def test_a_waiter_wakes_when_the_copy_lands():
         waiter = asyncio.create_task(landing.done.wait())
         await asyncio.sleep(0)
         assert not waiter.done()
-        copies.landed("m", landing)
+        copies.ended("m", landing)
         await asyncio.wait_for(waiter, 1)
 
     asyncio.run(scenario())

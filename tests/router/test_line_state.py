@@ -197,3 +197,38 @@ def test_the_compact_read_parses_only_the_line_and_the_mains_out_of_a_large_serv
     assert read_line_report(info) == (wan_line, ["10.0.0.3:1"])
     assert read_line_report(b'{"internal_states": [{"pdd": {}}]}') == ({}, [])  # an older build
     assert read_line_report(b'{"internal_states": [{"pdd": {"wan_line": null}}]}') == ({}, [])
+
+
+def test_a_new_copy_waits_only_behind_needed_now_bytes_when_the_prefill_reports_classes():
+    """#34: a new request's copy is needed-now, so cache-only copies (their relay answered
+    alone) are not ahead of it; a prefill without the class fields counts its whole line."""
+    import asyncio
+
+    from pdd_sglang.router.line_state import poll_prefill_lines
+    from pdd_sglang.router.servers import Upstream
+
+    prefills = [Upstream("prefill", "http://p1"), Upstream("prefill", "http://p2")]
+    mains = [Upstream("main", "http://m", mooncake_session="10.0.0.2:7000")]
+    by_class = {"bytes_ahead": 9_000_000, "needed_now_bytes_ahead": 1_000_000,
+                "cache_only_bytes_ahead": 8_000_000, "recent_bytes_per_s": 2e6}
+    older = {"bytes_ahead": 500_000, "recent_bytes_per_s": 2e6}  # an older prefill: the sum
+    reports = {"http://p1": by_class, "http://p2": older}
+
+    async def get_json(upstream, path):
+        return json.dumps({"wan_line": {"10.0.0.2:7000": reports[upstream.url]},
+                           "mains_out": []})
+
+    async def polled(lines: LineAccounting) -> policy.LineState:
+        task = asyncio.create_task(poll_prefill_lines(lines, prefills, mains, get_json, 0.01))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        return lines.state("http://m")
+
+    lines = LineAccounting(FakeClock())
+    assert asyncio.run(polled(lines)).bytes_ahead == 1_500_000
+    mine = lines.begin("http://m", 2_000_000)  # the router's own copy, placed since: needed
+    assert lines.state("http://m").bytes_ahead == 3_500_000
+    lines.cache_only(mine)  # its relay answered alone: it waits behind every needed-now copy
+    assert lines.state("http://m").bytes_ahead == 1_500_000
+    lines.land(mine)
+    assert lines.state("http://m").bytes_ahead == 1_500_000

@@ -10,6 +10,7 @@ from pdd_sglang.router.errors import RequestRejected
 from pdd_sglang.router.model import ModelInfo, kv_bytes_per_token_from_config
 from pdd_sglang.router.placement import Placer
 from pdd_sglang.router.prefix_mirror import PrefixMirror
+from pdd_sglang.router.prompt import Prompt, TokenEstimate
 from pdd_sglang.router.request_parsing import parse_chat, parse_completion, parse_generate
 from pdd_sglang.router.servers import NoHealthyServer, ServerPool
 
@@ -32,16 +33,20 @@ def make(mains=("http://m1", "http://m2"), relays=("http://r1",), penalty=8192):
     return pool, mirrors, Placer(pool, mirrors, config, KV)
 
 
+def place(placer, ids, *args, **kwargs):
+    return placer.place(Prompt.of_ids(ids), *args, **kwargs)
+
+
 def test_pipeline_follows_uncached_suffix_size():
     pool, mirrors, placer = make()
     prompt = list(range(300))
-    first = placer.place(prompt, 16)
+    first = place(placer, prompt, 16)
     assert first.pipeline is policy.Pipeline.PREFILL_RELAY_MAIN and first.relay is not None
     assert first.route_name == "prefill_relay_main"
     assert first.route_fields == {"relay_control": "tcp://127.0.0.1:7000"}
     mirrors[first.main.url].insert(prompt + [7, 8])
     # The next turn re-sends the history plus 30 new tokens: 30 uncached -> P->MD, same main.
-    second = placer.place(prompt + [7, 8] + list(range(1000, 1030)), 16)
+    second = place(placer, prompt + [7, 8] + list(range(1000, 1030)), 16)
     assert second.pipeline is policy.Pipeline.PREFILL_MAIN and second.relay is None
     assert second.main is first.main and second.main_cached_tokens == 302
 
@@ -50,27 +55,27 @@ def test_main_choice_weighs_cache_against_load():
     pool, mirrors, placer = make(penalty=100)
     prompt = list(range(500))
     mirrors["http://m2"].insert(prompt[:400])
-    assert placer.place(prompt, 8).main.url == "http://m2"
+    assert place(placer, prompt, 8).main.url == "http://m2"
     m2 = pool.by_role["main"][1]
     m2.outstanding = 4  # full: only used when every main is
-    assert placer.place(prompt, 8).main.url == "http://m1"
+    assert place(placer, prompt, 8).main.url == "http://m1"
 
 
 def test_prefill_and_relay_by_outstanding_requests_and_health():
     pool, _, placer = make(relays=("http://r1", "http://r2"))
     pool.by_role["prefill"][0].outstanding = 2
     pool.by_role["relay"][0].outstanding = 1
-    placement = placer.place(list(range(400)), 8)
+    placement = place(placer, list(range(400)), 8)
     assert placement.prefill.url == "http://p2" and placement.prefill.bootstrap_port == 9001
     assert placement.relay.url == "http://r2"
     pool.by_role["prefill"][1].healthy = False
-    assert placer.place(list(range(400)), 8).prefill.url == "http://p1"
+    assert place(placer, list(range(400)), 8).prefill.url == "http://p1"
 
 
 def test_no_healthy_relay_falls_back_to_prefill_main():
     pool, _, placer = make()
     pool.by_role["relay"][0].healthy = False
-    placement = placer.place(list(range(400)), 8)
+    placement = place(placer, list(range(400)), 8)
     assert placement.pipeline is policy.Pipeline.PREFILL_MAIN and placement.relay_fallback
 
 
@@ -79,7 +84,7 @@ def test_no_healthy_main_falls_back_to_the_relay_alone():
     for main in pool.by_role["main"]:
         main.healthy = False
     for prompt in ([1, 2, 3], list(range(400))):  # whatever the pipeline would have been
-        placement = placer.place(prompt, 8)
+        placement = place(placer, prompt, 8)
         assert placement.pipeline is policy.Pipeline.RELAY_SINGULAR and placement.main_fallback
         assert placement.main is None and placement.relay.url == "http://r1"
 
@@ -89,7 +94,7 @@ def test_no_healthy_main_and_no_relay_is_refused_for_want_of_a_main():
     for server in pool.by_role["main"] + pool.by_role["relay"]:
         server.healthy = False
     with pytest.raises(NoHealthyServer) as err:
-        placer.place([1, 2, 3], 8)
+        place(placer, [1, 2, 3], 8)
     assert err.value.role == "main"
 
 
@@ -133,7 +138,8 @@ def rejected(parse, body) -> RequestRejected:
 def test_generate_parsing_and_sglang_messages():
     job = parse_generate({"text": "w1 w2", "sampling_params": {"max_new_tokens": 3},
                           "stream": True, "return_logprob": False, "rid": "x"}, MODEL)
-    assert job.prompt_ids == [5, 6] and job.stream and job.max_new_tokens == 3
+    assert job.prompt.text == "w1 w2" and not job.prompt.exact  # the servers tokenize it
+    assert job.stream and job.max_new_tokens == 3
     assert job.extra == {"return_logprob": False}  # rid and stream are the router's
     assert parse_generate({"input_ids": [5]}, MODEL).max_new_tokens == 128
     assert rejected(parse_generate, {"input_ids": []}).cause == "empty_prompt"
@@ -150,7 +156,7 @@ def test_generate_parsing_and_sglang_messages():
 
 def test_openai_parsing():
     job, name = parse_completion({"prompt": "w1 w2 w3", "temperature": 0, "stop": "w9"}, MODEL)
-    assert name == "default" and job.prompt_ids == [5, 6, 7]
+    assert name == "default" and job.prompt.text == "w1 w2 w3"
     assert job.sampling_params["max_new_tokens"] == 16  # SGLang's completions default
     assert job.sampling_params["stop"] == ["w9"] and job.sampling_params["temperature"] == 0
     assert rejected(parse_completion, {"prompt": ""}).message == "Prompt cannot be empty"
@@ -159,7 +165,8 @@ def test_openai_parsing():
     assert err.status == 404 and err.kind == "not_found"
     job, _ = parse_chat({"messages": [{"role": "user", "content": "w1"}],
                          "max_completion_tokens": 4, "model": "/m/tiny"}, MODEL)
-    assert job.prompt_ids == [5] and job.max_new_tokens == 4
+    # The tokenizer adds no special token to a text: the rendered chat goes as text.
+    assert job.prompt.text == "w1" and job.max_new_tokens == 4
     assert rejected(parse_chat, {"messages": []}).message == "Messages cannot be empty."
     assert rejected(parse_chat, {"messages": [{"role": "user", "content": "w1"}],
                                  "n": 2}).cause == "unsupported_option"
@@ -169,9 +176,9 @@ def test_a_relay_that_failed_the_request_is_avoided_when_it_is_placed_again():
     pool, _, placer = make(relays=("http://r1", "http://r2"))
     prompt = list(range(300))
     r1, r2 = pool.by_role["relay"]
-    assert placer.place(prompt, 16).relay is r1
-    assert placer.place(prompt, 16, avoid=frozenset({r1})).relay is r2
-    neither = placer.place(prompt, 16, avoid=frozenset({r1, r2}))
+    assert place(placer, prompt, 16).relay is r1
+    assert place(placer, prompt, 16, avoid=frozenset({r1})).relay is r2
+    neither = place(placer, prompt, 16, avoid=frozenset({r1, r2}))
     assert neither.pipeline is policy.Pipeline.PREFILL_MAIN and neither.relay_fallback
 
 
@@ -191,7 +198,8 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop():
     import asyncio
 
     from pdd_sglang.router.request_parsing import OFF_LOOP_MIN_CHARS, parse_off_loop
-    model = ModelInfo("/m/tiny", "/m/tiny", 10**9, SlowTokenizer(), KV)
+    # A context the text could reach: its tokens are counted, exactly.
+    model = ModelInfo("/m/tiny", "/m/tiny", OFF_LOOP_MIN_CHARS, SlowTokenizer(), KV)
     long_text = "w1 " * (OFF_LOOP_MIN_CHARS // 3 + 1)
 
     async def main():
@@ -206,12 +214,16 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop():
         task = asyncio.create_task(ticker())
         job = await parse_off_loop(parse_generate, {"text": long_text}, model)
         before = ticks
-        short = await parse_off_loop(parse_generate, {"text": "w1 w2"}, model)  # on the loop
+        short = await parse_off_loop(parse_generate, {"text": "w1 w2",  # on the loop
+                                                      "sampling_params": {
+                                                          "max_new_tokens": OFF_LOOP_MIN_CHARS
+                                                          - 10}},
+                                     model)
         task.cancel()
         return job, before, ticks - before, short
 
     job, ticks_long, ticks_short, short = asyncio.run(main())
-    assert len(job.prompt_ids) == OFF_LOOP_MIN_CHARS // 3 + 1 and short.prompt_ids
+    assert job.prompt.ids == (5,) * (OFF_LOOP_MIN_CHARS // 3 + 1) and short.prompt.ids == (5, 6)
     assert ticks_long >= 10  # the loop kept running through the 0.3 s encode
     assert ticks_short <= 1  # a short prompt is encoded inline: the loop waited for it
 
@@ -222,28 +234,28 @@ def test_ttft_budget_places_by_predicted_ttft_through_main_and_counts_overruns()
     # 2,000 tokens/s of prefill: 300 uncached tokens are 0.15 s of prefill, 1.5 s of WAN.
     placer.cfg = replace(placer.cfg, prefill_tokens_per_s=2000.0, ttft_slo_s=2.0)
     prompt = list(range(300))
-    roomy = placer.place(prompt, 16)
+    roomy = place(placer, prompt, 16)
     assert roomy.pipeline is policy.Pipeline.PREFILL_MAIN and roomy.ttft_budget == "within"
     assert roomy.predicted_main_ttft_s == pytest.approx(0.15 + 1.5, rel=0.01)
-    tight = placer.place(prompt, 16, ttft_slo_s=1.0)  # the request's own budget wins
+    tight = place(placer, prompt, 16, ttft_slo_s=1.0)  # the request's own budget wins
     assert tight.pipeline is policy.Pipeline.PREFILL_RELAY_MAIN and tight.ttft_budget == "within"
     relay = pool.by_role["relay"][0]
     relay.outstanding = relay.max_running_requests  # the relay is full
-    full = placer.place(prompt, 16, ttft_slo_s=1.0)
+    full = place(placer, prompt, 16, ttft_slo_s=1.0)
     assert full.pipeline is policy.Pipeline.PREFILL_MAIN and full.ttft_budget == "over"
     # Queued work at the prefill counts: 4 requests of ~300 tokens ahead push main past 2 s.
     relay.outstanding = 0
     for p in pool.by_role["prefill"]:
         p.outstanding = 4
     placer._mean_uncached = 300.0
-    queued = placer.place(prompt, 16)
+    queued = place(placer, prompt, 16)
     assert queued.pipeline is policy.Pipeline.PREFILL_RELAY_MAIN
     assert queued.predicted_main_ttft_s == pytest.approx(0.6 + 0.15 + 1.5, rel=0.01)
 
 
 def test_without_a_budget_placement_is_unchanged():
     _, _, placer = make()
-    placed = placer.place(list(range(300)), 16)
+    placed = place(placer, list(range(300)), 16)
     assert placed.pipeline is policy.Pipeline.PREFILL_RELAY_MAIN
     assert placed.ttft_budget == "no_budget" and placed.predicted_main_ttft_s is None
 
@@ -271,3 +283,38 @@ def test_ttft_slo_flag():
     assert parse_args(["--prefill", "http://p", "--main", "http://m"]).policy.ttft_slo_s is None
     with pytest.raises(SystemExit):
         parse_args(["--prefill", "http://p", "--main", "http://m", "--ttft-slo-ms", "0"])
+
+
+def test_a_text_prompt_is_forwarded_with_an_estimated_count_unless_it_could_reach_the_context():
+    model = ModelInfo("/m/tiny", "/m/tiny", 100, WordTokenizer(), KV,
+                      TokenEstimate(tokens_per_byte=0.5, specials=1))
+    text = "w1 w2 w3 w4"  # 11 bytes: at most 11 + 1 + 8 = 20 tokens with any tokenizer
+    job = parse_generate({"text": text, "sampling_params": {"max_new_tokens": 80}}, model)
+    assert job.prompt == Prompt(1 + 6, text=text) and job.prompt.body_fields() == {"text": text}
+    # Could reach the context with the tokens asked for: counted, exactly, and sent as ids.
+    job = parse_generate({"text": text, "sampling_params": {"max_new_tokens": 81}}, model)
+    assert job.prompt.exact and job.prompt.body_fields() == {"input_ids": [5, 6, 7, 8]}
+    err = rejected(parse_generate, {"text": " ".join(["w1"] * 100)})
+    assert err.message == ("The input (100 tokens) is longer than the model's context length "
+                           "(100 tokens).")
+    assert rejected(parse_generate, {"text": "  "}).cause == "empty_prompt"  # no token at all
+
+
+def test_the_estimate_learns_tokens_per_byte_from_the_servers_counts():
+    estimate = TokenEstimate(tokens_per_byte=0.25, specials=1)
+    text = "w12 " * 250  # 1,000 bytes, 250 words: the servers count 251 tokens
+    assert estimate.tokens(text) == 251
+    for _ in range(200):
+        estimate.observe(text, 201)
+    assert estimate.tokens(text) == pytest.approx(201, abs=2)
+    assert estimate.bound("\u00e9" * 10) == 20 + 1 + 8  # two UTF-8 bytes a character
+
+
+def test_a_text_prompts_prefix_counts_in_proportion_and_placement_uses_it():
+    pool, mirrors, placer = make()
+    history = "w1 " * 200
+    prompt = Prompt(400, text=history + "w2 " * 50)  # 750 characters, 400 tokens
+    assert prompt.tokens_of(600) == 320 and prompt.key_length_of(320) == 600
+    mirrors["http://m2"].insert(history)
+    placement = placer.place(prompt, 16)
+    assert placement.main.url == "http://m2" and placement.main_cached_tokens == 320

@@ -74,3 +74,23 @@ def test_observe_hit_drops_what_main_no_longer_holds():
 def test_budget_must_be_positive():
     with pytest.raises(ValueError):
         PrefixMirror(0)
+
+
+def test_text_keys_match_by_characters_beside_token_keys():
+    mirror = PrefixMirror(10**6)
+    mirror.insert("system: be brief\nuser: hello")
+    mirror.insert([5, 6, 7])
+    assert mirror.match_length("system: be brief\nuser: hello again") == 28
+    assert mirror.match_length("system: be terse") == len("system: be ")  # inside an edge
+    assert mirror.match_length("another") == 0
+    assert mirror.match_length([5, 6, 9]) == 2  # a text never matches ids, nor the reverse
+    mirror.observe_hit("system: be brief\nuser: hello", 10)  # main evicted below 10 characters
+    assert mirror.match_length("system: be brief\nuser: hello") == 10
+
+
+def test_a_character_takes_a_quarter_of_a_token_of_the_budget():
+    mirror = PrefixMirror(100)
+    mirror.insert("a" * 400)  # 100 tokens' worth
+    assert mirror.match_length("a" * 400) == 400
+    mirror.insert("b" * 40)  # past the budget: the least recently used leaf goes
+    assert mirror.match_length("a" * 400) == 0 and mirror.match_length("b" * 40) == 40

@@ -15,7 +15,9 @@ from pdd_sglang.router.metrics import RouterMetrics
 from pdd_sglang.router.model import ModelInfo
 from pdd_sglang.router.placement import Placer
 from pdd_sglang.router.prefix_mirror import PrefixMirror
-from pdd_sglang.router.relay_loss import CachingCopies, MainSilence
+from pdd_sglang.router.landing import LandingCopies
+from pdd_sglang.router.relay_loss import MainSilence
+from pdd_sglang.router.prompt import Prompt
 from pdd_sglang.router.request_parsing import GenerateJob
 from pdd_sglang.router.servers import (HEALTH_OK, HEALTH_UNREACHABLE, MAIN, PREFILL, RELAY,
                                        HealthMonitor, ServerPool)
@@ -67,6 +69,9 @@ class ScriptedClient:
     async def abort(self, upstream, rid):
         self.log.append(("abort", upstream.role, rid))
 
+    async def cache_only(self, upstream, room):
+        self.log.append(("cache_only", upstream.role, room))
+
     async def health(self, upstream, timeout_s: float = 10.0):
         return self.health_of.get(upstream.url, HEALTH_OK)
 
@@ -90,10 +95,15 @@ def make_dispatcher(client: ScriptedClient, grace_s: float = 0.0) -> Dispatcher:
     return Dispatcher(pool, placer, mirrors, client, health, RouterMetrics(), model, config)
 
 
+async def answer_without_drain(dispatcher: Dispatcher, max_new_tokens: int = 4) -> list:
+    """The client's updates; what the router does after the answer may still be running."""
+    job = GenerateJob(Prompt.of_ids(PROMPT), {"max_new_tokens": max_new_tokens}, stream=True)
+    return [u async for u in dispatcher.serve(job, dispatcher.place(job), "generate",
+                                              time.perf_counter())]
+
+
 async def answer(dispatcher: Dispatcher, max_new_tokens: int = 4) -> list:
-    job = GenerateJob(list(PROMPT), {"max_new_tokens": max_new_tokens}, stream=True)
-    updates = [u async for u in dispatcher.serve(job, dispatcher.place(job), "generate",
-                                                 time.perf_counter())]
+    updates = await answer_without_drain(dispatcher, max_new_tokens)
     await dispatcher.drain()  # the aborts the attempts left behind
     return updates
 
@@ -215,7 +225,8 @@ def test_text_held_back_for_a_stop_string_goes_on_before_the_continuations():
     async def test():
         client = relay_dies_unnoticed([[10], [10, 11, 12]], [chunk([13], LENGTH, completion=1)])
         dispatcher = make_dispatcher(client, grace_s=0.0)
-        job = GenerateJob(list(PROMPT), {"max_new_tokens": 4, "stop": ["w12 w13"]}, stream=True)
+        job = GenerateJob(Prompt.of_ids(PROMPT), {"max_new_tokens": 4, "stop": ["w12 w13"]},
+                          stream=True)
         updates = [u async for u in dispatcher.serve(job, dispatcher.place(job), "generate",
                                                      time.perf_counter())]
         await dispatcher.drain()
@@ -361,18 +372,18 @@ def test_copies_kept_to_cache_a_prompt_go_when_their_relay_leaves():
         client = ScriptedClient({RELAY: [relay_answers_alone],
                                  MAIN: [waits_for_the_relays_refusal]}, [on_the_line])
         dispatcher = make_dispatcher(client)
-        job = GenerateJob(list(PROMPT), {"max_new_tokens": 4}, stream=True)
+        job = GenerateJob(Prompt.of_ids(PROMPT), {"max_new_tokens": 4}, stream=True)
         updates = [u async for u in dispatcher.serve(job, dispatcher.place(job), "generate",
                                                      time.perf_counter())]
         assert updates[-1].meta["pdd"]["outcome"] == "relay_finished"
-        assert len(dispatcher.caching) == 1  # main's copy goes on, to cache the prompt
+        assert len(dispatcher.landing) == 1  # main's copy goes on, to cache the prompt
         rid = client.bodies[MAIN][0]["rid"]
         assert not client.aborted(MAIN, rid)
 
         (relay,) = dispatcher.pool.by_role[RELAY]
         dispatcher.health.report_unreachable(relay)
         await dispatcher.drain()
-        assert len(dispatcher.caching) == 0
+        assert len(dispatcher.landing) == 0
         assert client.aborted(MAIN, rid) and client.aborted(PREFILL, rid)
         assert not dispatcher.landing.predecessor("http://m", PROMPT + [1])  # nobody waits
 
@@ -391,24 +402,77 @@ def test_main_silence_counts_from_the_later_of_the_loss_and_the_landing():
     assert silence.deadline() is None
 
 
-def test_caching_copies_forget_a_copy_that_ends_by_itself():
+def test_kept_copies_forget_a_copy_that_ends_by_itself():
     async def test():
         relay = ServerPool([], ["http://r"], []).by_role[RELAY][0]
-        copies = CachingCopies()
+        copies = LandingCopies()
         dropped = []
-        done = asyncio.Event()
-
-        async def copy():
-            await done.wait()
-
-        task = asyncio.create_task(copy())
-        copies.keep(relay, "rid-1", task, lambda: dropped.append("rid-1"))
-        stays = asyncio.create_task(forever())
-        copies.keep(relay, "rid-2", stays, lambda: (dropped.append("rid-2"), stays.cancel()))
-        done.set()
-        await task
-        assert len(copies) == 1
+        ends = copies.add("m", [1], 0, relay, "rid-1", lambda: dropped.append("rid-1"))
+        copies.add("m", [2], 0, relay, "rid-2", lambda: dropped.append("rid-2"))
+        copies.ended("m", ends)
+        assert len(copies) == 1 and copies.kept_for(relay) == 1
         assert copies.drop_for(relay) == ["rid-2"] and dropped == ["rid-2"]
-        assert len(copies) == 0 and copies.drop_for(relay) == []
+        assert copies.kept_for(relay) == 0 and copies.drop_for(relay) == []
+
+    run(test())
+
+
+# Main's abort once the relay refused its handoff because it had answered alone
+# (pdd_sglang/decode/main.py): the copy landed and main caches the prompt.
+CACHED_AT_MAIN = "PDD relay finished the request itself (finished_at_relay)"
+
+
+def _relay_answers_alone_while_main(main_stream):
+    async def relay_answers_alone(upstream):
+        yield chunk([10])
+        yield chunk([10, 11], STOP)
+
+    async def landed(upstream):
+        return {}
+
+    return ScriptedClient({RELAY: [relay_answers_alone], MAIN: [main_stream]}, [landed])
+
+
+def test_the_mirror_holds_a_prompt_the_relay_answered_only_once_mains_copy_has_landed():
+    async def test():
+        landing = asyncio.Event()
+
+        async def lands_when_told(upstream):
+            await landing.wait()
+            raise UpstreamError(upstream, CACHED_AT_MAIN, "upstream_abort", 503)
+            yield
+
+        dispatcher = make_dispatcher(_relay_answers_alone_while_main(lands_when_told))
+        mirror = dispatcher.mirrors["http://m"]
+        updates = await answer_without_drain(dispatcher)
+        assert updates[-1].meta["pdd"]["outcome"] == "relay_finished"
+        await asyncio.sleep(0.01)
+        assert mirror.match_length(PROMPT) == 0  # still crossing the WAN: main lacks it
+        landing.set()
+        await dispatcher.drain()
+        assert mirror.match_length(PROMPT) == len(PROMPT)
+
+    run(test())
+
+
+def test_a_copy_that_failed_or_was_dropped_never_enters_the_mirror():
+    async def fails(upstream):
+        raise UpstreamError(upstream, "KV transfer of room 7 failed", "upstream_abort", 500)
+        yield
+
+    async def waits(upstream):
+        await forever()
+        yield
+
+    async def test():
+        failed = make_dispatcher(_relay_answers_alone_while_main(fails))
+        await answer(failed)
+        assert failed.mirrors["http://m"].match_length(PROMPT) == 0
+
+        dropped = make_dispatcher(_relay_answers_alone_while_main(waits))
+        await answer_without_drain(dropped)
+        dropped.health.report_unreachable(dropped.pool.by_role[RELAY][0])  # copy dropped
+        await dropped.drain()
+        assert dropped.mirrors["http://m"].match_length(PROMPT) == 0
 
     run(test())

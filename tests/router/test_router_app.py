@@ -85,7 +85,8 @@ class FakeServer:
                 request.transport.close()
                 return response
             ids = ids + step["ids"]
-            meta = {"prompt_tokens": len(body["input_ids"]), "completion_tokens": len(ids),
+            prompt = body.get("input_ids") or body["text"].split()  # its tokens: a word each
+            meta = {"prompt_tokens": len(prompt), "completion_tokens": len(ids),
                     "cached_tokens": step.get("cached", 0), "finish_reason": step.get("finish"),
                     **step.get("meta", {})}
             out = {"text": " ".join(f"w{i - 4}" for i in ids), "output_ids": ids, "meta_info": meta}

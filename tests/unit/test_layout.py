@@ -116,3 +116,29 @@ def test_the_packaging_ships_every_package_and_nothing_else():
     expected = {".".join(d.relative_to(PACKAGE.parent).parts) for d in _source_folders()}
     assert shipped == expected
     assert "pdd_sglang.prefill" in shipped and "pdd_sglang.dev.testing" in shipped
+
+
+def _functions(path: Path):
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield node
+
+
+def test_the_routers_request_path_reads_in_one_screen():
+    """#38: one attempt of a request is a short sequence of named steps (``Dispatcher.run``),
+    and each way a server fails it is a function that says what the client sees, in the
+    attempt's module or the relay-loss module, where the attempt's docstring names it."""
+    router = PACKAGE / "router"
+    (run,) = [f for f in _functions(router / "dispatch.py") if f.name == "run"]
+    assert run.end_lineno - run.lineno + 1 <= 50
+    long = {f"{p.name}:{f.name}": f.end_lineno - f.lineno + 1
+            for p in sorted(router.glob("*.py")) for f in _functions(p)
+            if f.end_lineno - f.lineno + 1 > 80}
+    assert not long
+    fault_paths = {f"{p.name}:{f.name}" for p in sorted(router.glob("*.py"))
+                   for f in _functions(p) if "client sees" in (ast.get_docstring(f) or "")}
+    assert fault_paths and {where.split(":")[0] for where in fault_paths} <= {
+        "attempt.py", "relay_loss.py", "landing.py"}
+    listed = ast.get_docstring(ast.parse((router / "attempt.py").read_text()))
+    assert all(where.split(":")[1] in listed for where in fault_paths
+               if where.split(":")[0] != "landing.py"), (fault_paths, listed)
