@@ -176,6 +176,16 @@ def engine_for_session(kv_mgr: MooncakeKVManager, session: str):
     return kv_mgr.pdd_fanout.engine_for(session)
 
 
+# ---- prefill and decode at different TP sizes: patch 0019 -------------------------------------
+def sliced_transfer_engine(kv_mgr: MooncakeKVManager, session: str, lengths: Iterable[int]):
+    """SGLang's ``send_kvcache_slice`` is about to write one layer's head slices to ``session``:
+    charge them to the ledger and name the engine, as ``_transfer_data`` does for whole pages."""
+    if pdd_role() != "prefill":
+        return kv_mgr.engine
+    record_kv_transfer_batch(session, lengths)
+    return engine_for_session(kv_mgr, session)
+
+
 # ---- debug (patches/debug/0001, applied only with --with-debug) ---------------------------------
 def on_prompt_kv_complete(scheduler: Scheduler, req: Req) -> None:
     """A server holds a request's whole prompt KV (prefill: last chunk; decode: transfer done)."""

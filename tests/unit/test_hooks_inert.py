@@ -29,6 +29,7 @@ answers = {
     "take_transfer_request": hooks.take_transfer_request(kv_mgr, chunk) is False,
     "on_sender_cleared": hooks.on_sender_cleared(kv_mgr, 1),
     "engine_for_session": hooks.engine_for_session(kv_mgr, "s") is engine,
+    "sliced_transfer_engine": hooks.sliced_transfer_engine(kv_mgr, "s", [8]) is engine,
     "on_prompt_kv_complete": hooks.on_prompt_kv_complete(object(), object()),
     "handoff_hold": hooks.handoff_hold(object(), reqs) is reqs,
     "handoff_step": hooks.handoff_step(object(), batch) == (batch, None),

@@ -92,6 +92,11 @@ HOOKED_SYMBOLS = [
     ("entrypoints/http_server.py", "app"),
     ("entrypoints/http_server.py", "launch_server"),
     ("entrypoints/http_server.py", "_setup_and_run_http_server"),
+    # 0019: head-sliced KV (prefill and decode at different TP sizes) through PDD's engine choice
+    ("disaggregation/mooncake/conn.py", "MooncakeKVManager.send_kvcache_slice"),
+    ("disaggregation/mooncake/conn.py", "MooncakeKVManager._await_transfer_futures"),
+    ("disaggregation/common/staging_buffer.py", "compute_head_slice_params"),
+    ("disaggregation/common/conn.py", "CommonKVManager._resolve_rank_mapping"),
     # debug/0002: the debug flags' namespace; each scheduler process installs the test aids once
     # its server args are published
     ("managers/scheduler.py", "publish"),
@@ -226,6 +231,7 @@ COMMON = "disaggregation/common/conn.py"
 KV_MANAGER_ATTRIBUTES = [  # read or written by pdd_sglang.prefill (fanout, senders, wan_path)
     "req_to_decode_prefix_len", "kv_args", "engine", "local_ip", "request_status",
     "decode_kv_args_table", "transfer_queues", "executors", "is_mla_backend", "attn_tp_size",
+    "is_hybrid_mla_backend",
     "attn_tp_rank",  # diagnostics.line_report: only rank 0 writes the report
 ]
 KV_MANAGER_METHODS = [
@@ -360,6 +366,50 @@ def test_the_handoff_step_runs_once_per_iteration_on_every_rank():
         assert "continue" in between and "_engine_paused" in between  # the only skip: paused
     conn = (SRT / "disaggregation" / "common" / "conn.py").read_text()
     assert "self.attn_tp_size = parallel.attn_tp_size" in conn  # the hello's and fan-out's size
+
+
+# Issue 37 (prefill, relay and main at different TP sizes): SGLang's rules PDD follows.
+def test_a_decode_rank_pairs_with_prefill_ranks_by_sglangs_whole_ratios():
+    """The fan-out expects ``decode TP // prefill TP`` sessions of one role per prefill rank
+    (``pdd_sglang.protocol.messages.sessions_per_prefill_rank``), and refuses sizes neither of
+    which divides the other: SGLang's rank mapping, which PDD does not change."""
+    import inspect
+
+    from sglang.srt.disaggregation.common.conn import CommonKVManager
+
+    source = inspect.getsource(CommonKVManager._resolve_rank_mapping)
+    assert "required_dst_info_num = self.attn_tp_size // info.attn_tp_size" in source
+    assert "self.attn_tp_size // info.attn_tp_size\n" in source  # each rank's prefill rank
+    assert "info.attn_tp_size // self.attn_tp_size" in source  # a decode rank's prefill ranks
+
+
+def test_the_head_slices_follow_sglangs_rule_where_kv_heads_are_fewer_than_ranks():
+    """``send_kvcache_slice`` (which PDD's senders call) slices by ``compute_head_slice_params``;
+    its GQA replication rule is the one the KV digest counts heads by
+    (``pdd_sglang.diagnostics.kv_digest.rank_heads``)."""
+    from sglang.srt.disaggregation.common.staging_buffer import compute_head_slice_params
+
+    # 2 KV heads, prefill TP 1, decode TP 4: decode ranks 0-1 hold head 0, ranks 2-3 head 1.
+    assert [compute_head_slice_params(1, 4, 0, r, 2)[:3] for r in range(4)] == [
+        (0, 1, 0), (0, 1, 0), (1, 1, 0), (1, 1, 0)]
+    # prefill TP 2 into decode TP 1: each prefill rank writes its head at its own offset.
+    assert [compute_head_slice_params(2, 1, r, 0, 2)[:3] for r in range(2)] == [
+        (0, 1, 0), (0, 1, 1)]
+
+
+def test_the_sliced_send_runs_each_layer_on_the_executor_it_is_given():
+    """A main's sliced copy passes an executor that runs each layer on the calling sender
+    thread (``pdd_sglang.prefill.tp_slices.SAME_THREAD``), so every layer's slices join
+    the sender's windowed WAN copy; ``send_kvcache_slice`` must submit every layer to it and
+    wait with ``_await_transfer_futures``, and 0019 must route its engine call."""
+    import inspect
+
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+
+    source = inspect.getsource(MooncakeKVManager.send_kvcache_slice)
+    assert "executor.submit(process_layer_tp_aware" in source
+    assert "return self._await_transfer_futures(futures)" in source
+    assert "_pdd_hooks.sliced_transfer_engine(" in source  # patch 0019 applied
 
 
 def test_a_status_message_carries_its_reason_when_the_manager_says_so():
