@@ -178,10 +178,9 @@ def resolve_pdd_server_args(server_args: Any) -> None:
         # SGLang's bootstrap registration and Mooncake session advertise this address; the
         # scheduler and its children inherit it from the launcher.
         os.environ["SGLANG_HOST_IP"] = cfg.pdd_advertise_host
-    check_parallelism(role, tp_size=cfg.tp_size, pp_size=cfg.pp_size, dp_size=cfg.dp_size,
+    check_parallelism(role, pp_size=cfg.pp_size, dp_size=cfg.dp_size,
                       enable_dp_attention=cfg.enable_dp_attention,
-                      staging_buffer=_staging_buffer_enabled(),
-                      kv_digest=bool(cfg.pdd_enable_kv_digest))
+                      staging_buffer=_staging_buffer_enabled())
     check_transfer_engine()
     if cfg.pdd_wan_transfer_timeout <= 0:
         raise PddConfigError(
@@ -191,15 +190,11 @@ def resolve_pdd_server_args(server_args: Any) -> None:
         declare_resolution(server_args, "resolve_pdd_server_args", **decisions)
 
 
-# TP runs (issue 23): the handoff's control channel lives on TP rank 0 and its inputs reach every
-# rank each step (pdd_sglang.decode.tp_sync); prefill, relay and main must share one TP size (the
-# fan-out refuses another at bootstrap: pdd_sglang.protocol.messages.tp_mismatch). The KV digest is
-# still one per server, not per rank.
+# TP runs (issues 23, 37): the handoff's control channel lives on TP rank 0 and its inputs reach
+# every rank each step (pdd_sglang.decode.tp_sync); prefill, relay and main may run different TP
+# sizes that SGLang's PD pairs (the fan-out refuses others at bootstrap:
+# pdd_sglang.protocol.messages.tp_refusal); the KV digest combines every rank's heads.
 _UNSUPPORTED_PARALLELISM = {
-    "kv_digest_tp": "--tp-size {value} with --pdd-enable-kv-digest: the KV digest is not per TP "
-                    "rank yet (each rank holds its own slice of the heads, and main's "
-                    "HandoffReady carries one digest); drop --pdd-enable-kv-digest or run "
-                    "--tp-size 1",
     "dp_size": "--dp-size {value}: PDD does not support data parallelism inside one server (each "
                "DP replica's scheduler would run its own rooms and handoff control channel, and "
                "the router reads only the first scheduler's state); run one server per replica "
@@ -214,12 +209,10 @@ _UNSUPPORTED_PARALLELISM = {
 }
 
 
-def check_parallelism(role: str, *, tp_size: int = 1, pp_size: int = 1, dp_size: int = 1,
-                      enable_dp_attention: bool = False, staging_buffer: bool = False,
-                      kv_digest: bool = False) -> None:
+def check_parallelism(role: str, *, pp_size: int = 1, dp_size: int = 1,
+                      enable_dp_attention: bool = False, staging_buffer: bool = False) -> None:
     """Refuse, one clear message each, what PDD does not support yet (issue 14, item 2)."""
-    given = {"kv_digest_tp": tp_size if tp_size != 1 and kv_digest else None,
-             "dp_size": dp_size if dp_size != 1 and not enable_dp_attention else None,
+    given = {"dp_size": dp_size if dp_size != 1 and not enable_dp_attention else None,
              "pp_size": pp_size if pp_size != 1 else None,
              "enable_dp_attention": True if enable_dp_attention else None,
              "staging_buffer": True if staging_buffer else None}

@@ -125,14 +125,16 @@ class MainHandoff(ExtendSteps):
         parked.state = Held.DIGESTING
 
     def _send_digested(self) -> None:
+        """HandoffReady for each request whose WAN copy every rank has hashed (its heads)."""
         now = self._clock()
-        for parked in self.parked.values():
-            if parked.state is Held.DIGESTING and parked.digest.ready():
-                digest = kv_digest.range_digest(parked.digest.result())
-                parked.digest = None
-                self._send_ready(parked, HandoffReady(room=parked.req.bootstrap_room,
-                                                      kv_digest=digest,
-                                                      kv_digest_start=parked.digest_start), now)
+        digesting = {room: parked.digest for room, parked in self.parked.items()
+                     if parked.state is Held.DIGESTING}
+        for room, hashes in self.ranks.whole_kv_hashes(digesting).items():
+            parked = self.parked[room]
+            parked.digest = None
+            self._send_ready(parked, HandoffReady(room=room,
+                                                  kv_digest=kv_digest.range_digest(hashes),
+                                                  kv_digest_start=parked.digest_start), now)
 
     def _send_ready(self, parked: _Parked, ready: HandoffReady, now: float) -> None:
         """The deadline runs from here: the relay's silence, not main's own hashing."""

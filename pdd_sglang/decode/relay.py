@@ -88,6 +88,7 @@ class RelayHandoff:
         self.out_of_batch: dict[int, Any] = {}
         # --pdd-enable-kv-digest: each room's prompt-KV hashes, computed off the scheduler thread.
         self.kv_hashes: OrderedDict[int, kv_digest.PendingHashes] = OrderedDict()
+        self._hashed: dict[int, bytes] = {}  # this step's whole-KV hashes of awaited rooms
         self._closed = False
         logger.info("PDD relay control channel at %s", self.loop.address)
 
@@ -117,9 +118,11 @@ class RelayHandoff:
             now = time.monotonic()
         running_batch = seam.aids.relay_before_handoffs(self, running_batch, now)
         reqs.update(self.out_of_batch)
+        awaited = {room: self.kv_hashes[room] for room, pending in self.pending.items()
+                   if pending.ready.kv_digest and room in self.kv_hashes}
+        self._hashed = self.ranks.whole_kv_hashes(awaited)  # every rank's heads, combined
         for room, pending in list(self.pending.items()):
-            hashes = self.kv_hashes.get(room)
-            if pending.ready.kv_digest and hashes is not None and not hashes.ready():
+            if room in awaited and room not in self._hashed:
                 continue  # the relay's own hashes are not done yet: answer at a later step
             if room in self.finished_rooms:
                 del self.pending[room]
@@ -249,11 +252,11 @@ class RelayHandoff:
         copy over the same positions; None if they match or main sent no digest."""
         if not ready.kv_digest:
             return None
-        pending = self.kv_hashes.pop(ready.room, None)
-        if pending is None:  # hashing off here, or the room's hashes aged out
+        if self.kv_hashes.pop(ready.room, None) is None:  # off here, or its hashes aged out
             self.stats.event("kv_digest_unverified")
             return None
-        if kv_digest.range_digest(pending.result(), ready.kv_digest_start) == ready.kv_digest:
+        hashes = self._hashed[ready.room]  # this step's, of every rank's heads (step())
+        if kv_digest.range_digest(hashes, ready.kv_digest_start) == ready.kv_digest:
             self.stats.event("kv_digest_verified")
             return None
         logger.error("PDD relay: room %s: main's KV from position %d does not match the relay's "

@@ -84,6 +84,26 @@ class RankInputs:
         data = broadcast_pyobj(data, group.rank, group.cpu_group, src=group.ranks[0])
         return data[0]
 
+    def whole_kv_hashes(self, pending: dict) -> dict:
+        """``{room: token hashes of the whole prompt KV}`` for the rooms of ``pending`` (room ->
+        ``kv_digest.PendingHashes``) that every rank has hashed; the others wait for a later
+        step. At TP > 1 each rank hashed its own KV heads, and the ranks' parts are gathered and
+        combined here, so the hashes are a TP 1 server's whatever this server's or its peer's
+        TP size (issue 37). A collective at TP > 1, without a call when ``pending`` is empty:
+        every rank calls it at the same point of the same step with the same rooms."""
+        from pdd_sglang.diagnostics.kv_digest import combine
+
+        parts = {room: hashes.part() if hashes.ready() else None
+                 for room, hashes in pending.items()}
+        if self.size == 1 or not pending:
+            return {room: combine([part]) for room, part in parts.items() if part is not None}
+        import torch.distributed as dist
+
+        ranks: list = [None] * self.size
+        dist.all_gather_object(ranks, parts, group=self.group.cpu_group)
+        return {room: combine([rank[room] for rank in ranks]) for room in pending
+                if all(rank[room] is not None for rank in ranks)}
+
 
 def rank_pools(scheduler: Any, pool: dict) -> Optional[list]:
     """Every TP rank's pool figures (rank order) at TP > 1, else None. A collective: SGLang

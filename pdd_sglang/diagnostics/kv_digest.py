@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 MAX_DIGESTS = 4096
@@ -72,9 +73,40 @@ def _buffers(pool: Any) -> list:
     return out
 
 
+@dataclass(frozen=True)
+class RankHeads:
+    """Which of the model's KV heads this TP rank's pool holds, to hash them as parts of the
+    whole: ``first`` of ``total`` heads, ``counted`` False on a rank whose heads another rank
+    also holds and counts (KV heads fewer than ranks: SGLang gives rank r head r // (TP //
+    heads), ``compute_head_slice_params``'s rule too). TP 1: the whole, counted."""
+
+    first: int = 0
+    total: int = 0  # 0: the whole row is this rank's (TP 1, or heads unknown)
+    counted: bool = True
+
+
+def rank_heads(scheduler: Any) -> RankHeads:
+    """This scheduler's share of the KV heads (its attention TP rank and size, the model's KV
+    heads); the whole at TP 1 or where no SGLang runtime is published (unit tests)."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        parallel = get_parallel()
+        size, rank = int(parallel.attn_tp_size or 1), int(parallel.attn_tp_rank or 0)
+    except Exception:
+        return RankHeads()
+    if size == 1:
+        return RankHeads()
+    total = int(scheduler.model_config.get_total_num_kv_heads())
+    if total >= size:
+        return RankHeads(first=rank * (total // size), total=total)
+    replicas = size // total
+    return RankHeads(first=rank // replicas, total=total, counted=rank % replicas == 0)
+
+
 def _row_coefficients(words: int, device: Any) -> Any:
-    """Odd 64-bit multipliers, one per 32-bit word of a token's row: the same on every server
-    (drawn on the host from a fixed seed, whatever the device)."""
+    """Odd 64-bit multipliers, one per 32-bit word of a token's whole row (every KV head): the
+    same on every server (drawn on the host from a fixed seed, whatever the device)."""
     import torch
 
     key = (words, str(device))
@@ -85,25 +117,46 @@ def _row_coefficients(words: int, device: Any) -> Any:
     return _coefficients[key]
 
 
-def token_hash_tensor(pool: Any, slots: Any) -> Any:
-    """One int64 hash per token of its KV in every layer, on the pool's device, in a few
-    vectorized integer passes per buffer and no host copy (asynchronous on a GPU).
+def _own_coefficients(buffer: Any, words: int, heads: RankHeads, device: Any) -> Any:
+    """The multipliers of this rank's words: its heads' place in the whole row (a buffer is
+    ``[slots, heads, head_dim]``, its heads this rank's)."""
+    if heads.total == 0:
+        return _row_coefficients(words, device)
+    per_head = words // int(buffer.shape[1])
+    first = heads.first * per_head
+    return _row_coefficients(heads.total * per_head, device)[first:first + words]
 
-    Each 32-bit word of a token's row is multiplied by its own odd constant and xor-shifted
-    (both one-to-one on 64-bit integers, so any one changed word changes the token's sum), the
-    words summed (wrapping), the buffers folded in layer order, and the result finalized with
-    MurmurHash3's mix. Integer arithmetic only: the same bits give the same hash on any device
-    and page layout, whatever the dtype (bf16, fp8 and float32 rows are read as raw words)."""
+
+def token_hash_tensor(pool: Any, slots: Any) -> Any:
+    """One int64 hash per token of its KV in every layer (:func:`token_partial_tensor` of the
+    whole, finalized): the hash a TP 1 server gives, and :func:`combine` of every rank's parts."""
+    return _finalize(token_partial_tensor(pool, slots))
+
+
+def token_partial_tensor(pool: Any, slots: Any, heads: RankHeads = RankHeads()) -> Any:
+    """This rank's part of each token's hash, on the pool's device, in a few vectorized integer
+    passes per buffer and no host copy (asynchronous on a GPU).
+
+    Each 32-bit word of a token's row is multiplied by the odd constant of its place in the
+    whole row (every KV head; this rank's heads are a part of it) and xor-shifted (both
+    one-to-one on 64-bit integers, so any one changed word changes the token's sum), the words
+    summed (wrapping), and the buffers folded in layer order: all of it linear in the words'
+    terms, so the ranks' parts add up (wrapping) to the whole's, at any TP split of the heads.
+    :func:`_finalize` then mixes the sum (MurmurHash3's mix). Integer arithmetic only: the same
+    bits give the same hash on any device and page layout, whatever the dtype (bf16, fp8 and
+    float32 rows are read as raw words)."""
     import torch
 
     buffers = _buffers(pool)
     device = buffers[0].device
     slots = slots.to(device)
     total = torch.zeros(len(slots), dtype=torch.int64, device=device)
+    if not heads.counted:  # another rank holds and counts these heads
+        return total
     for buffer in buffers:
         row_bytes = buffer[0].numel() * buffer.element_size()
         words = row_bytes // 4
-        coefficients = _row_coefficients(words, device)
+        coefficients = _own_coefficients(buffer, words, heads, device)
         per_pass = max(1, _TOKENS_PER_PASS_BYTES // (8 * words))
         for first in range(0, len(slots), per_pass):
             chunk = slots[first:first + per_pass]
@@ -115,10 +168,28 @@ def token_hash_tensor(pool: Any, slots: Any) -> Any:
             x.bitwise_xor_(x >> 29)
             part = total[first:first + per_pass]
             part.mul_(_LAYER_PRIME).add_(x.sum(dim=1))
+    return total
+
+
+def _finalize(total: Any) -> Any:
+    total = total.clone()
     total ^= total >> 33
     total *= _MIX
     total ^= total >> 33
     return total
+
+
+def combine(parts: list) -> bytes:
+    """The token hashes of the whole KV from every TP rank's part (:meth:`PendingHashes.part`,
+    in any order): equal to a TP 1 server's hashes of the same KV."""
+    import numpy as np
+    import torch
+
+    total = np.zeros(len(parts[0]) // TOKEN_HASH_BYTES, dtype="<u8")
+    for part in parts:
+        total += np.frombuffer(part, dtype="<u8")  # wraps, as the int64 sums did
+    hashes = _finalize(torch.from_numpy(total.view("<i8").copy()))
+    return hashes.numpy().astype("<i8").tobytes()
 
 
 def token_hashes(scheduler: Any, req: Any, start: int = 0) -> bytes:
@@ -135,7 +206,11 @@ class PendingHashes:
     the KV and an event marks their end; the scheduler polls :meth:`ready` each step and reads
     the 8 bytes per token only once they are done. On the CPU the hashing runs on one worker
     thread (torch releases the GIL) over the request's slots, which the request holds until the
-    hashes are read. Either way the scheduler step pays O(1) to start it."""
+    hashes are read. Either way the scheduler step pays O(1) to start it.
+
+    At TP > 1 each rank hashes its own KV heads as their part of the whole (:class:`RankHeads`):
+    :meth:`part` is what a rank contributes, and :func:`combine` of every rank's parts is the
+    whole KV's hashes, equal at any TP size (``decode.tp_sync.RankInputs.whole_kv_hashes``)."""
 
     _executor = None
 
@@ -150,16 +225,17 @@ class PendingHashes:
         pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
         slots = _slots(scheduler, req, start).clone()
         device = _buffers(pool)[0].device
+        heads = rank_heads(scheduler)
         if device.type == "cuda":
             import torch
 
-            tensor = token_hash_tensor(pool, slots)
+            tensor = token_partial_tensor(pool, slots, heads)
             event = torch.cuda.Event()
             event.record()
             return cls(tensor=tensor, event=event)
         if background:
-            return cls(future=cls._worker().submit(token_hash_tensor, pool, slots))
-        return cls(tensor=token_hash_tensor(pool, slots))
+            return cls(future=cls._worker().submit(token_partial_tensor, pool, slots, heads))
+        return cls(tensor=token_partial_tensor(pool, slots, heads))
 
     @classmethod
     def _worker(cls):
@@ -182,7 +258,12 @@ class PendingHashes:
         return self._event is None or self._event.query()
 
     def result(self) -> bytes:
-        """The hashes, waiting for them if they are not ready."""
+        """The hashes of this rank's KV (at TP 1 the whole), waiting if they are not ready."""
+        part = self.part()
+        return combine([part]) if part else b""
+
+    def part(self) -> bytes:
+        """This rank's part of the whole KV's hashes (:func:`combine`), waiting if not ready."""
         tensor = self._future.result() if self._future is not None else self._tensor
         if tensor is None:
             return b""

@@ -114,3 +114,74 @@ def test_every_token_and_every_layer_counts():
     swapped = kv.clone()
     swapped[:, [0, 1]] = kv[:, [1, 0]]
     assert kv_digest.token_hashes(*server(swapped, list(range(10)))) != base
+
+
+# ---- at any TP (issue 37): each rank hashes its heads as parts of the whole ---------------------
+def rank_server(kv: torch.Tensor, heads: slice, slots: list[int]):
+    """A TP rank whose pool holds ``heads`` of every token's KV (SGLang's per-rank pool)."""
+    scheduler, req = server(kv, slots)
+    pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
+    pool.k = [k[:, heads].contiguous() for k in pool.k]
+    pool.v = [v[:, heads].contiguous() for v in pool.v]
+    return scheduler, req
+
+
+def part(scheduler, req, heads: kv_digest.RankHeads, start: int = 0) -> bytes:
+    pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
+    slots = kv_digest._slots(scheduler, req, start)
+    return kv_digest.token_partial_tensor(pool, slots, heads).numpy().astype("<i8").tobytes()
+
+
+def test_every_ranks_heads_combine_to_the_hashes_of_tp_1():
+    kv = prompt()
+    whole = kv_digest.token_hashes(*server(kv, list(range(10))))
+    ranks = [rank_server(kv, slice(r, r + 1), [3 * t + r for t in range(10)]) for r in range(2)]
+    parts = [part(*ranks[r], kv_digest.RankHeads(first=r, total=HEADS)) for r in range(2)]
+    assert kv_digest.combine(parts) == whole == kv_digest.combine(parts[::-1])
+    assert kv_digest.combine(parts[:1]) != whole  # one rank's heads are not the whole
+    main_from_6 = kv_digest.combine([part(*ranks[r], kv_digest.RankHeads(first=r, total=HEADS),
+                                          start=6) for r in range(2)])
+    assert kv_digest.range_digest(main_from_6) == kv_digest.range_digest(whole, skip_tokens=6)
+
+
+def test_replicated_heads_count_once_when_kv_heads_are_fewer_than_ranks():
+    """2 KV heads over 4 ranks: ranks 0-1 hold head 0, ranks 2-3 head 1 (SGLang's rule); only
+    the first rank of each pair counts, so the parts still add up to the whole."""
+    kv = prompt()
+    whole = kv_digest.token_hashes(*server(kv, list(range(10))))
+    parts = []
+    for rank in range(4):
+        head = rank // 2
+        heads = kv_digest.RankHeads(first=head, total=HEADS, counted=rank % 2 == 0)
+        parts.append(part(*rank_server(kv, slice(head, head + 1), list(range(10))), heads))
+    assert kv_digest.combine(parts) == whole
+
+
+def test_one_changed_value_on_one_rank_changes_the_combined_digest():
+    kv = prompt()
+    ranks = [rank_server(kv, slice(r, r + 1), list(range(10))) for r in range(2)]
+    heads = [kv_digest.RankHeads(first=r, total=HEADS) for r in range(2)]
+    before = kv_digest.combine([part(*ranks[r], heads[r]) for r in range(2)])
+    corrupt_one_value(*ranks[1], 7)
+    after = kv_digest.combine([part(*ranks[r], heads[r]) for r in range(2)])
+    assert before[:7 * 8] == after[:7 * 8] and before[7 * 8:8 * 8] != after[7 * 8:8 * 8]
+
+
+def test_a_server_without_a_runtime_hashes_the_whole():
+    assert kv_digest.rank_heads(SimpleNamespace()) == kv_digest.RankHeads()
+
+
+def test_each_rank_knows_its_heads_by_sglangs_rule(monkeypatch):
+    import sglang.srt.runtime_context as runtime
+
+    model = SimpleNamespace(model_config=SimpleNamespace(get_total_num_kv_heads=lambda: 2))
+
+    def at(rank, size):
+        monkeypatch.setattr(runtime, "get_parallel",
+                            lambda: SimpleNamespace(attn_tp_rank=rank, attn_tp_size=size))
+        return kv_digest.rank_heads(model)
+
+    assert at(0, 1) == kv_digest.RankHeads()
+    assert [at(r, 2) for r in range(2)] == [kv_digest.RankHeads(first=r, total=2) for r in (0, 1)]
+    assert [(h.first, h.counted) for h in (at(r, 4) for r in range(4))] == [
+        (0, True), (0, False), (1, True), (1, False)]

@@ -134,8 +134,6 @@ def test_default_handoff_flags_pass():
 
 
 @pytest.mark.parametrize("setting, message", [
-    ({"tp_size": 2, "kv_digest": True}, "--tp-size 2 with --pdd-enable-kv-digest: the KV digest "
-                                       "is not per TP rank yet"),
     ({"pp_size": 2}, "--pp-size 2: PDD does not support pipeline parallelism"),
     ({"dp_size": 2}, "--dp-size 2: PDD does not support data parallelism inside one server"),
     ({"dp_size": 2, "enable_dp_attention": True},
@@ -155,15 +153,13 @@ def test_unsupported_parallelism_is_refused_one_message_each(role, setting, mess
 def test_the_default_parallelism_is_accepted():
     from pdd_sglang.server_args import check_parallelism
 
-    check_parallelism("relay", tp_size=1, pp_size=1, enable_dp_attention=False, staging_buffer=False)
-    check_parallelism("main", tp_size=2)  # issue 23: every role runs at TP > 1
+    check_parallelism("relay", pp_size=1, enable_dp_attention=False, staging_buffer=False)
 
 
-def test_sglangs_own_argument_resolution_refuses_tp_2_with_the_kv_digest():
-    """SGLang's resolution step (patch 0001) runs the check, before any server starts."""
+def test_sglangs_own_argument_resolution_takes_tp_2_with_the_kv_digest():
+    """Every role runs at TP > 1 (issue 23), with the KV digest too (issue 37: each rank hashes
+    its heads, combined across ranks); SGLang's resolution step (patch 0001) runs the checks."""
     from sglang_resolution import outcomes
 
-    refused = outcomes()["tp2_kv_digest"]
-    assert not refused["ok"]
-    assert ("--pdd-role relay with --tp-size 2 with --pdd-enable-kv-digest: the KV digest is not "
-            "per TP rank" in refused["error"]), refused
+    accepted = outcomes()["tp2_kv_digest"]
+    assert accepted["ok"], accepted
