@@ -162,7 +162,9 @@ class Handlers:
     async def health(self, request: web.Request) -> web.Response:
         pool = self.service.pool
         ok = bool(pool.healthy(PREFILL)) and bool(pool.healthy(MAIN))
-        return web.Response(status=200 if ok else 503)
+        # The status is the answer (as SGLang's); the body, each server as the router sees it.
+        return web.json_response({"servers": pool.health_view()}, status=200 if ok else 503,
+                                 dumps=_dumps)
 
     async def metrics(self, request: web.Request) -> web.Response:
         body = self.service.metrics.render(self.service.pool)

@@ -88,6 +88,9 @@ class RouterMetrics:
         self.tp_size = Gauge("pdd_router_server_tp_size", "The server's --tp-size (from its "
                              "/server_info); roles may differ where one size divides the other",
                              ["role", "url"], registry=r)
+        self.tp_size = Gauge("pdd_router_server_tp_size", "The server's --tp-size (from its "
+                             "/server_info); roles may differ where one size divides the other",
+                             ["role", "url"], registry=r)
         self.placements = Counter(
             "pdd_router_placements", "Requests placed, by pipeline and the rule that chose it "
             "(wan_below_hide_threshold: P->MD, nothing worth hiding; wan_above_hide_threshold: "
@@ -124,6 +127,8 @@ class RouterMetrics:
         for upstream in pool.all():
             self.outstanding.labels(upstream.role, upstream.url).set(upstream.outstanding)
             self.healthy.labels(upstream.role, upstream.url).set(1 if upstream.healthy else 0)
+            if upstream.tp_size is not None:
+                self.tp_size.labels(upstream.role, upstream.url).set(upstream.tp_size)
             if upstream.tp_size is not None:
                 self.tp_size.labels(upstream.role, upstream.url).set(upstream.tp_size)
         return generate_latest(self.registry)

@@ -5,10 +5,12 @@ was given in (``--prefill``, ``--relay``, ``--main``) at start and on every heal
 (:func:`role_mismatch`): a prefill started without ``--pdd-role`` falls back to SGLang's one-prefix
 rule and would send wrong pages, so such a server never serves.
 
-Their TP sizes (``tp_size`` in ``/server_info``) are checked the same way
-(:meth:`ServerPool.tp_mismatch`): PDD needs one TP size on prefill, relay and main, so the router
-refuses to start beside a relay or main whose size differs from the prefill's, and a server whose
-size changed later leaves rotation as a wrong role does.
+Their TP sizes (``tp_size`` in ``/server_info``) may differ between roles, as SGLang's PD allows
+(issue 37: a prefill rank writes each decode rank its own KV heads), where one size divides the
+other; sizes SGLang cannot pair are checked the same way (:meth:`ServerPool.tp_mismatch`): the
+router refuses to start beside a relay or main whose size a prefill's does not divide or is not a
+divisor of, and a server whose size changed later to one that does not pair leaves rotation as a
+wrong role does. Each server's TP size is in the router's ``/health`` body and ``/metrics``.
 """
 
 from __future__ import annotations
@@ -97,9 +99,15 @@ def role_mismatch(upstream: Upstream, server_info: dict) -> Optional[str]:
             "it under " + (ROLE_FLAGS.get(actual, "the flag of its role")))
 
 
-TP_WHY = ("PDD needs one TP size on prefill, relay and main: each decode rank pairs with the "
-          "prefill rank of its index, and slicing heads between TP sizes is not wired into PDD's "
-          "senders")
+TP_WHY = ("SGLang's PD pairs prefill and decode ranks by whole ratios, so one TP size must divide "
+          "the other")
+
+
+def tp_sizes_pair(prefill_tp: int, decode_tp: int) -> bool:
+    """Whether SGLang's PD pairs the ranks of a prefill and a decode at these TP sizes (as the
+    prefill's fan-out decides: ``pdd_sglang.protocol.messages.tp_refusal``)."""
+    small, large = sorted((prefill_tp, decode_tp))
+    return small >= 1 and large % small == 0
 
 
 class NoHealthyServer(RuntimeError):
@@ -117,34 +125,48 @@ class ServerPool:
             RELAY: [Upstream(RELAY, url) for url in relays],
             MAIN: [Upstream(MAIN, url) for url in mains],
         }
-        # The one TP size, taken at start from the first prefill that reports one, and that
-        # prefill's URL (settle_tp_size); every server is checked against it from then on.
-        self.tp_size: Optional[int] = None
-        self.tp_source: Optional[str] = None
+        # Each prefill's TP size at start (settle_tp_size; None until then): the sizes relays
+        # and mains must pair with; a prefill is checked against them only once it runs another.
+        self.prefill_tp: Optional[dict[str, int]] = None
 
     def all(self) -> list[Upstream]:
         return [u for group in self.by_role.values() for u in group]
 
     def settle_tp_size(self) -> None:
-        """Take the TP size of the first listed prefill that reported one (and has its role)."""
-        for upstream in self.by_role[PREFILL]:
-            if upstream.tp_size is not None and upstream.role_error is None:
-                self.tp_size, self.tp_source = upstream.tp_size, upstream.url
-                return
+        """Take the TP size of every prefill that reported one (and has its role) at start."""
+        self.prefill_tp = {u.url: u.tp_size for u in self.by_role[PREFILL]
+                           if u.tp_size is not None and u.role_error is None}
 
     def tp_mismatch(self, upstream: Upstream) -> Optional[str]:
-        """None when ``upstream`` runs the prefill's TP size (or either is unknown); else why
-        it is refused, naming both servers and both sizes."""
-        if self.tp_size is None or upstream.tp_size in (None, self.tp_size):
+        """None when SGLang's PD pairs ``upstream``'s TP size with every server of the other
+        side (a relay or main with each prefill; a prefill that changed its size since the
+        start with each relay and main); else why it is refused, naming both servers and both
+        sizes. Unknown sizes are not checked."""
+        size = upstream.tp_size
+        if size is None or self.prefill_tp is None:  # unknown, or not settled yet
             return None
-        if upstream.url == self.tp_source:
-            return (f"{upstream.url} (prefill) now runs --tp-size {upstream.tp_size}, but it ran "
-                    f"--tp-size {self.tp_size} when the router started, the size every server "
-                    f"is checked against: {TP_WHY}; restart it with --tp-size {self.tp_size}, or "
-                    "restart the router once every server runs the new size")
-        return (f"{upstream.url} ({upstream.role}) runs --tp-size {upstream.tp_size}, but the "
-                f"prefill {self.tp_source} runs --tp-size {self.tp_size}: {TP_WHY}; restart "
-                f"it with --tp-size {self.tp_size}")
+        if upstream.role != PREFILL:
+            others = list(self.prefill_tp.items())
+        elif self.prefill_tp.get(upstream.url) == size:
+            return None  # a size the decodes are checked against
+        else:  # down at start, or restarted at another size
+            others = [(u.url, u.tp_size) for role in (RELAY, MAIN) for u in self.by_role[role]
+                      if u.tp_size is not None and u.role_error is None]
+        for url, other in others:
+            if not tp_sizes_pair(size, other):
+                other_role = PREFILL if upstream.role != PREFILL else self._role_of(url)
+                return (f"{upstream.url} ({upstream.role}) runs --tp-size {size}, but the "
+                        f"{other_role} {url} runs --tp-size {other}: {TP_WHY}; restart it with a "
+                        f"--tp-size that divides {other} or that {other} divides")
+        return None
+
+    def _role_of(self, url: str) -> str:
+        return next(u.role for u in self.all() if u.url == url)
+
+    def health_view(self) -> list[dict]:
+        """Each server as the router sees it (the router's ``/health`` body)."""
+        return [{"role": u.role, "url": u.url, "healthy": u.healthy, "wan_out": u.wan_out,
+                 "tp_size": u.tp_size, "refused": u.role_error} for u in self.all()]
 
     def healthy(self, role: str) -> list[Upstream]:
         return [u for u in self.by_role[role] if u.healthy and not u.wan_out]
@@ -253,12 +275,12 @@ class HealthMonitor:
             self.report_failure(upstream)
 
     def refuse_if_wrong_role(self, upstream: Upstream, mismatch: Optional[str]) -> bool:
-        """Take a server whose role is not the one it was given, or whose TP size is not the
-        prefill's, out of rotation (it stays out until a poll finds both right). True when
-        both are right."""
+        """Take a server whose role is not the one it was given, or whose TP size does not
+        pair with the other side's, out of rotation (it stays out until a poll finds both
+        right). True when both are right."""
         if mismatch is None:
             if upstream.role_error is not None:
-                logger.warning("%s %s now runs --pdd-role %s at the router's TP size",
+                logger.warning("%s %s now runs --pdd-role %s at a TP size that pairs",
                                upstream.role, upstream.url, upstream.role)
             upstream.role_error = None
             return True

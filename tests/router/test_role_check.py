@@ -1,7 +1,8 @@
 """The router checks each server's actual PDD role at start and on every health poll (issue 26,
 item 2): a server in the wrong list, or without a role, is refused with a message naming its
-URL, the role it has and the role it was given. Its TP size is checked alike (issue 23): one
-size on prefill, relay and main, or a refusal naming both servers and both sizes."""
+URL, the role it has and the role it was given. Its TP size is checked alike (issues 23, 37):
+roles may run different sizes where SGLang's PD pairs them (one divides the other); a size that
+does not pair is refused naming both servers and both sizes."""
 
 from __future__ import annotations
 
@@ -137,7 +138,7 @@ def test_a_servers_capacity_is_its_schedulers_effective_limit_when_the_argument_
     assert relay.max_running_requests == 1
 
 
-# ---- TP size (issue 23): one size on prefill, relay and main ----------------------------------
+# ---- TP size (issues 23, 37): sizes SGLang's PD pairs, per role ----------------------------------
 class ScriptedServers:
     """/health always OK; /server_info from ``infos`` (url -> dict), changed by the test."""
 
@@ -175,44 +176,55 @@ def _infos(p: int, r: int, m: int) -> dict:
             "http://m": {"pdd_role": "main", "tp_size": m}}
 
 
-WHY = ("PDD needs one TP size on prefill, relay and main: each decode rank pairs with the prefill "
-       "rank of its index, and slicing heads between TP sizes is not wired into PDD's senders")
+WHY = ("SGLang's PD pairs prefill and decode ranks by whole ratios, so one TP size must divide "
+       "the other")
+
+
+@pytest.mark.parametrize("sizes", [(1, 1, 2), (2, 1, 1), (1, 2, 1), (2, 2, 1), (2, 1, 2),
+                                   (1, 2, 2), (2, 4, 8), (8, 2, 4), (4, 4, 4)])
+def test_mixed_tp_sizes_that_pair_start(sizes):
+    """Issue 37: prefill, relay and main at different TP sizes, as SGLang's PD pairs them."""
+    service = _service(_infos(*sizes))
+    asyncio.run(service._wait_for_servers())
+    assert all(u.healthy and u.role_error is None for u in service.pool.all())
+    assert [u.tp_size for u in service.pool.all()] == list(sizes)
 
 
 @pytest.mark.parametrize("sizes, refused", [
-    ((2, 1, 2), ["http://r (relay) runs --tp-size 1, but the prefill http://p runs --tp-size 2"]),
-    ((1, 1, 2), ["http://m (main) runs --tp-size 2, but the prefill http://p runs --tp-size 1"]),
-    ((2, 4, 1), ["http://r (relay) runs --tp-size 4, but the prefill http://p runs --tp-size 2",
-                 "http://m (main) runs --tp-size 1, but the prefill http://p runs --tp-size 2"]),
+    ((2, 3, 2), ["http://r (relay) runs --tp-size 3, but the prefill http://p runs --tp-size 2"]),
+    ((4, 6, 3), ["http://r (relay) runs --tp-size 6, but the prefill http://p runs --tp-size 4",
+                 "http://m (main) runs --tp-size 3, but the prefill http://p runs --tp-size 4"]),
 ])
-def test_the_router_refuses_to_start_beside_a_decode_of_another_tp_size(sizes, refused):
+def test_the_router_refuses_to_start_beside_a_decode_whose_tp_size_does_not_pair(sizes, refused):
     service = _service(_infos(*sizes))
     with pytest.raises(RuntimeError) as err:
         asyncio.run(service._wait_for_servers())
     assert str(err.value) == "refusing to start: " + "; ".join(
-        f"{r}: {WHY}; restart it with --tp-size {sizes[0]}" for r in refused)
+        f"{r}: {WHY}; restart it with a --tp-size that divides {sizes[0]} or that {sizes[0]} "
+        "divides" for r in refused)
 
 
-def test_a_second_prefill_of_another_tp_size_is_refused_too():
-    infos = {**_infos(2, 2, 2), "http://p2": {"pdd_role": "prefill", "tp_size": 1}}
+def test_a_decode_is_checked_against_every_prefill():
+    infos = {**_infos(2, 2, 2), "http://p2": {"pdd_role": "prefill", "tp_size": 3}}
     service = _service(infos, prefills=("http://p", "http://p2"))
-    with pytest.raises(RuntimeError, match=r"http://p2 \(prefill\) runs --tp-size 1, but the "
-                                           r"prefill http://p runs --tp-size 2: PDD needs"):
+    with pytest.raises(RuntimeError, match=r"http://r \(relay\) runs --tp-size 2, but the "
+                                           r"prefill http://p2 runs --tp-size 3: SGLang's PD"):
         asyncio.run(service._wait_for_servers())
 
 
 @pytest.mark.parametrize("infos", [_infos(2, 2, 2), _infos(1, 1, 1),
                                    {u: {"pdd_role": i["pdd_role"]}  # no tp_size: not checked
-                                    for u, i in _infos(1, 2, 4).items()}])
-def test_one_tp_size_everywhere_starts(infos):
+                                    for u, i in _infos(1, 3, 4).items()}])
+def test_sizes_that_pair_or_are_unknown_start(infos):
     service = _service(infos)
     asyncio.run(service._wait_for_servers())
     assert all(u.healthy and u.role_error is None for u in service.pool.all())
-    assert service.pool.tp_size == infos["http://p"].get("tp_size")
+    size = infos["http://p"].get("tp_size")
+    assert service.pool.prefill_tp == ({"http://p": size} if size else {})
 
 
 def test_a_wrong_role_is_reported_as_such_not_as_a_tp_size():
-    infos = _infos(2, 1, 2)
+    infos = _infos(2, 3, 2)
     infos["http://r"]["pdd_role"] = "main"
     service = _service(infos)
     with pytest.raises(RuntimeError) as err:
@@ -221,7 +233,7 @@ def test_a_wrong_role_is_reported_as_such_not_as_a_tp_size():
     assert "--tp-size" not in str(err.value)
 
 
-def test_a_poll_takes_out_a_server_whose_tp_size_changed_and_returns_it_when_right(caplog):
+def test_a_poll_takes_out_a_server_whose_tp_size_no_longer_pairs_and_returns_it(caplog):
     infos = _infos(2, 2, 2)
     service = _service(infos)
     asyncio.run(service._wait_for_servers())
@@ -232,29 +244,33 @@ def test_a_poll_takes_out_a_server_whose_tp_size_changed_and_returns_it_when_rig
     monitor.on_removed.append(removed.append)
     (prefill,), (main,) = service.pool.by_role[PREFILL], service.pool.by_role[MAIN]
 
-    infos["http://m"]["tp_size"] = 1  # main restarted at another size
+    infos["http://m"]["tp_size"] = 1  # main restarted at a size that pairs: stays
+    asyncio.run(monitor._check(main))
+    assert main.healthy and main.role_error is None and main.tp_size == 1
+    infos["http://m"]["tp_size"] = 3  # ... and at one that does not
     with caplog.at_level("ERROR", logger="pdd_sglang.router"):
         asyncio.run(monitor._check(main))
         asyncio.run(monitor._check(main))  # still wrong: refused once, logged once
     assert not main.healthy and removed == [main] and service.pool.healthy(MAIN) == []
-    assert main.role_error == (f"http://m (main) runs --tp-size 1, but the prefill http://p runs "
-                               f"--tp-size 2: {WHY}; restart it with --tp-size 2")
+    assert main.role_error == (f"http://m (main) runs --tp-size 3, but the prefill http://p runs "
+                               f"--tp-size 2: {WHY}; restart it with a --tp-size that divides 2 "
+                               "or that 2 divides")
     assert [r.message for r in caplog.records].count(f"refused: {main.role_error}") == 1
-    infos["http://m"]["tp_size"] = 2
+    infos["http://m"]["tp_size"] = 4
     asyncio.run(monitor._check(main))
     assert main.healthy and main.role_error is None
 
-    infos["http://p"]["tp_size"] = 4  # the prefill the size was taken from changed
+    infos["http://p"]["tp_size"] = 3  # the prefill restarted at a size the relay cannot pair
     asyncio.run(monitor._check(prefill))
     assert not prefill.healthy and removed == [main, prefill]
-    assert prefill.role_error.startswith("http://p (prefill) now runs --tp-size 4, but it ran "
-                                         "--tp-size 2 when the router started")
-    infos["http://p"]["tp_size"] = 2
+    assert prefill.role_error.startswith("http://p (prefill) runs --tp-size 3, but the relay "
+                                         "http://r runs --tp-size 2")
+    infos["http://p"]["tp_size"] = 1  # pairs with the relay's 2 and the main's 4
     asyncio.run(monitor._check(prefill))
     assert prefill.healthy and prefill.role_error is None
 
 
-def test_a_server_down_at_start_is_checked_against_the_tp_size_when_it_returns():
+def test_a_server_down_at_start_is_checked_when_it_returns():
     infos = _infos(2, 2, 2)
     service = _service(infos)
     down = {"http://r"}
@@ -267,18 +283,36 @@ def test_a_server_down_at_start_is_checked_against_the_tp_size_when_it_returns()
     service.config.startup_timeout_s = 0.01
     asyncio.run(service._wait_for_servers())
     (relay,) = service.pool.by_role[RELAY]
-    assert not relay.healthy and service.pool.tp_size == 2
+    assert not relay.healthy and service.pool.prefill_tp == {"http://p": 2}
     down.clear()
-    infos["http://r"]["tp_size"] = 1
+    infos["http://r"]["tp_size"] = 3
     monitor = HealthMonitor(service.pool, service.client, interval_s=1.0, failures_to_remove=2)
     monitor.check_role = service._check_role
     monitor.on_recovered = service._recovered
     asyncio.run(monitor._check(relay))
-    assert not relay.healthy and "http://r (relay) runs --tp-size 1" in relay.role_error
+    assert not relay.healthy and "http://r (relay) runs --tp-size 3" in relay.role_error
+    infos["http://r"]["tp_size"] = 1
+    asyncio.run(monitor._check(relay))
+    assert relay.healthy and relay.role_error is None
+
+
+def test_the_health_view_and_metrics_show_each_servers_tp_size():
+    from pdd_sglang.router.metrics import RouterMetrics
+
+    service = _service(_infos(1, 1, 2))
+    asyncio.run(service._wait_for_servers())
+    assert service.pool.health_view() == [
+        {"role": role, "url": url, "healthy": True, "wan_out": False, "tp_size": tp,
+         "refused": None}
+        for role, url, tp in ((PREFILL, "http://p", 1), (RELAY, "http://r", 1),
+                              (MAIN, "http://m", 2))]
+    text = RouterMetrics().render(service.pool).decode()
+    assert 'pdd_router_server_tp_size{role="main",url="http://m"} 2.0' in text
+    assert 'pdd_router_server_tp_size{role="prefill",url="http://p"} 1.0' in text
 
 
 def test_a_refused_start_closes_the_router_s_http_session():
-    service = _service(_infos(2, 1, 2))
+    service = _service(_infos(2, 3, 2))
     calls = []
     service.client.start = lambda: _note(calls, "start")
     service.client.close = lambda: _note(calls, "close")
