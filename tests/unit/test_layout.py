@@ -19,7 +19,8 @@ MAX_MODULE_LINES = 420
 ROLES = ("prefill", "decode", "router")
 # What the roles stand on: each imports no role. (hooks.py and server_args.py, above the roles,
 # wire them into SGLang.)
-BELOW_THE_ROLES = ("diagnostics", "protocol", "policy", "lifecycle.py", "stall.py")
+BELOW_THE_ROLES = ("diagnostics", "protocol", "policy", "kv_codec", "lifecycle.py",
+                   "stall.py")
 # A sys.path entry of the CPU venv (its .pth file), holding a top-level ``sgl_kernel``: not a
 # package of pdd_sglang.
 PATH_ROOTS = {PACKAGE / "dev" / "cpu_standin"}

@@ -1,0 +1,70 @@
+"""Whether coding a WAN copy shortens it (issue 36): the rule ``--pdd-wan-kv-codec auto`` follows
+per copy, and the simulator with it. Pure and deterministic, as the rest of
+:mod:`pdd_sglang.policy`.
+
+A codec is known by its cost (:class:`CodecCost`): its ratio, and how fast one core encodes at the
+prefill and decodes at main, as ``scripts/bench_wan_codec.py`` measures them or a profile declares
+them. A copy is coded per window of its slices, so encoding, the line and decoding overlap across
+windows: the slowest of the three sets the pace, and the first window's encoding and the last
+one's decoding are paid on top (:func:`coded_copy_seconds`). Auto picks the shortest copy among
+raw and the lossless codecs; a lossy codec is only ever chosen by name.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+
+@dataclass(frozen=True)
+class CodecCost:
+    """name: the codec (kv_codec.CODECS); ratio: raw bytes per wire byte; encode_bytes_per_s and
+    decode_bytes_per_s: raw bytes per second at the prefill and at main (inf: free); lossless:
+    may auto choose it."""
+
+    name: str
+    ratio: float
+    encode_bytes_per_s: float
+    decode_bytes_per_s: float
+    lossless: bool = True
+
+    def __post_init__(self) -> None:
+        for key in ("ratio", "encode_bytes_per_s", "decode_bytes_per_s"):
+            value = getattr(self, key)
+            if not value > 0 or (isinstance(value, float) and math.isnan(value)):
+                raise ValueError(f"codec {self.name!r}: {key} must be > 0, got {value!r}")
+
+
+RAW = CodecCost("raw", 1.0, math.inf, math.inf)
+
+
+def coded_copy_seconds(raw_bytes: float, line_bytes_per_s: float, cost: CodecCost,
+                       window_bytes: float = 0.0) -> float:
+    """The copy's transfer time on an idle line at ``line_bytes_per_s`` (no RTT), coded per
+    window of ``window_bytes`` raw bytes (0: the pipeline's fill is not counted)."""
+    if not line_bytes_per_s > 0:
+        raise ValueError(f"line_bytes_per_s must be > 0, got {line_bytes_per_s!r}")
+    if raw_bytes < 0 or window_bytes < 0:
+        raise ValueError("raw_bytes and window_bytes must be >= 0")
+    wire_s = raw_bytes / cost.ratio / line_bytes_per_s
+    encode_s = raw_bytes / cost.encode_bytes_per_s
+    decode_s = raw_bytes / cost.decode_bytes_per_s
+    window = min(window_bytes, raw_bytes)
+    fill_s = window / cost.encode_bytes_per_s + window / cost.decode_bytes_per_s
+    return max(wire_s, encode_s, decode_s) + fill_s
+
+
+def choose_wan_codec(raw_bytes: float, line_bytes_per_s: float, candidates: Sequence[CodecCost],
+                     window_bytes: float = 0.0) -> CodecCost:
+    """Auto's choice: the lossless candidate (raw always among them) with the shortest copy;
+    raw on a tie, since it costs no CPU."""
+    best = RAW
+    best_s = coded_copy_seconds(raw_bytes, line_bytes_per_s, RAW, window_bytes)
+    for cost in candidates:
+        if not cost.lossless:
+            continue
+        seconds = coded_copy_seconds(raw_bytes, line_bytes_per_s, cost, window_bytes)
+        if seconds < best_s:
+            best, best_s = cost, seconds
+    return best
