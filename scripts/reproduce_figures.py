@@ -159,9 +159,35 @@ def task_sender_window(quick):
     return out
 
 
+# Main-bound KV coded on the WAN (issue 36), at the same point as task_sender_window: a lossless
+# and an FP8 ratio from the literature, each profile naming its source (configs/codecs/).
+WAN_CODECS = {"raw": None, "lossless": "lossless_zipnn", "fp8": "fp8_e4m3"}
+
+
+def task_wan_codec(quick):
+    """PDD at the operating point on the brief's line with main's copies raw and coded."""
+    from pdd_sglang.sim.profiles import load_codec
+    point = OP.operating_point(quick)
+    scale = load_link("wan_10g").bytes_per_s / load_link(point.base.wan_link).bytes_per_s
+    workload = replace(point.workload, rate_per_s=point.workload.rate_per_s * scale)
+    requests, warmup = generate_agentic(workload)
+    window = float(SENDER_WINDOWS["window"])
+    out = {"load_scale": scale}
+    for label, codec in WAN_CODECS.items():
+        config = point.cluster(Setup.PDD, wan_link="wan_10g", wan_window_bytes=window,
+                               wan_codec=codec)
+        summary, _ = simulate(config, requests, warmup)
+        profile = load_codec(codec) if codec else None
+        out[label] = dict(percentiles(summary), wan_bytes=summary.wan_bytes,
+                          ratio=profile.ratio if profile else 1.0,
+                          source=profile.source if profile else "",
+                          relay_busy_request_s=summary.relay_busy_request_s)
+    return out
+
+
 TASKS = {"f4": task_f4, "f6": task_f6, "f1": task_f1, "f9": task_f9, "sweep": task_sweep,
          "f7": task_f7, "f5": task_f5, "f8": task_f8, "f3": task_f3,
-         "sender_window": task_sender_window}
+         "sender_window": task_sender_window, "wan_codec": task_wan_codec}
 
 
 # --- results.json ---------------------------------------------------------------------------
@@ -240,6 +266,7 @@ def build_results(data: dict, measured_handoff: dict | None) -> dict:
                                    "ttft_p99_s": s["ttft_p99_s"]}
                             for name, s in data["f7"].items()},
         "sender_window": data["sender_window"],
+        "wan_codec": data["wan_codec"],
         "trace": {name: dict(percentiles_from(s), wan_bytes=s["wan_bytes"],
                              finished_at=s["finished_at"], prefill_hit=s["prefill_hit"])
                   for name, s in data["f9"].items()},

@@ -15,7 +15,8 @@ from .config import PLACEMENTS, SETUP_LABELS, ClusterConfig, Setup  # noqa: F401
 from .engine import Callback, Event, Simulator
 from .handoff import HandoffProtocol
 from .link import FairShareLink, make_link
-from .profiles import InstanceCost, load_hardware, load_link, load_model
+from ..policy.wan_codec import RAW, CodecCost, choose_wan_codec, coded_copy_seconds
+from .profiles import InstanceCost, load_codec, load_hardware, load_link, load_model
 from .records import Job, summarise
 from .servers import ITL_BIN_S, DecodeServer, Host, PrefillServer
 
@@ -57,6 +58,7 @@ class Cluster:
         if cfg.wan_transfer_fixed_s is not None:
             wan_profile = replace(wan_profile, per_transfer_fixed_s=cfg.wan_transfer_fixed_s)
         self.wan = make_link(self.sim, wan_profile, "wan")
+        self.wan_codec = load_codec(cfg.wan_codec).cost if cfg.wan_codec else None
         rdma_profile = load_link(cfg.rdma_link)
         prefill_hardware = load_hardware(cfg.prefill_hardware)
         if cfg.prefill_mfu is not None:
@@ -188,7 +190,7 @@ class Cluster:
         job.main_uncached_tokens = uncached      # the router's prediction, kept for the filter
         rate, rtt = self.router_line()
         job.pipeline = policy.choose_pipeline(
-            uncached, request.output_tokens, self.kv_bytes_per_token, rate, rtt,
+            uncached, request.output_tokens, self.wan_bytes_per_token(uncached), rate, rtt,
             self.cfg.policy, line=self.line_state(main))
         if job.pipeline is Pipeline.PREFILL_MAIN:
             self._send_to_main(job, main)
@@ -243,13 +245,53 @@ class Cluster:
         if main.cache is not None:
             job.main_cached_tokens = main.cache.cached_tokens(
                 request.prompt_blocks, request.input_tokens, touch=True)
-        size = (request.input_tokens - job.main_cached_tokens) * self.kv_bytes_per_token
+        raw_bytes = (request.input_tokens - job.main_cached_tokens) * self.kv_bytes_per_token
         link = self.wan if self.cfg.setup.behind_wan else self.rdma_of(job)
-        job.wan_bytes = size if link is self.wan else 0.0
-        job.wan_flow = link.start_flow(size, lambda: self._main_has_kv(job))
-        if link is self.wan:
-            job.wan_started_s = self.sim.now
-            main.copies_in_flight.add(job.wan_flow)
+        if link is not self.wan:
+            job.wan_bytes = 0.0
+            job.wan_flow = link.start_flow(raw_bytes, lambda: self._main_has_kv(job))
+            return
+        codec = self.wan_codec_for(raw_bytes)
+        job.wan_bytes = raw_bytes / codec.ratio      # the line carries wire bytes
+        job.wan_flow = link.start_flow(job.wan_bytes,
+                                       lambda: self._wan_copy_sent(job, raw_bytes, codec))
+        job.wan_started_s = self.sim.now
+        main.copies_in_flight.add(job.wan_flow)
+
+    def wan_codec_for(self, raw_bytes: float) -> CodecCost:
+        """The codec of a main-bound copy of raw_bytes: a lossless one where it shortens the
+        copy on the line the prefill declares (auto), a lossy one always (forced)."""
+        if self.wan_codec is None:
+            return RAW
+        if not self.wan_codec.lossless:
+            return self.wan_codec
+        rate, _ = self.router_line()
+        return choose_wan_codec(raw_bytes, rate, [self.wan_codec], self.coding_window_bytes())
+
+    def coding_window_bytes(self) -> float:
+        """A copy is coded per window of what the sender keeps in flight: the line's per-flow
+        window, else three bandwidth-delay products (prefill/wan_engine.window_for_line)."""
+        rate, rtt = self.router_line()
+        return self.wan.profile.window_bytes or 3 * rate * rtt
+
+    def wan_bytes_per_token(self, uncached_tokens: int) -> float:
+        """What the router predicts a copy with: wire bytes (the prefill's /pdd/line reports
+        its codec's ratio)."""
+        raw_bytes = uncached_tokens * self.kv_bytes_per_token
+        return self.kv_bytes_per_token / self.wan_codec_for(raw_bytes).ratio
+
+    def _wan_copy_sent(self, job: Job, raw_bytes: float, codec: CodecCost) -> None:
+        """The copy's last wire byte arrived. Coded per window, it lands once its last window
+        is decoded, and no sooner than the codec's own pace allows (the slower of encoding and
+        decoding the whole copy, plus the pipeline's fill)."""
+        if codec is RAW:
+            self._main_has_kv(job)
+            return
+        window = min(self.coding_window_bytes(), raw_bytes)
+        fill_s = window / codec.encode_bytes_per_s + window / codec.decode_bytes_per_s
+        ready_s = max(self.sim.now + fill_s,
+                      job.wan_started_s + coded_copy_seconds(raw_bytes, math.inf, codec, window))
+        self.schedule(ready_s - self.sim.now, self._main_has_kv, job)
 
     def _main_has_kv(self, job: Job) -> None:
         if job.wan_flow is not None and job.wan_flow in job.main.copies_in_flight:

@@ -76,6 +76,9 @@ class ClusterConfig:
     wan_bandwidth_scale: float = 1.0
     wan_window_bytes: float | None = None     # overrides the line's per-flow window (sweeps)
     wan_transfer_fixed_s: float | None = None # overrides the line's per-transfer fixed cost
+    # configs/codecs/NAME.toml: main-bound WAN copies coded (issue 36), a lossless codec where
+    # it shortens the copy (as --pdd-wan-kv-codec auto), a lossy one always; None: raw.
+    wan_codec: str | None = None
     prefill_instances: int = 2
     relay_instances: int = 1
     main_instances: int = 1

@@ -7,6 +7,8 @@ import tomllib
 from dataclasses import MISSING, dataclass, fields, replace
 from pathlib import Path
 
+from ..policy.wan_codec import CodecCost
+
 CONFIG_ROOT = Path(__file__).resolve().parents[2] / "configs"
 
 
@@ -160,6 +162,35 @@ class LinkProfile:
                        window_bytes=window_bytes)
 
 
+@dataclass(frozen=True)
+class CodecProfile:
+    """What a KV codec does to main-bound WAN copies (issue 36): configs/codecs/*.toml, each
+    figure measured (scripts/bench_wan_codec.py) or taken from a named source.
+
+    ratio: raw KV bytes per wire byte; encode_bytes_per_s / decode_bytes_per_s: raw bytes per
+    second one copy is coded at the prefill and restored at main (inf: a codec that never paces
+    a copy); lossless: auto may choose it (the sim codes a copy only where that is shorter, as
+    ``--pdd-wan-kv-codec auto``); a lossy codec (``fp8``) codes every copy, as when forced.
+    The simulator does not model a lossy codec's effect on the tokens.
+    """
+
+    name: str
+    source: str
+    codec: str
+    ratio: float
+    encode_bytes_per_s: float
+    decode_bytes_per_s: float
+    lossless: bool
+
+    def __post_init__(self):
+        self.cost  # validates the ratio and the rates
+
+    @property
+    def cost(self) -> CodecCost:
+        return CodecCost(self.codec, self.ratio, self.encode_bytes_per_s,
+                         self.decode_bytes_per_s, self.lossless)
+
+
 def _load(cls, kind: str, name_or_path: str | Path):
     path = Path(name_or_path)
     if not path.suffix:
@@ -184,6 +215,10 @@ def load_model(name: str | Path) -> ModelProfile:
 
 def load_link(name: str | Path) -> LinkProfile:
     return _load(LinkProfile, "links", name)
+
+
+def load_codec(name: str | Path) -> CodecProfile:
+    return _load(CodecProfile, "codecs", name)
 
 
 def load_table(kind: str, name: str, table: str) -> dict:
