@@ -1,6 +1,6 @@
-"""Whether coding a WAN copy shortens it (issue 36): the rule ``--pdd-wan-kv-codec auto`` follows
-per copy, and the simulator with it. Pure and deterministic, as the rest of
-:mod:`pdd_sglang.policy`.
+"""Whether coding a WAN copy shortens it (issue 36): the rule the codec's ``auto`` setting is to
+follow per copy (the WAN path does not code copies yet), and the simulator's. Pure and
+deterministic, as the rest of :mod:`pdd_sglang.policy`.
 
 A codec is known by its cost (:class:`CodecCost`): its ratio, and how fast one core encodes at the
 prefill and decodes at main, as ``scripts/bench_wan_codec.py`` measures them or a profile declares

@@ -77,7 +77,7 @@ class ClusterConfig:
     wan_window_bytes: float | None = None     # overrides the line's per-flow window (sweeps)
     wan_transfer_fixed_s: float | None = None # overrides the line's per-transfer fixed cost
     # configs/codecs/NAME.toml: main-bound WAN copies coded (issue 36), a lossless codec where
-    # it shortens the copy (as --pdd-wan-kv-codec auto), a lossy one always; None: raw.
+    # it shortens the copy (auto: policy.wan_codec), a lossy one always; None: raw.
     wan_codec: str | None = None
     prefill_instances: int = 2
     relay_instances: int = 1

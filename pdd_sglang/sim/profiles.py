@@ -169,8 +169,8 @@ class CodecProfile:
 
     ratio: raw KV bytes per wire byte; encode_bytes_per_s / decode_bytes_per_s: raw bytes per
     second one copy is coded at the prefill and restored at main (inf: a codec that never paces
-    a copy); lossless: auto may choose it (the sim codes a copy only where that is shorter, as
-    ``--pdd-wan-kv-codec auto``); a lossy codec (``fp8``) codes every copy, as when forced.
+    a copy); lossless: auto may choose it (the sim codes a copy only where that is shorter:
+    ``policy.wan_codec.choose_wan_codec``); a lossy codec (``fp8``) codes every copy, as forced.
     The simulator does not model a lossy codec's effect on the tokens.
     """
 

@@ -133,3 +133,21 @@ def test_codec_cost_rejects_nonsense(field):
         with pytest.raises(ValueError, match=field):
             CodecCost("x", **{"ratio": 1.0, "encode_bytes_per_s": 1.0, "decode_bytes_per_s": 1.0,
                               field: bad})
+
+
+# --- the bench's measurement (scripts/bench_wan_codec.py) ----------------------------------
+def test_the_bench_measures_each_codec_with_the_issues_fields():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_wan_codec.py"
+    spec = importlib.util.spec_from_file_location("bench_wan_codec", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    tensors = [kv_like(torch.float32, seed=s) for s in range(3)]
+    for name in CODECS:
+        entry = bench.measure_codec(name, tensors, repeats=1)
+        assert {"codec", "ratio", "compress_mb_s", "decompress_mb_s"} <= entry.keys()
+        assert entry["bit_exact"] is CODECS[name].lossless
+        cost = bench.codec_cost(entry)
+        assert cost.name == name and cost.lossless is CODECS[name].lossless
+    assert bench.codec_cost(bench.measure_codec("raw", tensors, repeats=1)) == RAW
