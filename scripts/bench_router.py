@@ -61,6 +61,9 @@ def parse_args(argv=None) -> Settings:
     p.add_argument("--ledger-rows", type=int, default=None,
                    help="transfer-ledger rows in the fake prefill's /server_info "
                         f"(default {d.ledger_rows})")
+    p.add_argument("--repeats", type=int, default=None,
+                   help=f"runs of the 256-stream load point and of saturation, medians kept "
+                        f"(default {d.repeats})")
     p.add_argument("--router-cores", type=float, default=None,
                    help=f"each router's cgroup CPU quota in cores (default {d.router_cores})")
     p.add_argument("--routers", default=",".join(ROUTERS),
@@ -99,16 +102,16 @@ def parse_args(argv=None) -> Settings:
     if a.quick:
         s.concurrency, s.duration_s, s.answer_tokens, s.prompt_tokens = [1, 8], 2.0, 20, 256
         s.token_rate, s.long_answer_tokens, s.long_token_rate = 100.0, 1000, 1000.0
-        s.long_concurrency, s.ledger_rows, s.handoff_tokens = 1, 200, 8
+        s.long_concurrency, s.ledger_rows, s.handoff_tokens, s.repeats = 1, 200, 8, 1
     for name in ("concurrency", "duration_s", "answer_tokens", "prompt_tokens", "token_rate",
                  "long_answer_tokens", "long_token_rate", "long_concurrency", "ledger_rows",
-                 "handoff_tokens",
+                 "handoff_tokens", "repeats",
                  "router_cores"):
         value = getattr(a, name)
         if value is not None:
             setattr(s, name, value)
-    if s.duration_s <= 0 or s.answer_tokens < 1 or s.router_cores <= 0:
-        p.error("--duration-s, --answer-tokens and --router-cores must be positive")
+    if s.duration_s <= 0 or s.answer_tokens < 1 or s.router_cores <= 0 or s.repeats < 1:
+        p.error("--duration-s, --answer-tokens, --repeats and --router-cores must be positive")
     return s
 
 

@@ -2,27 +2,33 @@
 
 SIGINT (Ctrl-C) and SIGTERM stop it the same way, without a traceback: the listener closes, every
 request still open is cancelled (``handler_cancellation``: each aborts itself on the servers
-holding it), background streams get their drain time, and the process exits 0.
+holding it), background streams get their drain time, and the process exits 0. With
+``--workers N`` the process started supervises N such routers on the port (router/workers.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from aiohttp import web
 
 from pdd_sglang.router.app import build_app
 from pdd_sglang.router.config import parse_args
 from pdd_sglang.router.service import RouterService
+from pdd_sglang.router.shared_state import PeerBus
+from pdd_sglang.router.workers import run_workers
 
 logger = logging.getLogger("pdd_sglang.router")
 
 
-async def serve(app: web.Application, host: str, port: int) -> None:
+async def serve(app: web.Application, host: str, port: int, reuse_port: bool = False,
+                listening: Optional[Callable[[], None]] = None) -> None:
+    """Serve ``app`` until a signal; ``listening`` is told once it listens (else it logs so)."""
     # handler_cancellation: a client that goes away cancels its handler, which aborts the
     # request on every server holding it.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
@@ -44,8 +50,11 @@ async def serve(app: web.Application, host: str, port: int) -> None:
     stopped.cancel()
     setup.result()  # a start-up failure is the operator's to see
     try:
-        await web.TCPSite(runner, host, port).start()
-        logger.info("PDD router listening on http://%s:%s", host, port)
+        await web.TCPSite(runner, host, port, reuse_port=reuse_port or None).start()
+        if listening is None:
+            logger.info("PDD router listening on http://%s:%s", host, port)
+        else:
+            listening()
         await stop.wait()
         logger.info("PDD router stopping: closing the listener and aborting open requests")
     finally:
@@ -61,13 +70,40 @@ async def _cleanup(runner: web.AppRunner) -> None:
         pass
 
 
+def run_event_loop(main_coroutine) -> None:
+    """``main_coroutine`` on uvloop where it is installed (its loop and transports cost a
+    fraction of asyncio's per chunk relayed), else on asyncio's own loop."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main_coroutine)
+        return
+    uvloop.run(main_coroutine)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     config = parse_args(argv)
+    worker_tag = " [%(process)d]" if config.workers > 1 else ""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="[%(asctime)s] %(name)s %(levelname)s %(message)s")
+                        format=f"[%(asctime)s]{worker_tag} %(name)s %(levelname)s %(message)s")
+    if config.workers > 1:
+        def serve_worker(index: int, sockets: list, ready_fd: int) -> None:
+            service = RouterService(config, index, PeerBus(index, sockets))
+            run_event_loop(serve(build_app(service), config.host, config.port, reuse_port=True,
+                                 listening=lambda: _listening(index, ready_fd)))
+
+        status = run_workers(config.workers, serve_worker, f"PDD router listening on http://"
+                             f"{config.host}:{config.port} ({config.workers} workers)")
+        logger.info("PDD router stopped")
+        sys.exit(status)
     app = build_app(RouterService(config))
-    asyncio.run(serve(app, config.host, config.port))
+    run_event_loop(serve(app, config.host, config.port))
     logger.info("PDD router stopped")
+
+
+def _listening(index: int, ready_fd: int) -> None:
+    logger.info("PDD router worker %d listens", index)
+    os.write(ready_fd, b".")
 
 
 if __name__ == "__main__":

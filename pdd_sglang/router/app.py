@@ -100,15 +100,12 @@ class Handlers:
         response = web.StreamResponse(status=200, headers=_SSE_HEADERS)
         await response.prepare(request)
         incremental = self.service.config.incremental_streaming_output
-        sent_text, sent_ids = "", 0
+        sent_chars = sent_ids = 0  # of the client's text and ids, on an incremental stream
         try:
             async for update in self._run(job, placement, "generate", started):
-                body = _generate_body(update)
+                await response.write(_sse(_generate_body(update, sent_chars, sent_ids)))
                 if incremental:
-                    body["text"] = update.text[len(sent_text):]
-                    body["output_ids"] = update.output_ids[sent_ids:]
-                    sent_text, sent_ids = update.text, len(update.output_ids)
-                await response.write(_sse(body))
+                    sent_chars, sent_ids = len(update.text), len(update.output_ids)
         except _FAILURES as err:
             await response.write(errors.generate_stream_error_chunk(_failure_message(err), 500))
         await response.write(b"data: [DONE]\n\n")
@@ -186,8 +183,11 @@ class Handlers:
                             "Cache flush failed on some server.\n")
 
 
-def _generate_body(update: SplicedUpdate) -> dict:
-    return {"text": update.text, "output_ids": update.output_ids, "meta_info": update.meta}
+def _generate_body(update: SplicedUpdate, sent_chars: int = 0, sent_ids: int = 0) -> dict:
+    """SGLang's /generate chunk: the text and ids after what the client has (all of them on a
+    cumulative stream)."""
+    return {"text": update.text[sent_chars:] if sent_chars else update.text,
+            "output_ids": list(update.output_ids[sent_ids:]), "meta_info": update.meta}
 
 
 def _dumps(value) -> str:

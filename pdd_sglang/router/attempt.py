@@ -29,10 +29,11 @@ Owner: the request's handler task; the pumps only fill the queues.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
-import secrets
+import os
+import random
 import time
-import uuid
 from typing import Optional
 
 from pdd_sglang import policy
@@ -50,6 +51,22 @@ from pdd_sglang.router.stop_strings import StopStrings
 from pdd_sglang.router.upstream import UpstreamError
 
 logger = logging.getLogger("pdd_sglang.router")
+
+# Request ids and bootstrap rooms: unique across router processes (a random prefix and a
+# generator seeded from the OS, per process, again in a forked worker) without a system call per
+# request.
+_RID_NUMBERS = itertools.count()
+STREAM_END_GRACE_S = 5.0  # after an answer, for a server to end a stream that gave its finish
+
+
+def _seed() -> None:
+    global _RID_PREFIX, _ROOMS
+    _RID_PREFIX = f"pdd-{os.urandom(6).hex()}-"
+    _ROOMS = random.Random(os.urandom(16))
+
+
+_seed()
+os.register_at_fork(after_in_child=_seed)
 
 
 def retryable(err: BaseException) -> bool:
@@ -79,10 +96,10 @@ def request_body(job: GenerateJob, placement: Placement) -> dict:
         **job.extra,
         **job.prompt.body_fields(),
         "sampling_params": job.sampling_params,
-        "rid": f"pdd-{uuid.uuid4().hex}",
+        "rid": f"{_RID_PREFIX}{next(_RID_NUMBERS)}",
         "bootstrap_host": placement.prefill.bootstrap_host,
         "bootstrap_port": placement.prefill.bootstrap_port,
-        "bootstrap_room": secrets.randbits(62),
+        "bootstrap_room": _ROOMS.getrandbits(62),
         "kv_hints": route_kv_hints(placement.route_name, **placement.route_fields),
     }
 
@@ -159,6 +176,7 @@ class Attempt:
                                                 self.clock, self.marks)
             finish.record(self.job, self.placement, self.splicer, update)
             self.clean = True
+            self.clock.close()
         return update
 
     def failed(self, err: BaseException) -> None:
@@ -177,13 +195,19 @@ class Attempt:
     def close(self) -> None:
         """End what the attempt leaves behind: every server drops an unclean request; when the
         relay answered alone, main's copy goes on to cache the prompt, or goes too."""
+        self.clock.close()
         relay_alone = (self.clean and self.splicer.outcome == "relay_finished"
                        and self.placement.main is not None)
         keep_main = relay_alone and self.placement.relay.healthy and not \
             self.router.finish.cancels_wan_copy(self.job, self.placement, self.splicer)
         for role, task in self.tasks.items():
-            if not (keep_main and role == "main"):
+            if not self.clean:
                 task.cancel()
+            elif not (keep_main and role == "main") and not task.done():
+                # Its stream gave the finish (or the handoff): it reads the end and hands the
+                # connection back to the pool; cancelled now, it would close it. A server
+                # that never ends its stream gets STREAM_END_GRACE_S.
+                asyncio.get_running_loop().call_later(STREAM_END_GRACE_S, task.cancel)
         if not self.clean:
             self.prefill_task.cancel()
             self.router.abort(self.placement.upstreams, self.rid)

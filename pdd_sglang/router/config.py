@@ -214,6 +214,13 @@ class RouterConfig:
         "would wait for its --pdd-handoff-timeout)", at_least=0)
     incremental_streaming_output: bool = setting(
         False, "stream only new text and ids per /generate chunk (as SGLang's flag)")
+    # router/workers.py.
+    workers: int = setting(
+        1, "router processes serving one port (SO_REUSEPORT); each conversation keeps its main "
+        "whichever takes its next turn, the line's bytes are shared", at_least=1)
+    log_prefill_stats: bool = setting(
+        False, "log each request's prefill time stats (a pdd-prefill-stats JSON line, read by "
+        "the demo's stage split)")
 
     def __post_init__(self) -> None:
         _check_ranges(self)

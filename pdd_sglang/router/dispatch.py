@@ -19,7 +19,7 @@ from pdd_sglang.router.attempt import Attempt, retryable
 from pdd_sglang.router.config import RouterConfig
 from pdd_sglang.router.errors import RequestRejected
 from pdd_sglang.router.finish_record import FinishRecorder
-from pdd_sglang.router.landing import LandingCopies
+from pdd_sglang.router.landing import CacheOnlyNotices, LandingCopies
 from pdd_sglang.router.metrics import RouterMetrics
 from pdd_sglang.router.model import ModelInfo
 from pdd_sglang.router.placement import Placement, Placer
@@ -28,6 +28,7 @@ from pdd_sglang.router.pumps import Pumps, StreamEndedEarly
 from pdd_sglang.router.relay_loss import MAX_RELAY_LOSS_REPLACEMENTS, RelayLost
 from pdd_sglang.router.request_parsing import GenerateJob, with_exact_prompt
 from pdd_sglang.router.resume import Resumed, continuation
+from pdd_sglang.router.shared_state import SharedState
 from pdd_sglang.router.servers import RELAY, HealthMonitor, NoHealthyServer, ServerPool, Upstream
 from pdd_sglang.router.splice import SplicedUpdate, SpliceError
 from pdd_sglang.router.upstream import UpstreamClient, UpstreamError
@@ -40,10 +41,14 @@ __all__ = ["Dispatcher", "StreamEndedEarly"]
 class Dispatcher:
     def __init__(self, pool: ServerPool, placer: Placer, mirrors: dict[str, PrefixMirror],
                  client: UpstreamClient, health: HealthMonitor, metrics: RouterMetrics,
-                 model: ModelInfo, config: RouterConfig, landing: LandingCopies | None = None):
+                 model: ModelInfo, config: RouterConfig, landing: LandingCopies | None = None,
+                 shared: SharedState | None = None):
         self.pool = pool
         self.relay_loss_main_grace_s = config.relay_loss_main_grace_s
         self.landing = landing if landing is not None else placer.landing
+        self.cache_only_notices = CacheOnlyNotices(client, self.spawn)
+        # Every change to the mirrors, the landing copies and the line goes through it.
+        self.shared = shared or SharedState(mirrors, self.landing, placer.lines)
         health.on_removed.append(self._server_left)  # a relay gone: drop the copies kept for it
         self.main_wait_for_landing_s = config.main_wait_for_landing_s
         self.retry_max_retries = config.retry_max_retries
@@ -54,9 +59,9 @@ class Dispatcher:
         self.health = health
         self.metrics = metrics
         self.model = model
-        self.pumps = Pumps(client, metrics, placer.lines, model.kv_bytes_per_token,
-                           config.main_wait_for_landing_s)
-        self.finish = FinishRecorder(metrics, mirrors, model.kv_bytes_per_token, placer.cfg,
+        self.pumps = Pumps(client, metrics, self.shared, model.kv_bytes_per_token,
+                           config.main_wait_for_landing_s, config.log_prefill_stats)
+        self.finish = FinishRecorder(metrics, self.shared, model.kv_bytes_per_token, placer.cfg,
                                      model.estimate)
         self._background: set[asyncio.Task] = set()
 

@@ -6,18 +6,18 @@ from __future__ import annotations
 from pdd_sglang import policy
 from pdd_sglang.router.metrics import RouterMetrics, TokenClock
 from pdd_sglang.router.placement import Placement
-from pdd_sglang.router.prefix_mirror import PrefixMirror
 from pdd_sglang.router.prompt import TokenEstimate
+from pdd_sglang.router.shared_state import SharedState
 from pdd_sglang.router.request_parsing import GenerateJob
 from pdd_sglang.router.splice import SplicedUpdate, StreamSplicer
 
 
 class FinishRecorder:
-    def __init__(self, metrics: RouterMetrics, mirrors: dict[str, PrefixMirror],
+    def __init__(self, metrics: RouterMetrics, shared: SharedState,
                  kv_bytes_per_token: float, cfg: policy.PolicyConfig, estimate: TokenEstimate):
         self.metrics = metrics
+        self.shared = shared  # the prefix mirrors, kept alike across workers
         self.estimate = estimate  # of text prompts' tokens: each answer's exact count teaches it
-        self.mirrors = mirrors
         self.kv_bytes_per_token = kv_bytes_per_token
         self.cfg = cfg
 
@@ -27,8 +27,7 @@ class FinishRecorder:
         uncached = max(job.prompt.tokens - placement.main_cached_tokens, 0)
         return policy.cancel_wan_copy(uncached, len(splicer.emitted), self.cfg)
 
-    @staticmethod
-    def summary(job: GenerateJob, placement: Placement, splicer: StreamSplicer,
+    def summary(self, job: GenerateJob, placement: Placement, splicer: StreamSplicer,
                 clock: TokenClock, marks: dict) -> dict:
         """What the router adds to meta_info["pdd"]: its decisions and its measurements."""
         return {
@@ -52,6 +51,7 @@ class FinishRecorder:
             # answer's prompt_tokens is the servers' exact count.
             "estimated_prompt_tokens": None if job.prompt.exact else job.prompt.tokens,
             "marks": dict(marks),
+            "router_worker": self.shared.worker,  # which of --workers answered
         }
 
     def record(self, job: GenerateJob, placement: Placement, splicer: StreamSplicer,
@@ -72,7 +72,6 @@ class FinishRecorder:
             # Main caches the prompt only once its copy has landed: the attempt records it then
             # (attempt.py, main's copy after the relay answered alone).
             return
-        mirror = self.mirrors[main.url]
         actual = splicer.main_cached_tokens
         tokens = exact_tokens if isinstance(exact_tokens, int) else prompt.tokens
         self.metrics.wan_bytes_predicted.labels(main.url).inc(
@@ -81,8 +80,8 @@ class FinishRecorder:
             self.metrics.wan_bytes.labels(main.url).inc(
                 max(tokens - actual, 0) * self.kv_bytes_per_token)
             self.metrics.mirror_error_tokens.observe(placement.main_cached_tokens - actual)
-            mirror.observe_hit(prompt.key, prompt.key_length_of(actual))
+            self.shared.mirror_hit(main.url, prompt.key, prompt.key_length_of(actual))
         # Main keeps the prompt and the output's KV, all but the last token (never computed):
         # of a text prompt, the prompt's text and the answer's.
-        mirror.insert(prompt.key + (update.text if isinstance(prompt.key, str)
-                                    else tuple(update.output_ids[:-1])))
+        self.shared.mirror_insert(main.url, prompt.key + (
+            update.text if isinstance(prompt.key, str) else tuple(update.output_ids[:-1])))

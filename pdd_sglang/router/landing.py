@@ -10,7 +10,8 @@ bytes, and every transfer behind them slower.
 Life cycle of a kept copy (:func:`keep_mains_copy`, called by the attempt whose relay answered):
 
 1. the prefill is told the copy is cache-only (``POST /pdd/cache_only``: it goes behind every copy
-   a request waits for), and so is the router's line accounting;
+   a request waits for; :class:`CacheOnlyNotices` gathers rooms into one notice per prefill),
+   and so is the router's line accounting;
 2. the copy joins :class:`LandingCopies` (a :class:`Landing`, by main and by relay): the next
    turn counts only what main holds *now* when it is placed, and on P->RLD->MD reaches main only
    once the copy it extends has ended (at most ``--main-wait-for-landing-s``). The relay answers
@@ -23,12 +24,14 @@ Life cycle of a kept copy (:func:`keep_mains_copy`, called by the attempt whose 
    ``--pdd-handoff-timeout`` for the relay's refusal, then decode an answer nobody reads, while
    the line carries the copy ahead of the requests that now all go P->MD; it is dropped (3.).
 
-Owner of the table: the router's event loop (an attempt adds a copy, the copy's end removes it).
+Owner of the table and of the notices: the router's event loop (an attempt adds a copy, the
+copy's end removes it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -38,6 +41,11 @@ from pdd_sglang.router.upstream import UpstreamError
 if TYPE_CHECKING:  # both import placement, which imports this module
     from pdd_sglang.router.attempt import Attempt
     from pdd_sglang.router.pumps import StreamEnd
+
+logger = logging.getLogger("pdd_sglang.router")
+
+NOTICE_INTERVAL_S = 0.01  # rooms gathered for this long go to their prefill in one notice
+MAX_NOTICE_ROOMS = 4096  # per notice (pdd_sglang/prefill/cache_only.py, MAX_ROOMS)
 
 # The reason main's relay gives when it refuses main's handoff because it answered the request
 # alone (pdd_sglang/decode/main.py, RELAY_ANSWERED_ALONE): main then aborts its copy with it in the
@@ -64,6 +72,7 @@ class Landing:
     rid: str = ""
     drop: Optional[Callable[[], None]] = None  # cancels the copy and the transfer feeding it
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    name: str = ""  # among every worker's landing copies (router/shared_state.py)
 
 
 class LandingCopies:
@@ -120,21 +129,52 @@ class LandingCopies:
         return sum(len(v) for v in self._by_main.values())
 
 
+class CacheOnlyNotices:
+    """Rooms whose relay answered alone, told to their prefill in batches: one POST per prefill
+    per NOTICE_INTERVAL_S, not one per request; never again to a prefill that answered 404 (a
+    build older than the route)."""
+
+    def __init__(self, client, spawn: Callable):
+        self._client, self._spawn = client, spawn
+        self._pending: dict[Any, list[int]] = {}  # prefill (its Upstream) -> rooms
+        self._without_route: set[str] = set()
+
+    def tell(self, prefill, room: int) -> None:
+        if prefill.url in self._without_route:
+            return
+        if not self._pending:
+            asyncio.get_running_loop().call_later(NOTICE_INTERVAL_S, self._flush)
+        self._pending.setdefault(prefill, []).append(room)
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, {}
+        for prefill, rooms in pending.items():
+            for start in range(0, len(rooms), MAX_NOTICE_ROOMS):
+                self._spawn(self._send(prefill, rooms[start:start + MAX_NOTICE_ROOMS]))
+
+    async def _send(self, prefill, rooms: list[int]) -> None:
+        if await self._client.cache_only(prefill, rooms) == 404:
+            self._without_route.add(prefill.url)
+            logger.info("PDD router: prefill %s has no /pdd/cache_only; its copies stay "
+                        "needed-now", prefill.url)
+
+
 def keep_mains_copy(attempt: "Attempt") -> None:
     """The relay answered ``attempt``'s request alone, but main's WAN copy completes and main
     caches the prompt (the relay refuses main's handoff, main frees the request): the
     conversation's next turn still hits at main. Nothing more for the client."""
     router, placement, main_task = attempt.router, attempt.placement, attempt.tasks["main"]
     router.metrics.outcomes.labels("relay_finished_main_cached", "none").inc()
-    router.spawn(router.client.cache_only(placement.prefill, attempt.body["bootstrap_room"]))
-    router.placer.lines.cache_only(attempt.copy.get("main"))
+    router.cache_only_notices.tell(placement.prefill, attempt.body["bootstrap_room"])
+    shared = router.shared
+    shared.copy_cache_only(attempt.copy.get("main"))
     main_url, prompt = placement.main.url, attempt.job.prompt.key
-    landing = router.landing.add(main_url, prompt, placement.main_cached_tokens,
-                                 placement.relay, attempt.rid, attempt.drop_mains_copy)
+    landing = shared.landing_started(main_url, prompt, placement.main_cached_tokens,
+                                     placement.relay, attempt.rid, attempt.drop_mains_copy)
 
     def ended(task: asyncio.Task) -> None:
         if not task.cancelled() and copy_landed(task.result()):
-            router.mirrors[main_url].insert(prompt)  # main has it now
-        router.landing.ended(main_url, landing)
+            shared.mirror_insert(main_url, prompt)  # main has it now
+        shared.landing_ended(main_url, landing)
 
     main_task.add_done_callback(ended)

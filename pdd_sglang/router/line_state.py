@@ -68,6 +68,7 @@ class Copy:
     started: float
     open: bool = field(default=True)
     cache_only: bool = False  # its relay answered alone: no request waits for it
+    name: str = ""  # among every worker's copies (router/shared_state.py)
 
 
 class LineAccounting:
@@ -90,19 +91,23 @@ class LineAccounting:
         own = self.bytes_ahead(main_url) if own_bytes_at_poll is None else own_bytes_at_poll
         self._reported[main_url] = (self._clock(), max(0, int(bytes_ahead) - own), rate)
 
-    def begin(self, main_url: str, kv_bytes: int) -> Copy:
-        copy = Copy(main_url, max(0, int(kv_bytes)), self._clock())
+    def now(self) -> float:
+        return self._clock()
+
+    def begin(self, main_url: str, kv_bytes: int, started: float | None = None) -> Copy:
+        copy = Copy(main_url, max(0, int(kv_bytes)),
+                    self._clock() if started is None else started)
         self._open.setdefault(main_url, []).append(copy)
         return copy
 
-    def on_wire(self, copy: Copy | None) -> None:
+    def on_wire(self, copy: Copy | None, at: float | None = None) -> None:
         if copy is not None and copy.open:
-            copy.started = max(copy.started, self._clock())
+            copy.started = max(copy.started, self._clock() if at is None else at)
 
-    def land(self, copy: Copy) -> None:
+    def land(self, copy: Copy, at: float | None = None) -> None:
         if self._close(copy) and copy.kv_bytes >= MIN_SAMPLE_BYTES:
             self._recent.setdefault(copy.main_url, deque(maxlen=RECENT_COPIES)).append(
-                (copy.started, self._clock(), copy.kv_bytes))
+                (copy.started, self._clock() if at is None else at, copy.kv_bytes))
 
     def drop(self, copy: Copy) -> None:
         self._close(copy)
@@ -120,7 +125,8 @@ class LineAccounting:
         return True
 
     def bytes_ahead(self, main_url: str) -> int:
-        """The router's own open copies to ``main_url`` that a new copy waits behind."""
+        """The router's own open copies to ``main_url`` (every worker's) that a new copy waits
+        behind."""
         return sum(c.kv_bytes for c in self._open.get(main_url, ()) if not c.cache_only)
 
     def measured_bytes_per_s(self, main_url: str) -> float | None:

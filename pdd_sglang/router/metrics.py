@@ -1,11 +1,22 @@
-"""The router's Prometheus metrics, in a registry of its own (tests start several routers)."""
+"""The router's Prometheus metrics, in a registry of its own (tests start several routers).
+
+Per request, never per token: the inter-token latency of a request is counted into its own small
+bucket array (:class:`TokenGaps`, one bisect per chunk) and added to the shared histogram once,
+when the request ends; prometheus_client's ``observe`` takes a lock and walks the buckets for each
+value, which a stream of hundreds of tokens paid for every one of them. Owner of every table
+here: the router's event loop.
+"""
 
 from __future__ import annotations
 
+import bisect
+import math
 import time
 from typing import Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 # Seconds. TTFT spans the brief's "seconds of tolerance"; ITL its 10-30 ms decode target and the
 # handoff stall, which can reach the WAN's RTT and more.
@@ -30,6 +41,48 @@ def placement_reason(placement) -> str:
     return {policy.Pipeline.PREFILL_MAIN: "wan_below_hide_threshold",
             policy.Pipeline.RELAY_SINGULAR: "singular"}.get(placement.pipeline,
                                                             "wan_above_hide_threshold")
+
+
+class BatchedHistogram:
+    """A labelled Prometheus histogram (a registry collector, prometheus_client's custom-collector
+    API) to which a whole batch of observations is added at once (:meth:`batch`, :meth:`add`)."""
+
+    def __init__(self, name: str, documentation: str, labelnames: tuple, buckets: tuple,
+                 registry: CollectorRegistry):
+        self.name, self.documentation, self.labelnames = name, documentation, labelnames
+        self.bounds = tuple(float(b) for b in buckets)
+        self._series: dict[tuple, list] = {}  # labels -> bucket counts (the last: +Inf), sum
+        registry.register(self)
+
+    def batch(self) -> list:
+        """An empty batch: a count per bucket (+Inf last), then the sum."""
+        return [0] * (len(self.bounds) + 1) + [0.0]
+
+    def put(self, batch: list, value: float, count: int = 1) -> None:
+        """``count`` observations of ``value`` into ``batch``."""
+        batch[bisect.bisect_left(self.bounds, value)] += count
+        batch[-1] += value * count
+
+    def add(self, labels: tuple, batch: list) -> None:
+        series = self._series.get(labels)
+        if series is None:
+            self._series[labels] = list(batch)
+            return
+        for index, value in enumerate(batch):
+            series[index] += value
+
+    def collect(self):
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for labels, series in self._series.items():
+            cumulative, buckets = 0, []
+            for bound, count in zip((*self.bounds, math.inf), series):
+                cumulative += count
+                buckets.append((floatToGoString(bound), cumulative))
+            family.add_metric(list(labels), buckets, series[-1])
+        yield family
+
+    def describe(self):
+        return [HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)]
 
 
 class RouterMetrics:
@@ -61,10 +114,10 @@ class RouterMetrics:
         self.ttft = Histogram("pdd_router_time_to_first_token_seconds",
                               "Request arrival at the router to the first token sent",
                               ["pipeline"], buckets=_TTFT_BUCKETS, registry=r)
-        self.itl = Histogram("pdd_router_inter_token_latency_seconds",
-                             "Gap between tokens sent to the client (a chunk's gap split evenly "
-                             "over its tokens, as bench_serving does)",
-                             ["pipeline"], buckets=_ITL_BUCKETS, registry=r)
+        self.itl = BatchedHistogram(
+            "pdd_router_inter_token_latency_seconds", "Gap between tokens sent to the client (a "
+            "chunk's gap split evenly over its tokens, as bench_serving does; a request's gaps "
+            "are added when it ends)", ("pipeline",), _ITL_BUCKETS, r)
         self.handoff_gap = Histogram("pdd_router_handoff_gap_seconds",
                                      "Last relay token to first main token, seen by the client",
                                      buckets=_ITL_BUCKETS, registry=r)
@@ -85,9 +138,6 @@ class RouterMetrics:
                                  registry=r)
         self.healthy = Gauge("pdd_router_server_healthy", "1 when in rotation", ["role", "url"],
                              registry=r)
-        self.tp_size = Gauge("pdd_router_server_tp_size", "The server's --tp-size (from its "
-                             "/server_info); roles may differ where one size divides the other",
-                             ["role", "url"], registry=r)
         self.tp_size = Gauge("pdd_router_server_tp_size", "The server's --tp-size (from its "
                              "/server_info); roles may differ where one size divides the other",
                              ["role", "url"], registry=r)
@@ -129,13 +179,12 @@ class RouterMetrics:
             self.healthy.labels(upstream.role, upstream.url).set(1 if upstream.healthy else 0)
             if upstream.tp_size is not None:
                 self.tp_size.labels(upstream.role, upstream.url).set(upstream.tp_size)
-            if upstream.tp_size is not None:
-                self.tp_size.labels(upstream.role, upstream.url).set(upstream.tp_size)
         return generate_latest(self.registry)
 
 
 class TokenClock:
-    """Times one request's tokens as the client receives them."""
+    """Times one request's tokens as the client receives them; its inter-token gaps reach the
+    shared histogram when the request ends (:meth:`close`)."""
 
     def __init__(self, metrics: RouterMetrics, pipeline: str, started: Optional[float] = None):
         self.metrics = metrics
@@ -144,6 +193,13 @@ class TokenClock:
         self.last: Optional[float] = None
         self.ttft_s: Optional[float] = None
         self.handoff_gap_s: Optional[float] = None
+        self._gaps = metrics.itl.batch()
+
+    def close(self) -> None:
+        """Add the request's inter-token gaps to the shared histogram (once)."""
+        if self._gaps[-1] or any(self._gaps[:-1]):
+            self.metrics.itl.add((self.pipeline,), self._gaps)
+        self._gaps = self.metrics.itl.batch()
 
     def tokens_sent(self, count: int, first_after_handoff: bool = False) -> None:
         if count <= 0:
@@ -159,6 +215,5 @@ class TokenClock:
         if first_after_handoff:
             self.handoff_gap_s = gap
             self.metrics.handoff_gap.observe(gap)
-        for _ in range(count):
-            self.metrics.itl.labels(self.pipeline).observe(gap / count)
+        self.metrics.itl.put(self._gaps, gap / count, count)
         self.last = now

@@ -17,11 +17,11 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from pdd_sglang.router.line_state import LineAccounting
 from pdd_sglang.router.metrics import RouterMetrics
 from pdd_sglang.router.placement import Placement
 from pdd_sglang.router.request_parsing import GenerateJob
 from pdd_sglang.router.servers import Upstream
+from pdd_sglang.router.shared_state import SharedState
 from pdd_sglang.router.splice import StreamSplicer
 from pdd_sglang.router.upstream import UpstreamClient
 
@@ -47,11 +47,13 @@ class StreamEnd:
 
 
 class Pumps:
-    def __init__(self, client: UpstreamClient, metrics: RouterMetrics, lines: LineAccounting,
-                 kv_bytes_per_token: float, wait_for_landing_s: float):
+    def __init__(self, client: UpstreamClient, metrics: RouterMetrics, shared: SharedState,
+                 kv_bytes_per_token: float, wait_for_landing_s: float,
+                 log_prefill_stats: bool):
         self.client = client
+        self.log_prefill_stats = log_prefill_stats
         self.metrics = metrics
-        self.lines = lines
+        self.shared = shared  # the line accounting, kept alike across workers
         self.kv_bytes_per_token = kv_bytes_per_token
         self.wait_for_landing_s = wait_for_landing_s
 
@@ -72,22 +74,13 @@ class Pumps:
                     self.metrics.main_waits.labels("timed_out").inc()
             if upstream.role == "main" and placement is not None and job is not None:
                 uncached = max(job.prompt.tokens - placement.main_cached_tokens, 0)
-                copy = self.lines.begin(upstream.url, uncached * self.kv_bytes_per_token)
+                copy = self.shared.copy_begun(upstream.url, uncached * self.kv_bytes_per_token)
                 if copies is not None:
                     copies["main"] = copy
             async for chunk in self.client.generate_stream(upstream, body):
-                if upstream.role == "main" and splicer.main_cached_tokens is None:
-                    splicer.main_cached_tokens = chunk.meta.get("cached_tokens")
-                if copy is not None and copy.open:
-                    self.lines.land(copy)  # main ran a forward on the landed KV
-                    self.metrics.wan_copy_landed(placement.predicted_wan_s,
-                                                 time.monotonic() - copy.started)
-                if marks is not None and f"{upstream.role}_first_chunk_ts" not in marks:
-                    marks[f"{upstream.role}_first_chunk_ts"] = time.time()
-                    if upstream.role == "relay" and copies is not None:
-                        # Prefill's forward is done: main's copy is on the line from here.
-                        self.lines.on_wire(copies.get("main"))
                 chunks += 1
+                if chunks == 1:
+                    self._first_chunk(upstream, chunk, splicer, copy, placement, marks, copies)
                 queue.put_nowait(chunk)
             queue.put_nowait(StreamEndedEarly(upstream))
             return StreamEnd(chunks)
@@ -98,12 +91,28 @@ class Pumps:
             return StreamEnd(chunks, err)
         finally:
             if copy is not None:
-                self.lines.drop(copy)  # no-op once landed
+                self.shared.copy_ended(copy, landed=False)  # no-op once landed
+
+    def _first_chunk(self, upstream: Upstream, chunk, splicer: StreamSplicer, copy,
+                     placement: Placement | None, marks: dict | None,
+                     copies: dict | None) -> None:
+        """What a decoder's first chunk tells: main has its KV (its copy landed), the relay's
+        says prefill's forward is done (main's copy is on the line from here)."""
+        if upstream.role == "main" and splicer.main_cached_tokens is None:
+            splicer.main_cached_tokens = chunk.meta.get("cached_tokens")
+        if copy is not None and copy.open:
+            self.shared.copy_ended(copy, landed=True)  # main ran a forward on the landed KV
+            self.metrics.wan_copy_landed(placement.predicted_wan_s,
+                                         time.monotonic() - copy.started)
+        if marks is not None:
+            marks[f"{upstream.role}_first_chunk_ts"] = time.time()
+        if upstream.role == "relay" and copies is not None:
+            self.shared.copy_on_wire(copies.get("main"))
 
     async def prefill(self, upstream: Upstream, body: dict, queues: list[asyncio.Queue],
                       marks: dict) -> None:
         """The prefill's answer carries nothing for the client; only its failure matters (and
-        its time stats, logged for the stage split)."""
+        its time stats, logged for the demo's stage split with --log-prefill-stats)."""
         try:
             marks["prefill_sent_ts"] = time.time()
             answer = await self.client.generate_final(upstream, body)
@@ -115,6 +124,8 @@ class Pumps:
             return
         for queue in queues:  # prefill answers once its last copy has landed, main's included
             queue.put_nowait(PREFILL_ANSWERED)
+        if not self.log_prefill_stats:
+            return
         meta = (answer or {}).get("meta_info") or {}
         stats = {k: v for k, v in meta.items() if isinstance(v, (int, float)) and (
             k.endswith(("_ts", "_time", "_latency")) or k == "queue_time")}

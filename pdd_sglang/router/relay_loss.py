@@ -134,6 +134,6 @@ async def main_never_noticed(attempt: "Attempt") -> RelayLost:
     # radix cache (an aborted held request keeps its landed KV there), and only the emitted
     # tokens' KV crosses the line.
     await router.client.abort(main, attempt.rid)
-    router.mirrors[main.url].insert(attempt.job.prompt.key)
+    router.shared.mirror_insert(main.url, attempt.job.prompt.key)
     return RelayLost(attempt.placement.relay, attempt.relay_failure, emitted,
                      "main never noticed")

@@ -48,15 +48,15 @@ class Resumed:
     decode: Callable[[list[int]], str]
 
     def update(self, update: SplicedUpdate) -> SplicedUpdate:
-        ids = self.sent_ids + update.output_ids
+        ids = self.sent_ids + list(update.output_ids)
         meta = dict(update.meta)
         meta["prompt_tokens"] = self.prompt_tokens
         meta["completion_tokens"] = len(ids)
         meta["resumed_after_tokens"] = len(self.sent_ids)
-        return dataclasses.replace(update, output_ids=ids, text=self.sent_text + self._tail(update),
-                                   meta=meta)
+        return dataclasses.replace(update, output_ids=ids,
+                                   text=self.sent_text + self._tail(update, ids), meta=meta)
 
-    def _tail(self, update: SplicedUpdate) -> str:
+    def _tail(self, update: SplicedUpdate, ids: list[int]) -> str:
         """The new attempt's text as it reads after the client's text.
 
         Decoding the tokens on their own can lose what the tokenizer joins across the boundary
@@ -64,9 +64,9 @@ class Resumed:
         from a decode of the whole answer; any stop string the attempt trimmed stays trimmed.
         """
         base = self.decode(self.sent_ids)
-        whole = self.decode(self.sent_ids + update.output_ids)
+        whole = self.decode(ids)
         if not whole.startswith(base):
             return update.text
         tail = whole[len(base):]
-        trimmed = len(self.decode(update.output_ids)) - len(update.text)
+        trimmed = len(self.decode(list(update.output_ids))) - len(update.text)
         return tail[:len(tail) - trimmed] if trimmed > 0 else tail

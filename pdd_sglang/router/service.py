@@ -18,6 +18,7 @@ from pdd_sglang.router.placement import Placer
 from pdd_sglang.router.prefix_mirror import PrefixMirror
 from pdd_sglang.router.servers import (MAIN, PREFILL, HealthMonitor, ServerPool, Upstream,
                                        role_mismatch)
+from pdd_sglang.router.shared_state import PeerBus, SharedState
 from pdd_sglang.router.upstream import UpstreamClient
 
 logger = logging.getLogger("pdd_sglang.router")
@@ -26,8 +27,12 @@ DEFAULT_MIRROR_TOKENS = 1_000_000  # when main does not report its KV pool size
 
 
 class RouterService:
-    def __init__(self, config: RouterConfig):
+    """One router process: with ``--workers`` N, one of N (``worker``), whose shared tables go
+    to and come from the others over ``bus`` (router/shared_state.py)."""
+
+    def __init__(self, config: RouterConfig, worker: int = 0, bus: Optional[PeerBus] = None):
         self.config = config
+        self.worker, self.bus = worker, bus
         self.pool = ServerPool(config.prefills, config.relays, config.mains)
         self.client = UpstreamClient(config.connect_timeout_s, config.read_timeout_s)
         self.metrics = RouterMetrics()
@@ -60,8 +65,11 @@ class RouterService:
         lines = LineAccounting()
         placer = Placer(self.pool, self.mirrors, self.config, self.model.kv_bytes_per_token,
                         landing, lines)
+        shared = SharedState(self.mirrors, landing, lines, self.worker, self.bus)
         self.dispatcher = Dispatcher(self.pool, placer, self.mirrors, self.client, self.health,
-                                     self.metrics, self.model, self.config, landing)
+                                     self.metrics, self.model, self.config, landing, shared)
+        if self.bus is not None:
+            await self.bus.start(shared)
         self.health.on_recovered = self._recovered
         self.health.check_role = self._check_role
         self.health.start()
@@ -134,6 +142,8 @@ class RouterService:
                 await self._line_poll
         if self.dispatcher is not None:
             await asyncio.wait_for(self.dispatcher.drain(), timeout=15)
+        if self.bus is not None:
+            self.bus.close()
         await self.client.close()
 
     async def servers_info(self) -> dict:
@@ -154,6 +164,5 @@ class RouterService:
     async def flush_cache(self) -> bool:
         results = await asyncio.gather(*(self.client.post_ok(u, "/flush_cache")
                                          for u in self.pool.all()))
-        for mirror in self.mirrors.values():
-            mirror.clear()
+        self.dispatcher.shared.mirrors_cleared()
         return all(results)

@@ -76,7 +76,7 @@ class SplicedUpdate:
     """What the client is told next: cumulative ids and text plus the newly added ids."""
 
     new_ids: list[int]
-    output_ids: list[int]
+    output_ids: Sequence[int]  # every id the client has (a view: list() it to keep or encode)
     text: str  # the client's whole text: every earlier update's text, extended
     meta: dict
     finished: bool
@@ -247,8 +247,9 @@ class StreamSplicer:
             client_meta["finish_reason"] = None
         text = self._grow_client_text(finished, meta.get("finish_reason"))
         held = "" if finished or len(self.text) == len(text) else self.text[len(text):]
-        return SplicedUpdate(list(new_ids), list(self.emitted), text, client_meta, finished,
-                             source, first_after_handoff, held)
+        # The ids so far as a view of ``emitted``, which only grows: no copy per chunk.
+        return SplicedUpdate(new_ids, IdsPrefix(self.emitted, len(self.emitted)), text,
+                             client_meta, finished, source, first_after_handoff, held)
 
     def _grow_client_text(self, finished: bool, finish_reason) -> str:
         """The client's text after this update: ``text`` up to what may be sent now."""

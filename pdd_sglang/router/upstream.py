@@ -31,6 +31,7 @@ class UpstreamError(RuntimeError):
 
 
 UPSTREAM_KEEPALIVE_S = 2.0
+MAX_EVENT_BYTES = 64 << 20  # one SSE event of a cumulative stream holds the whole answer
 # Bodies are encoded with orjson: aiohttp's json= runs the standard library's encoder, about
 # half a millisecond for a 2K-token prompt's input_ids, three times a request (router bench).
 _JSON = {"Content-Type": "application/json"}
@@ -41,22 +42,30 @@ class UpstreamClient:
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
         self._session: Optional[aiohttp.ClientSession] = None
+        self._timeouts: dict[Optional[float], aiohttp.ClientTimeout] = {}
 
     async def start(self) -> None:
         # No pool limit: each in-flight request holds one stream per server. Idle pooled
         # connections are dropped before the servers' own keep-alive (uvicorn: 5 s) closes them:
         # reusing one the server has just closed fails the request with "Server disconnected"
         # (seen across the emulated WAN, where the race window is an RTT wide).
+        # No cookies and no decompression: SGLang sets neither, and both cost per response.
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(
-            limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S))
+            limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S),
+            cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False)
 
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
 
     def _timeout(self, total: Optional[float] = None) -> aiohttp.ClientTimeout:
-        return aiohttp.ClientTimeout(total=total, sock_connect=self.connect_timeout_s,
-                                     sock_read=self.read_timeout_s)
+        """One ClientTimeout per total, made once (it is a frozen attrs class: costly each
+        request)."""
+        timeout = self._timeouts.get(total)
+        if timeout is None:
+            timeout = self._timeouts[total] = aiohttp.ClientTimeout(
+                total=total, sock_connect=self.connect_timeout_s, sock_read=self.read_timeout_s)
+        return timeout
 
     async def get_json(self, upstream: Upstream, path: str, timeout_s: float = 30.0) -> dict:
         async with self._session.get(upstream.url + path,
@@ -108,21 +117,24 @@ class UpstreamClient:
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as err:
             logger.warning("abort %s on %s %s failed: %r", rid, upstream.role, upstream.url, err)
 
-    async def cache_only(self, upstream: Upstream, room: int) -> None:
-        """Tell a prefill that ``room``'s relay answered alone: main's copy of it only warms
-        main's cache and goes behind every copy a request waits for (POST /pdd/cache_only).
-        Best effort: a prefill that misses it keeps the copy needed-now."""
+    async def cache_only(self, upstream: Upstream, rooms: list[int]) -> Optional[int]:
+        """Tell a prefill that ``rooms``' relays answered alone: main's copies of them only warm
+        main's cache and go behind every copy a request waits for (POST /pdd/cache_only). The
+        prefill's status (202; 404 from a prefill older than the route), None when it could not
+        be asked. Best effort: a prefill that misses it keeps the copies needed-now."""
         try:
             async with self._session.post(upstream.url + "/pdd/cache_only",
-                                          json={"rooms": [room]},
+                                          data=orjson.dumps({"rooms": rooms}), headers=_JSON,
                                           timeout=self._timeout(10.0)) as resp:
                 await resp.read()
-                if resp.status not in (202, 404):  # 404: a prefill older than the route
-                    logger.warning("cache-only notice for room %s to %s answered %s", room,
-                                   upstream.url, resp.status)
+                if resp.status not in (202, 404):
+                    logger.warning("cache-only notice for %d rooms to %s answered %s",
+                                   len(rooms), upstream.url, resp.status)
+                return resp.status
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as err:
-            logger.warning("cache-only notice for room %s to %s failed: %r", room, upstream.url,
-                           err)
+            logger.warning("cache-only notice for %d rooms to %s failed: %r", len(rooms),
+                           upstream.url, err)
+            return None
 
     async def generate_final(self, upstream: Upstream, body: dict) -> dict:
         """A non-streamed /generate (the prefill's side of a request)."""
@@ -151,11 +163,14 @@ class UpstreamClient:
                 if resp.status != 200:
                     raise UpstreamError(upstream, _error_message(await resp.read()),
                                         "upstream_status", resp.status)
-                async for line in resp.content:
-                    line = line.strip()
-                    if not line.startswith(b"data:"):
+                while True:
+                    # One SSE event per read (SGLang writes "data: {...}\n\n"), not a line.
+                    event = await resp.content.readuntil(b"\n\n", max_size=MAX_EVENT_BYTES)
+                    if not event:
+                        return
+                    if not event.startswith(b"data:"):
                         continue
-                    data = line[5:].strip()
+                    data = event[5:].strip()
                     if data == b"[DONE]":
                         return
                     out = orjson.loads(data)

@@ -69,8 +69,9 @@ class ScriptedClient:
     async def abort(self, upstream, rid):
         self.log.append(("abort", upstream.role, rid))
 
-    async def cache_only(self, upstream, room):
-        self.log.append(("cache_only", upstream.role, room))
+    async def cache_only(self, upstream, rooms):
+        self.log.append(("cache_only", upstream.role, tuple(rooms)))
+        return 202
 
     async def health(self, upstream, timeout_s: float = 10.0):
         return self.health_of.get(upstream.url, HEALTH_OK)

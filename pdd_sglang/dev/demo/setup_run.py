@@ -76,7 +76,7 @@ def run_setup(label: str, line: WanLine, prefill: NetnsServer, main: NetnsServer
         "--prefill", prefill.url, str(bootstrap_port), *relay_args, "--main", main.url,
         "--wan-gbps", repr(line.rate_mbit / 1e3), "--wan-rtt-ms", repr(line.rtt_ms),
         "--placement", placement, "--health-interval-s", "5", "--read-timeout-s", "180",
-        *budget_args], exec_prefix=line.exec_prefix("a"), netns_name=ns_a)
+        "--log-prefill-stats", *budget_args], exec_prefix=line.exec_prefix("a"), netns_name=ns_a)
     decoders = {"relay": relay, "main": main}
     try:
         router.start()

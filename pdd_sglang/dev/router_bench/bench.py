@@ -14,6 +14,14 @@ Life cycle of a bench run:
 4. rows into ``router_bench.json`` (``runs``: one row per router, mode, concurrency and answer
    length), a table on stdout; every process and group is removed on every exit path.
 
+The 256-stream load point and the saturation run are measured ``repeats`` times (3), each
+repetition running the backend directly and every router in turn, so all see the machine
+alike; a row holds the median of each figure over its repetitions (``repeats``, and the added
+P99s of each in ``per_repeat``). ``cpu_ms_per_request`` is the router's CPU time per completed
+request. A PDD row also says how far off its estimated prompt tokens were (text prompts are not
+tokenized by the router: ``prompt_tokens_estimate_error_p50``/``_p99``, relative to the servers'
+exact count).
+
 With ``profile`` each PDD router is sampled by py-spy during the 256-stream load run (the highest
 concurrency when 256 is not run) and the saturation run, and ``router_profile.json`` is written
 beside the report (router_bench/profiling.py); those rows say ``"profiled": true``.
@@ -29,6 +37,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -80,6 +89,7 @@ class Settings:
     long_token_rate: float = 1000.0
     long_concurrency: int = 4
     sat_answer_tokens: int = 4
+    repeats: int = 3  # of the 256-stream load point and the saturation run
     router_cores: float = 1.0
     incremental: bool = True
     routers: tuple = ("pdd_p_md", "pdd_p_rld_md", "sglang_router")
@@ -210,13 +220,45 @@ def _row(router: Router, kind: str, concurrency: int, answer: int, res: LoadResu
         "added_itl_p99_ms": _added(p(res.itl_s, 99), direct and p(direct.itl_s, 99)),
         "rps": round(res.completed / res.wall_s, 2) if res.wall_s else 0.0,
         "cpu_s_per_request": round(cpu_s / res.completed, 5) if res.completed else None,
+        "cpu_ms_per_request": round(cpu_s / res.completed * 1e3, 3) if res.completed else None,
         "errors": res.errors,
+        "prompt_tokens_estimate_error_p50": _rounded(p(res.estimate_errors, 50)),
+        "prompt_tokens_estimate_error_p99": _rounded(p(res.estimate_errors, 99)),
         "ttft_p50_ms": _ms(p(res.ttft_s, 50)), "ttft_p99_ms": _ms(p(res.ttft_s, 99)),
         "itl_p50_ms": _ms(p(res.itl_s, 50)), "itl_p99_ms": _ms(p(res.itl_s, 99)),
         "completed": res.completed, "cpu_s": round(cpu_s, 3),
         "router_cores_used": round(cpu_s / res.wall_s, 3) if res.wall_s else None,
         "error_samples": res.error_samples,
     }
+
+
+def _rounded(value, digits: int = 4):
+    return None if value is None else round(value, digits)
+
+
+_MEDIAN_SKIP = {"router", "mode", "build", "kind", "concurrency", "answer_tokens",
+                "error_samples", "profiled"}
+
+
+def median_row(rows: list) -> dict:
+    """One row for several repetitions of a run: the median of each figure (``errors`` and
+    ``completed`` summed), ``repeats``, and each repetition's added P99s."""
+    if len(rows) == 1:
+        return {**rows[0], "repeats": 1}
+    out = dict(rows[0])
+    for key, value in rows[0].items():
+        if key in _MEDIAN_SKIP or not isinstance(value, (int, float)) or isinstance(value, bool):
+            continue
+        values = sorted(r[key] for r in rows if r.get(key) is not None)
+        if key in ("errors", "completed"):
+            out[key] = sum(values)
+        elif values:
+            out[key] = statistics.median(values)
+    out["repeats"] = len(rows)
+    out["per_repeat"] = {k: [r.get(k) for r in rows] for k in (
+        "added_ttft_p99_ms", "added_itl_p99_ms", "rps", "cpu_ms_per_request")}
+    out["error_samples"] = [e for r in rows for e in r.get("error_samples", [])][:3]
+    return out
 
 
 def _direct_row(kind: str, concurrency: int, answer: int, res: LoadResult) -> dict:
@@ -250,6 +292,34 @@ def _write_profile(s: Settings, entries: list) -> Path:
     profiling.write_profile([profiling.complete(e) for e in entries], path,
                             {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(s).items()})
     return path
+
+
+def _plan(s: Settings) -> list:
+    """(kind, concurrency, answer tokens, repeats) of each run, in order."""
+    plan = [("load", c, s.answer_tokens, s.repeats if c == 256 else 1) for c in s.concurrency]
+    plan.append(("saturation", max(s.concurrency), s.sat_answer_tokens, s.repeats))
+    plan.append(("long", s.long_concurrency, s.long_answer_tokens, 1))
+    return plan
+
+
+def _run_router(s: Settings, router: Router, kind: str, conc: int, answer: int,
+                direct: LoadResult, profiles: list | None) -> dict:
+    """One run of one router; sampled by py-spy when ``profiles`` is given and it is profiled."""
+    sampler = None
+    if profiles is not None and _profiled(s, router, kind, conc):
+        from pdd_sglang.dev.router_bench.profiling import Sampler
+        sampler = Sampler(router.proc.pid, s.log_dir / (
+            f"profile-{router.mode}-{router.build}-{kind}-c{conc}.txt"), s.duration_s, {
+            "router": router.name, "mode": router.mode, "build": router.build,
+            "kind": kind, "concurrency": conc, "answer_tokens": answer}).start()
+    res, cpu = _measure(router, router.url, conc, s.duration_s, answer, s)
+    row = _row(router, kind, conc, answer, res, direct, cpu)
+    if sampler is not None:
+        row["profiled"] = True
+        profiles.append(sampler.finish())
+    print(f"[bench] {router.key:28s} {kind:10s} c={conc:<5d} answer={answer:<5d} "
+          f"done={res.completed} errors={res.errors} cpu={cpu:.2f}s", flush=True)
+    return row
 
 
 def run_bench(s: Settings) -> dict:
@@ -297,31 +367,20 @@ def run_bench(s: Settings) -> dict:
             if router.group is not None:
                 router.group.limit()
             _measure(router, router.url, 1, 0.5, 4, s)  # warm-up: connections, first decode
-        plan = [("load", c, s.answer_tokens, s.duration_s) for c in s.concurrency]
-        plan.append(("saturation", max(s.concurrency), s.sat_answer_tokens, s.duration_s))
-        plan.append(("long", s.long_concurrency, s.long_answer_tokens, s.duration_s))
-        for kind, conc, answer, duration in plan:
-            direct, _ = _measure(None, fake["main"], conc, duration, answer, s)
-            direct_rows.append(_direct_row(kind, conc, answer, direct))
-            print(f"[bench] direct   {kind:10s} c={conc:<5d} answer={answer:<5d} "
-                  f"done={direct.completed} errors={direct.errors}", flush=True)
-            for router in routers:
-                if kind == "long" and router.mode == "p_md":
-                    continue  # long answers are about the handoff's splice
-                sampler = None
-                if _profiled(s, router, kind, conc):
-                    from pdd_sglang.dev.router_bench.profiling import Sampler
-                    sampler = Sampler(router.proc.pid, s.log_dir / (
-                        f"profile-{router.mode}-{router.build}-{kind}-c{conc}.txt"), duration, {
-                        "router": router.name, "mode": router.mode, "build": router.build,
-                        "kind": kind, "concurrency": conc, "answer_tokens": answer}).start()
-                res, cpu = _measure(router, router.url, conc, duration, answer, s)
-                runs.append(_row(router, kind, conc, answer, res, direct, cpu))
-                if sampler is not None:
-                    runs[-1]["profiled"] = True
-                    profiles.append(sampler.finish())
-                print(f"[bench] {router.key:28s} {kind:10s} c={conc:<5d} answer={answer:<5d} "
-                      f"done={res.completed} errors={res.errors} cpu={cpu:.2f}s", flush=True)
+        for kind, conc, answer, repeats in _plan(s):
+            rows: dict = {router.key: [] for router in routers}
+            for repeat in range(repeats):
+                direct, _ = _measure(None, fake["main"], conc, s.duration_s, answer, s)
+                direct_rows.append(_direct_row(kind, conc, answer, direct))
+                print(f"[bench] direct   {kind:10s} c={conc:<5d} answer={answer:<5d} "
+                      f"done={direct.completed} errors={direct.errors}", flush=True)
+                for router in routers:
+                    if kind == "long" and router.mode == "p_md":
+                        continue  # long answers are about the handoff's splice
+                    row = _run_router(s, router, kind, conc, answer, direct,
+                                      profiles if repeat == 0 else None)
+                    rows[router.key].append(row)
+            runs.extend(median_row(r) for r in rows.values() if r)
     finally:
         for router in routers:
             _stop(router.proc)
@@ -341,7 +400,7 @@ def run_bench(s: Settings) -> dict:
 
 def table(report: dict) -> str:
     head = ("router", "mode", "build", "kind", "conc", "answer", "+TTFT p50", "+TTFT p99",
-            "+ITL p50", "+ITL p99", "rps", "CPU-s/req", "errors")
+            "+ITL p50", "+ITL p99", "rps", "CPU ms/req", "repeats", "errors")
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
 
     def fmt(v) -> str:
@@ -350,5 +409,6 @@ def table(report: dict) -> str:
         lines.append(" | ".join(fmt(v) for v in (
             r["router"], r["mode"], r["build"], r["kind"], r["concurrency"], r["answer_tokens"],
             r["added_ttft_p50_ms"], r["added_ttft_p99_ms"], r["added_itl_p50_ms"],
-            r["added_itl_p99_ms"], r["rps"], r["cpu_s_per_request"], r["errors"])))
+            r["added_itl_p99_ms"], r["rps"], r["cpu_ms_per_request"], r.get("repeats"),
+            r["errors"])))
     return "\n".join(f"| {line} |" for line in lines)

@@ -8,6 +8,8 @@ the model, is what the bench measures. What each answers:
 - ``/server_info``: SGLang's shape with PDD's block: ``pdd_role``; the relay's handoff control
   address; main's Mooncake session; the prefill's ``wan_line``, ``fanout`` and a transfer ledger
   of ``--ledger-rows`` rows (a busy prefill's keeps 8,192), so its size is what a router pays.
+- the prefill's ``/pdd/line`` (its compact line report, an idle line by class) and
+  ``/pdd/cache_only`` (202), as a PDD prefill of this build serves them.
 - ``/generate`` on the prefill: SGLang's PD prefill answer (one token, non-streamed, or one chunk
   and ``[DONE]`` when asked to stream), after ``--prefill-ms``.
 - ``/generate`` on a decoder (stream): token k of a request leaves at
@@ -15,7 +17,9 @@ the model, is what the bench measures. What each answers:
   ``meta_info`` (``completion_tokens``, ``cached_tokens``, ``finish_reason``). On the relay, a
   request carrying a ``kv_hints`` route through it streams its first ``--handoff-tokens`` tokens
   and ends with ``{"type": "pdd_handoff", "handed_tokens": n}``; main then streams from position
-  n on, counting the handed tokens in ``completion_tokens``, as pdd_sglang.decode does.
+  n on, counting the handed tokens in ``completion_tokens``, as pdd_sglang.decode does. When the
+  relay answered alone, main lets its copy go as a PDD main does: one abort chunk whose message
+  names the relay's ``finished_at_relay`` refusal.
 
 Token ids are the tiny model's words (ids 4..1003, text ``w<i>``), so the PDD router's own
 decode after a handoff gives real text. ``--incremental`` streams only new ids and text per
@@ -85,8 +89,16 @@ def server_info(role: str, args, port: int) -> dict:
             "internal_states": [{"max_total_num_tokens": 10**7, "pdd": pdd}]}
 
 
+RELAY_ANSWERED_ALONE = {"type": "abort", "status_code": 503,
+                       "message": "PDD relay finished the request itself (finished_at_relay)"}
+
+
 def build_app(role: str, args, shared: Shared, port: int) -> web.Application:
     info = orjson.dumps(server_info(role, args, port))
+    session = f"127.0.0.1:{args.main_port + 2000}"
+    line = orjson.dumps({"version": "1", "wan_line": {session: {
+        "bytes_ahead": 0, "needed_now_bytes_ahead": 0, "cache_only_bytes_ahead": 0,
+        "recent_bytes_per_s": None}}, "mains_out": []})
     model = orjson.dumps({"model_path": args.model_path, "tokenizer_path": args.model_path,
                           "served_model_name": args.model_path, "is_generation": True})
 
@@ -102,6 +114,13 @@ def build_app(role: str, args, shared: Shared, port: int) -> web.Application:
 
     async def get_model(request):
         return web.Response(body=model, content_type="application/json")
+
+    async def get_line(request):
+        return web.Response(body=line, content_type="application/json")
+
+    async def cache_only(request):
+        await request.read()
+        return web.Response(status=202)
 
     async def generate(request):
         body = orjson.loads(await request.read())
@@ -137,8 +156,12 @@ def build_app(role: str, args, shared: Shared, port: int) -> web.Application:
                 start = await asyncio.wait_for(asyncio.shield(shared.handoff(rid)), 60)
             except asyncio.TimeoutError:
                 start = 0
-            if start is None:  # the relay answered alone: main frees the request
-                return web.Response(body=DONE, content_type="text/event-stream")
+            if start is None:  # the relay answered alone: main lets its copy go
+                meta = {"id": rid, "finish_reason": RELAY_ANSWERED_ALONE, "prompt_tokens": prompt,
+                        "completion_tokens": 0, "cached_tokens": 0}
+                out = {"text": "", "output_ids": [], "meta_info": meta}
+                return web.Response(body=b"data: " + orjson.dumps(out) + b"\n\n" + DONE,
+                                    content_type="text/event-stream")
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         rate = args.long_token_rate if total >= args.long_answer_tokens else args.token_rate
@@ -183,6 +206,9 @@ def build_app(role: str, args, shared: Shared, port: int) -> web.Application:
     app.router.add_post("/generate", generate)
     app.router.add_post("/abort_request", abort)
     app.router.add_post("/flush_cache", ok)
+    if role == "prefill":
+        app.router.add_get("/pdd/line", get_line)
+        app.router.add_post("/pdd/cache_only", cache_only)
     return app
 
 

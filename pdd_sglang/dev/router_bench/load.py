@@ -24,6 +24,8 @@ class LoadResult:
     tokens: int = 0
     wall_s: float = 0.0
     error_samples: list = field(default_factory=list)
+    # A PDD router's estimated prompt tokens over the servers' count, less 1, per answer.
+    estimate_errors: list = field(default_factory=list)
 
 
 def percentile(values, q: float) -> float | None:
@@ -65,12 +67,20 @@ async def _one(session, url: str, body: bytes, result: LoadResult) -> None:
         out = orjson.loads(last_line[5:]) if last_line else {"error": "no chunk"}
         if "error" in out:
             raise RuntimeError(str(out["error"])[:200])
+        _estimate_error(out.get("meta_info") or {}, result)
         result.completed += 1
         result.tokens += chunks
     except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, ValueError) as err:
         result.errors += 1
         if len(result.error_samples) < 3:
             result.error_samples.append(repr(err)[:300])
+
+
+def _estimate_error(meta: dict, result: LoadResult) -> None:
+    estimated = (meta.get("pdd") or {}).get("estimated_prompt_tokens")
+    actual = meta.get("prompt_tokens")
+    if isinstance(estimated, int) and isinstance(actual, int) and actual > 0:
+        result.estimate_errors.append(abs(estimated / actual - 1))
 
 
 async def run_load(url: str, concurrency: int, duration_s: float, answer_tokens: int,
