@@ -22,10 +22,12 @@ events (One-Shot, Catch-Up, handed off, finished at relay) and each server's KV 
 prints the launch lines and stops: the README's TP 2 lines come from it. Every server's log is
 kept under ``--log-dir``.
 
-Status (issue 23): PDD runs at ``--tp-size`` > 1 when prefill, relay and main share one TP size
-(token-exact on the CPU engine: ``tests/integration/test_tp.py``; not yet run on a GPU). Per-role
-sizes that differ are refused by the PDD router at start and by prefill request by request at
-bootstrap (``tp_size_mismatch``), each naming both sizes. A build that still refuses TP at start is reported as such (``REFUSED``, exit 3).
+Status (issues 23, 37): PDD runs at ``--tp-size`` > 1, each role at its own size where one divides
+the other (SGLang's PD pairing and head slicing; the KV digest, on relay and main here, at any
+size). Every combination of TP 1 and 2 is token-exact on the CPU engine
+(``tests/integration/test_tp.py``, ``scripts/tp_matrix.py``); not yet run on a GPU. Sizes that do
+not pair are refused by the PDD router at start, naming both. A build that still refuses TP at
+start is reported as such (``REFUSED``, exit 3). The pools are checked on every TP rank.
 """
 
 from __future__ import annotations
@@ -93,8 +95,9 @@ def plan(args) -> dict:
     gpu = args.base_gpu_id
     cmds = {"plain": server_cmd(args, ports["plain"], args.tp, gpu, [])}
     roles = {"prefill": ["--pdd-role", "prefill", "--disaggregation-bootstrap-port", str(boot)],
-             "relay": ["--pdd-role", "relay", "--pdd-control-port", str(free_port())],
-             "main": ["--pdd-role", "main"]}
+             "relay": ["--pdd-role", "relay", "--pdd-control-port", str(free_port()),
+                       "--pdd-enable-kv-digest"],
+             "main": ["--pdd-role", "main", "--pdd-enable-kv-digest"]}
     for role, extra in roles.items():
         tp = getattr(args, f"{role}_tp")
         cmds[role] = server_cmd(args, ports[role], tp, gpu, [*extra, *common])
@@ -172,6 +175,26 @@ def greedy(url: str, ids: list[int], args) -> dict:
         "temperature": 0, "max_new_tokens": args.max_new_tokens, "ignore_eos": True}})
 
 
+def report_idle(name: str, url: str, tp: int) -> bool:
+    """Print the server's pool on every TP rank (and its handoff events) once its KV is free
+    (30 s at most); True when no rank holds KV or radix locks."""
+    def idle(pools):
+        return all(p.get("in_use_tokens") == 0 and p.get("locked_tokens") == 0 for p in pools)
+
+    for _ in range(60):  # KV frees a moment after the answer
+        state = get(url + "/server_info")["internal_states"][0].get("pdd", {})
+        pools = state.get("tp_ranks") or [state.get("pool", {})]
+        if idle(pools):
+            break
+        time.sleep(0.5)
+    handoff = state.get("handoff", {})
+    print(f"{name:7} TP {tp}: pool in use / locked per rank "
+          f"{[(p.get('in_use_tokens'), p.get('locked_tokens')) for p in pools]}"
+          + (f"; handoff events {handoff.get('events')}" if handoff.get("events") else "")
+          + (f"; refused {handoff.get('refused')}" if handoff.get("refused") else ""))
+    return idle(pools) and not handoff.get("refused", {}).get("kv_digest_mismatch")
+
+
 def run(args) -> int:
     p = plan(args)
     if args.dry_run:
@@ -227,17 +250,7 @@ def run(args) -> int:
             print(f"{kind:5} prompts ({len(batch[0])} tokens): {same}/{len(batch)} token-identical "
                   f"to plain TP {args.tp}; pipelines {seen}")
         for name in ("prefill", "relay", "main"):
-            for _ in range(60):  # KV frees a moment after the answer: wait for it, 30 s at most
-                state = get(p["url"][name] + "/server_info")["internal_states"][0].get("pdd", {})
-                pool = state.get("pool", {})
-                if pool.get("in_use_tokens") == 0 and pool.get("locked_tokens") == 0:
-                    break
-                time.sleep(0.5)
-            events = state.get("handoff", {}).get("events", {})
-            print(f"{name:7} TP {getattr(args, name + '_tp')}: pool in use "
-                  f"{pool.get('in_use_tokens')}, locked {pool.get('locked_tokens')}"
-                  + (f"; handoff events {events}" if events else ""))
-            ok &= pool.get("in_use_tokens") == 0 and pool.get("locked_tokens") == 0
+            ok &= report_idle(name, p["url"][name], getattr(args, name + "_tp"))
         print("PASS" if ok else "FAIL")
         return 0 if ok else 1
     finally:
