@@ -7,10 +7,11 @@ Life cycle of a request on a PDD decode server (relay or main), up to its KV arr
 2. When the receiver sends its transfer metadata (after matching its radix cache and allocating
    the rest), :func:`receiver_metadata` multiplies SGLang's required destination count by the
    number of decode servers on the route, and appends a ``DestinationHello`` naming this
-   server's role, its prefix and its attention TP size, so prefill waits for both, sends each
-   only what it lacks, and refuses a destination whose TP size differs from its own. At TP > 1
-   every rank sends its own hello to the prefill rank of its index: ranks' radix trees agree
-   (same requests, same steps), so each claims the same prefix.
+   server's role, its prefix and its attention TP size, so prefill waits for every rank of both,
+   and sends each only what it lacks. At TP > 1 every rank sends its own hello to the prefill
+   ranks SGLang pairs it with (at equal TP the rank of its index; at another TP size by whole
+   ratios, each rank getting its own heads): ranks' radix trees agree (same requests, same
+   steps), so each claims the same prefix. Prefill refuses only sizes it cannot pair with.
 3. Prefill reports "transfer done" to each destination as its own part lands
    (:mod:`pdd_sglang.prefill.fanout`); from there SGLang's decode path takes over.
 """
@@ -20,7 +21,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from pdd_sglang.protocol.messages import DestinationHello, encode, tp_mismatch
+from pdd_sglang.protocol.messages import DestinationHello, encode, tp_refusal
 from pdd_sglang.protocol.route import RouteError, route_of
 
 logger = logging.getLogger(__name__)
@@ -50,9 +51,9 @@ def receiver_metadata(receiver: Any, decode_prefix_len: int | None) -> tuple[int
         return receiver.required_dst_info_num, []
     tp_size = int(getattr(receiver.kv_mgr, "attn_tp_size", 1) or 1)
     prefill_tp = getattr(getattr(receiver, "prefill_info", None), "attn_tp_size", None)
-    if prefill_tp is not None and int(prefill_tp) != tp_size:  # prefill refuses the hello
-        logger.error("PDD: room %s will fail: %s", receiver.bootstrap_room,
-                     tp_mismatch(role, tp_size, int(prefill_tp)))
+    refusal = None if prefill_tp is None else tp_refusal(role, tp_size, int(prefill_tp))
+    if refusal is not None:  # prefill refuses the hello
+        logger.error("PDD: room %s will fail: %s", receiver.bootstrap_room, refusal)
     hello = DestinationHello(
         room=int(receiver.bootstrap_room),
         role=role,

@@ -64,6 +64,7 @@ class FanoutDeadlines:
                 if room.awaits_relay() and age > self.relay_bootstrap_timeout_s:
                     room.relay_dropped = True
                     self.counters["relays_dropped"] += 1
+                    self._fail_partial_ranks(room, "relay")
                     if not room.active():  # main let the request go while the relay was awaited
                         self._conclude(room, "Failed", "PDD: no relay registered, and the main "
                                        "aborted its request")
@@ -80,6 +81,9 @@ class FanoutDeadlines:
                 room.main_dropped = True
                 room.chunks = []
                 self.counters["mains_dropped"] += 1
+                self._fail_partial_ranks(room, "main")
+                if room.phase is RoomPhase.CONCLUDED:
+                    continue
                 logger.warning("PDD: no main registered for room %s within %.1f s; the relay "
                                "answers alone and prefill frees the room's KV", room.room,
                                self.main_bootstrap_timeout_s)
@@ -104,6 +108,15 @@ class FanoutDeadlines:
                     self._conclude(room, *room.pending)
         self._probe_mains_out(now)
         self.published = self._snapshot()
+
+    def _fail_partial_ranks(self, room: Room, role: str) -> None:
+        """``role`` was dropped with some of its ranks registered here (a decode at a larger TP
+        than prefill's; the others never came): those ranks must not wait for KV, nor be told
+        Success for part of a server."""
+        for dest in room.of_role(role):
+            if dest.state is DestinationState.REGISTERED or dest.told is None:
+                self._fail_destination(room, dest, f"PDD: not every rank of the {role} "
+                                       "registered in time")
 
     def _on_cleared(self, room_id: int) -> None:
         room = self._rooms.get(room_id)

@@ -43,9 +43,15 @@ its slots). A chunk that fails to a relay drops the relay and the room goes on t
 fails to a main fails the room and takes that main *out* until a probe over the WAN engine
 answers. A room whose chunk has been in a sender for ``stuck_after_s`` fails, so its KV is freed.
 A prefix claim beyond the prompt fails the room; malformed and repeated hellos are refused, and
-so is a hello from a destination of another TP size
-(:func:`~pdd_sglang.protocol.messages.tp_mismatch`). At equal TP each prefill rank runs its own
-fan-out and sees one relay and one main session per room, as at TP 1.
+so is a hello from a destination whose TP size this prefill's cannot pair with
+(:func:`~pdd_sglang.protocol.messages.tp_refusal`: neither divides the other).
+
+TP (issue 37): each prefill rank runs its own fan-out. A decode at the prefill's TP size, or a
+smaller one, has one session per room here (a smaller decode's rank registers with several
+prefill ranks, each writing its own heads); a decode at a larger TP has ``decode TP // prefill
+TP`` ranks here, each its own session and destination, each sent its own heads
+(:mod:`~pdd_sglang.prefill.tp_slices`). A role is in once every rank of it is
+(:meth:`~pdd_sglang.prefill.room.Room.role_in`).
 """
 
 from __future__ import annotations
@@ -64,8 +70,10 @@ from pdd_sglang.prefill.events import (AbortNotified, ChunkReady, ChunkSent, Pro
                                        Registered, RoomCleared)
 from pdd_sglang.prefill.ledger import LEDGER
 from pdd_sglang.prefill.room import Destination, DestinationState, Room, RoomPhase, Work
+from pdd_sglang.prefill.tp_slices import page_bytes_to
 from pdd_sglang.prefill.wan_line import WanLine
-from pdd_sglang.protocol.messages import DestinationHello, MessageError, decode, tp_mismatch
+from pdd_sglang.protocol.messages import (DestinationHello, MessageError, decode,
+                                          sessions_per_prefill_rank, tp_refusal)
 
 logger = logging.getLogger(__name__)
 
@@ -128,10 +136,9 @@ class PrefillFanout(FanoutDeadlines, FanoutAborts):
             if (info.decode_prefix_len or 0) != hello.prefix_tokens:
                 raise MessageError("prefix_mismatch", f"hello claims {hello.prefix_tokens}, "
                                    f"metadata {info.decode_prefix_len}")
-            own_tp = int(getattr(self.kv_mgr, "attn_tp_size", 1) or 1)
-            if hello.tp_size != own_tp:
-                raise MessageError("tp_size_mismatch", tp_mismatch(hello.role, hello.tp_size,
-                                                                   own_tp))
+            refusal = tp_refusal(hello.role, hello.tp_size, self._own_tp())
+            if refusal is not None:
+                raise MessageError("tp_size_incompatible", refusal)
         except MessageError as err:
             refusal = str(err)
         self._note_claimed(room)  # its ABORT, on this thread later, is the fan-out's too
@@ -196,9 +203,12 @@ class PrefillFanout(FanoutDeadlines, FanoutAborts):
             return
         if room is None:
             room = self._rooms[ev.room] = Room(ev.room, ev.hello.destinations, self.clock())
-        if ev.session in room.destinations or room.of_role(role) is not None:
-            logger.warning("PDD: a second %s (%s) registered for room %s; refused", role,
-                           ev.session, ev.room)
+        # A decode at a larger TP registers several ranks here, each its own session.
+        ranks = room.ranks.setdefault(role, sessions_per_prefill_rank(ev.hello.tp_size,
+                                                                      self._own_tp()))
+        if ev.session in room.destinations or room.role_in(role):
+            logger.warning("PDD: a %s (%s) registered for room %s beyond its %d rank(s) here; "
+                           "refused", role, ev.session, ev.room, ranks)
             self._tell([ev.info], ev.room, "Failed", "PDD: a second destination of one role")
             return
         dest = room.destinations[ev.session] = Destination(role, ev.info, ev.hello.prefix_tokens)
@@ -215,6 +225,7 @@ class PrefillFanout(FanoutDeadlines, FanoutAborts):
                 return
             for chunk in room.chunks:  # the late main: every chunk so far, in order
                 self._route(room, dest, chunk)
+            self._conclude_if_finished(room)  # a late dummy (MLA) takes no chunk
 
     def _start(self, room: Room) -> None:
         from sglang.srt.disaggregation.base.conn import KVPoll
@@ -236,8 +247,29 @@ class PrefillFanout(FanoutDeadlines, FanoutAborts):
             room.chunks.append(chunk)
         for dest in room.active():
             self._route(room, dest, chunk)
+        self._conclude_if_finished(room)  # only dummies (MLA) left: nothing was sent
+
+    def _tell_done(self, room: Room, role: str) -> None:
+        """Success to each rank of ``role`` that has all its KV, once every rank of it has
+        registered (a decode at a larger TP than prefill's: its server goes on only when every
+        rank has its KV; a rank told early could not be told Failed if its sibling never
+        came)."""
+        if room.role_in(role):
+            for dest in room.of_role(role):
+                if dest.state is DestinationState.DONE:
+                    self._tell_destination(room, dest, "Success")
+
+    def _conclude_if_finished(self, room: Room) -> None:
+        if room.phase is RoomPhase.SENDING and room.finished():
+            self._conclude(room, "Success")
+
+    def _own_tp(self) -> int:
+        return int(getattr(self.kv_mgr, "attn_tp_size", 1) or 1)
 
     def _route(self, room: Room, dest, chunk: Any) -> None:
+        if dest.dummy:  # SGLang's dummy (MLA): no KV, done with the room's last chunk
+            dest.state = DestinationState.DONE if chunk.is_last_chunk else dest.state
+            return
         page_size = self.kv_mgr.kv_args.page_size
         skip = dest.prefix_tokens - room.send_start
         if chunk.is_last_chunk and skip > chunk.index_slice.stop * page_size:
@@ -257,7 +289,9 @@ class PrefillFanout(FanoutDeadlines, FanoutAborts):
         work = Work(room.room, dest.info.mooncake_session_id, dest.role, dest.info, view)
         room.in_flight.append(work)
         if dest.role == "main" and self.wan_queues:
-            nbytes = len(view.prefill_kv_indices) * sum(self.kv_mgr.kv_args.kv_item_lens)
+            peer = self.kv_mgr.decode_kv_args_table.get(work.session)
+            # charged by the heads this main rank gets
+            nbytes = len(view.prefill_kv_indices) * page_bytes_to(self.kv_mgr, peer)
             self.wan_queues[room.room % len(self.wan_queues)].put(work, ((work.session, nbytes),))
         else:
             self.local_queues[room.room % len(self.local_queues)].put(work)
@@ -280,7 +314,7 @@ class PrefillFanout(FanoutDeadlines, FanoutAborts):
             elif dest.all_landed():
                 dest.state = DestinationState.DONE
                 # It starts decoding now (the relay eagerly) while the other copy flies.
-                self._tell_destination(room, dest, "Success")
+                self._tell_done(room, dest.role)
         if dest is not None:
             self._ack_if_drained(room, dest)
         if room.phase is RoomPhase.CONCLUDED:
@@ -351,6 +385,8 @@ class PrefillFanout(FanoutDeadlines, FanoutAborts):
 
     def _tell_destination(self, room: Room, dest, status_name: str, reason: Optional[str] = None) -> None:
         if dest.told is not None and (dest.told == status_name or dest.told == "Failed"):
+            return
+        if dest.dummy:  # SGLang's worker tells a dummy nothing: its rank hears another prefill
             return
         dest.told = status_name
         self._tell([dest.info], room.room, status_name, reason)

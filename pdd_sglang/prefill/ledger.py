@@ -91,6 +91,15 @@ class TransferLedger:
         if metrics is not None:
             metrics.pages.labels(role=role).inc(int(pages))
 
+    def scope(self) -> tuple:
+        """This thread's open scope, to carry to a worker thread (:meth:`run_in_scope`)."""
+        return getattr(self._scope, "key", None), getattr(self._scope, "kind", "kv")
+
+    def run_in_scope(self, scope: tuple, fn, *args, **kwargs):
+        """Call ``fn`` in ``scope`` (another thread's, from :meth:`scope`) on this thread."""
+        self._scope.key, self._scope.kind = scope
+        return fn(*args, **kwargs)
+
     def begin_aux(self, room: int, destination: str) -> None:
         """Open the scope of one request's aux metadata to one destination."""
         self._scope.key = (int(room), str(destination))

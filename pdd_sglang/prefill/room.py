@@ -57,6 +57,8 @@ class Work:
 
 @dataclasses.dataclass
 class Destination:
+    """One registered session: a relay or main, or at a decode TP above prefill's one rank of it."""
+
     role: str  # "relay" or "main"
     info: Any  # SGLang's TransferInfo
     prefix_tokens: int
@@ -70,6 +72,13 @@ class Destination:
     @property
     def target(self) -> tuple:
         return (self.info.endpoint, self.info.dst_port)
+
+    @property
+    def dummy(self) -> bool:
+        """SGLang's dummy registration (MLA, prefill TP above the decode's: the decode rank
+        pulls its KV from one of the prefill ranks it registers with): it gets no KV and is
+        told nothing, as SGLang's own worker does."""
+        return bool(getattr(self.info, "is_dummy", False))
 
     def all_landed(self) -> bool:
         return self.last_routed and self.completed == self.routed
@@ -92,20 +101,30 @@ class Room:
     chunk_seen: bool = False  # prefill has computed and handed over at least one chunk
     pending: Optional[tuple] = None  # (status, reason) decided while chunks were in a sender
     forget_when_drained: bool = False  # SGLang cleared it while an abort's ack waited on a sender
+    # role -> how many of its ranks register with this prefill rank (1 unless the decode runs a
+    # larger TP: protocol.messages.sessions_per_prefill_rank), from its first hello.
+    ranks: dict = dataclasses.field(default_factory=dict)
 
-    def of_role(self, role: str) -> Optional[Destination]:
-        return next((d for d in self.destinations.values() if d.role == role), None)
+    def of_role(self, role: str) -> list[Destination]:
+        """The sessions of ``role`` registered so far (one per decode rank paired with this
+        prefill rank)."""
+        return [d for d in self.destinations.values() if d.role == role]
+
+    def role_in(self, role: str) -> bool:
+        """Every rank of ``role`` that registers with this prefill rank has."""
+        return role in self.ranks and len(self.of_role(role)) >= self.ranks[role]
 
     def active(self) -> list[Destination]:
         """Destinations still receiving: registered, neither failed nor done."""
         return [d for d in self.destinations.values() if d.state is DestinationState.REGISTERED]
 
     def awaits_main(self) -> bool:
-        """A P->RLD->MD room whose main has neither registered nor been dropped."""
-        return self.declared >= 2 and self.of_role("main") is None and not self.main_dropped
+        """A P->RLD->MD room whose main (every rank of it) has neither registered nor been
+        dropped."""
+        return self.declared >= 2 and not self.role_in("main") and not self.main_dropped
 
     def awaits_relay(self) -> bool:
-        return self.declared >= 2 and self.of_role("relay") is None and not self.relay_dropped
+        return self.declared >= 2 and not self.role_in("relay") and not self.relay_dropped
 
     def is_late(self, role: str) -> bool:
         """A registration the room went on without: refused."""
@@ -119,8 +138,8 @@ class Room:
         if self.phase is not RoomPhase.WAITING or not self.destinations:
             return False
         if self.declared < 2:
-            return True
-        return self.of_role("relay") is not None or self.relay_dropped
+            return all(self.role_in(d.role) for d in self.destinations.values())
+        return self.role_in("relay") or self.relay_dropped
 
     def start_tokens(self) -> int:
         return min(d.prefix_tokens for d in self.destinations.values())
@@ -137,8 +156,8 @@ class Room:
         return any(d.state is DestinationState.DONE for d in self.destinations.values())
 
     def relay_finished_or_gone(self) -> bool:
-        relay = self.of_role("relay")
-        return self.relay_dropped or (relay is not None and relay.state is not DestinationState.REGISTERED)
+        return self.relay_dropped or (self.role_in("relay") and all(
+            d.state is not DestinationState.REGISTERED for d in self.of_role("relay")))
 
     def oldest_in_flight(self) -> Optional[float]:
         started = [w.started_at for w in self.in_flight if w.started_at is not None]

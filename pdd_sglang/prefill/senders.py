@@ -5,7 +5,8 @@ room's chunks for one destination on one queue, so they go out in prefill's orde
 SGLang's own primitives (``send_kvcache`` or, between different TP sizes, ``send_kvcache_slice``,
 then ``send_aux`` with the last chunk), and reports every item back to the owner, sent, failed or
 skipped. A local sender serves relays over SGLang's engine; a WAN sender serves mains, and
-``_transfer_data`` picks the WAN engine for a main's session (patch 0007).
+``_transfer_data`` picks the WAN engine for a main's session (patch 0007; head slices: patch
+0019, :mod:`pdd_sglang.prefill.tp_slices`).
 
 A sender writes nothing of SGLang's: it reads ``request_status`` (a room SGLang ended is skipped)
 and ``decode_kv_args_table`` (the destination's buffers, registered by SGLang's bootstrap thread
@@ -20,6 +21,7 @@ from typing import Any, Callable, Optional
 
 from pdd_sglang.prefill.ledger import LEDGER
 from pdd_sglang.prefill.room import Work
+from pdd_sglang.prefill.tp_slices import SAME_THREAD, LedgerScoped, is_sliced, page_bytes_to
 from pdd_sglang.prefill.wan_engine import WAN_SLICE_BYTES
 
 logger = logging.getLogger(__name__)
@@ -55,15 +57,19 @@ def _let_go(kv_mgr: Any, work: Work) -> bool:
 
 
 def _send_pages(kv_mgr: Any, work: Work, peer: Any, src: Any, dst: Any, executor: Any) -> int:
-    """SGLang's own write of ``src`` pages to ``dst`` pages of the destination; 0 when sent."""
-    if kv_mgr.is_mla_backend or kv_mgr.attn_tp_size == peer.dst_attn_tp_size:
+    """SGLang's own write of ``src`` pages to ``dst`` pages of the destination; 0 when sent.
+    Between different TP sizes, its head slices: a main's layers on this thread (its windowed
+    WAN copy), a relay's on the executor in this thread's ledger scope (:mod:`~pdd_sglang.
+    prefill.tp_slices`)."""
+    if not is_sliced(kv_mgr, peer):
         return kv_mgr.send_kvcache(
             work.session, src, peer.dst_kv_ptrs, dst, executor,
             dst_layer_ids=peer.dst_kv_layer_ids, dst_kv_item_len=peer.dst_kv_item_len,
             dst_attn_tp_size=peer.dst_attn_tp_size)
+    layers = SAME_THREAD if work.role == "main" else LedgerScoped(executor)
     return kv_mgr.send_kvcache_slice(
         work.session, src, peer.dst_kv_ptrs, dst, peer.dst_tp_rank, peer.dst_attn_tp_size,
-        peer.dst_kv_item_len, executor, peer.dst_kv_layer_ids)
+        peer.dst_kv_item_len, layers, peer.dst_kv_layer_ids)
 
 
 def _send_to_main(kv_mgr: Any, work: Work, peer: Any, src: Any, dst: Any,
@@ -74,7 +80,7 @@ def _send_to_main(kv_mgr: Any, work: Work, peer: Any, src: Any, dst: Any,
     when the owner cancelled it (it stops within one window: what is in flight is waited out).
     The slices exist for the cancel: a whole chunk (up to --chunked-prefill-size tokens) handed
     to Mooncake at once could not be called back."""
-    page_bytes = sum(kv_mgr.kv_args.kv_item_lens) or 1
+    page_bytes = page_bytes_to(kv_mgr, peer) or 1  # a head slice's, between TP sizes
     step = max(WAN_SLICE_BYTES // page_bytes, 1)
     with kv_mgr.pdd_fanout.wan_engine.copy(work.session) as copy:
         for start in range(0, len(src), step):

@@ -35,9 +35,10 @@ class DestinationHello(msgspec.Struct, tag=True, frozen=True, forbid_unknown_fie
 
     ``destinations`` is how many decode servers receive this room's KV (2 on P->RLD->MD), and
     ``prefix_tokens`` the prefix this destination already holds, so prefill sends it only the rest.
-    ``tp_size`` is the sender's attention TP size: prefill refuses a destination of another size
-    (each decode rank must register with the prefill rank of its index). At 1 it is left out of
-    the encoding, which is then the same as before the field existed.
+    ``tp_size`` is the sender's attention TP size: it tells prefill how many ranks of this
+    destination register with each prefill rank (:func:`sessions_per_prefill_rank`), and prefill
+    refuses a size its own cannot pair with (:func:`tp_refusal`). At 1 it is left out of the
+    encoding, which is then the same as before the field existed.
     """
 
     room: int
@@ -47,13 +48,27 @@ class DestinationHello(msgspec.Struct, tag=True, frozen=True, forbid_unknown_fie
     tp_size: int = 1
 
 
-def tp_mismatch(role: str, decode_tp: int, prefill_tp: int) -> str:
-    """Why prefill refuses a :class:`DestinationHello` of another TP size (heterogeneous TP,
-    issue 23): the prefill's refusal, and the decode's own log line when it sees it coming."""
-    return (f"the {role} runs --tp-size {decode_tp}, this prefill --tp-size {prefill_tp}: PDD "
-            "needs one TP size on prefill, relay and main (each decode rank registers with the "
-            "prefill rank of its index, and the fan-out counts one session per role and room; "
-            "SGLang's head slicing between TP sizes is not wired into the fan-out)")
+def sessions_per_prefill_rank(decode_tp: int, prefill_tp: int) -> int:
+    """How many ranks of one decode server register with each prefill rank for a room, by
+    SGLang's rank mapping (``CommonKVManager._resolve_rank_mapping``): a decode at a larger TP
+    sends ``decode_tp // prefill_tp`` ranks to each prefill rank (each gets its own heads); a
+    decode at a smaller TP sends each rank to ``prefill_tp // decode_tp`` prefill ranks, one
+    session at each (each prefill rank writes its own heads)."""
+    return max(1, decode_tp // prefill_tp)
+
+
+def tp_refusal(role: str, decode_tp: int, prefill_tp: int) -> Optional[str]:
+    """Why prefill refuses a :class:`DestinationHello` of another TP size, or None (issue 37):
+    the prefill's refusal, and the decode's own log line when it sees it coming. SGLang's PD
+    pairs ranks of different TP sizes by whole ratios (any MHA/GQA or MLA model, heads sliced
+    or replicated as SGLang does); sizes of which neither divides the other have no such
+    pairing, and SGLang's integer arithmetic would pair the wrong ranks."""
+    small, large = sorted((int(decode_tp), int(prefill_tp)))
+    if small >= 1 and large % small == 0:
+        return None
+    return (f"the {role} runs --tp-size {decode_tp}, this prefill --tp-size {prefill_tp}: "
+            "SGLang's PD pairs prefill and decode ranks by whole ratios, so one TP size must "
+            "divide the other (e.g. 1, 2, 4, 8)")
 
 
 # Bytes of a KV digest (blake2b): what main received across the WAN, checked by the relay.

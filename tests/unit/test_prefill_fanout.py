@@ -245,23 +245,25 @@ def test_a_started_room_prefill_never_computes_is_abandoned_after_the_decode_tim
     assert fanout.published["rooms_abandoned"] == 1 and fanout.published["rooms_open"] == 0
 
 
-def test_a_destination_of_another_tp_size_is_refused_naming_both_sizes(caplog):
-    """Heterogeneous TP (issue 23): a decode rank registers with the prefill rank of its index,
-    and the fan-out counts one session per role, so another TP size is refused at bootstrap."""
+def test_a_destination_of_a_tp_size_sglang_cannot_pair_is_refused_naming_both_sizes(caplog):
+    """Heterogeneous TP (issues 23, 37): SGLang's PD pairs ranks of different TP sizes by whole
+    ratios (tests/unit/test_mixed_tp.py); a size neither dividing nor divided by prefill's is
+    refused at bootstrap."""
     from fanout_harness import hello_frames
 
     from pdd_sglang.protocol.messages import DestinationHello, encode
 
-    kv = Kv()  # attn_tp_size 1
+    kv = Kv()
+    kv.attn_tp_size = 2
     fanout = make_fanout(kv)
     frames = hello_frames(kv, 7, MAIN, "main")
     frames[-1] = encode(DestinationHello(room=7, role="main", destinations=2, prefix_tokens=0,
-                                         tp_size=2))
+                                         tp_size=3))
     assert fanout.claim_registration(7, MAIN, frames)
     drain(fanout)
     assert fanout.published["refused_hellos"] == 1 and 7 not in fanout.pdd_rooms
     assert kv.messages[-1] == ((("127.0.0.1", 2002),), 7, "Failed")
-    assert ("the main runs --tp-size 2, this prefill --tp-size 1: PDD needs one TP size"
-            in caplog.text)
-    register(fanout, kv, 8, MAIN, "main", destinations=1)  # TP 1 on both sides: accepted
+    assert ("the main runs --tp-size 3, this prefill --tp-size 2: SGLang's PD pairs prefill and "
+            "decode ranks by whole ratios" in caplog.text)
+    register(fanout, kv, 8, MAIN, "main", destinations=1)  # TP 1 under prefill's 2: accepted
     assert len(fanout._rooms[8].destinations) == 1

@@ -91,7 +91,7 @@ def test_only_rank_0_of_a_relay_binds_the_control_channel(monkeypatch):
     assert threading.active_count() <= before
 
 
-def test_a_decode_rank_declares_its_tp_size_and_logs_a_mismatch(monkeypatch, caplog):
+def test_a_decode_rank_declares_its_tp_size_and_logs_a_size_prefill_refuses(monkeypatch, caplog):
     from pdd_sglang.decode import destination
     from pdd_sglang.protocol.messages import DestinationHello, decode
 
@@ -103,6 +103,47 @@ def test_a_decode_rank_declares_its_tp_size_and_logs_a_mismatch(monkeypatch, cap
     hello = decode(frames[0], expect=DestinationHello)
     assert count == 2 and hello.tp_size == 2 and hello.prefix_tokens == 16
     assert "will fail" not in caplog.text
-    receiver.prefill_info = SimpleNamespace(attn_tp_size=1)
+    receiver.prefill_info = SimpleNamespace(attn_tp_size=1)  # SGLang pairs 2 with 1 (issue 37)
     destination.receiver_metadata(receiver, 16)
-    assert "the main runs --tp-size 2, this prefill --tp-size 1" in caplog.text
+    assert "will fail" not in caplog.text
+    receiver.prefill_info = SimpleNamespace(attn_tp_size=3)
+    destination.receiver_metadata(receiver, 16)
+    assert "will fail: the main runs --tp-size 2, this prefill --tp-size 3" in caplog.text
+
+
+class Hashes:
+    """A room's ``kv_digest.PendingHashes`` on one rank: its part, ready or not."""
+
+    def __init__(self, part: bytes, ready: bool = True):
+        self._part, self._ready = part, ready
+
+    def ready(self):
+        return self._ready
+
+    def part(self):
+        return self._part
+
+
+def test_the_whole_kvs_hashes_wait_for_every_rank_and_combine_their_heads(monkeypatch):
+    """Each rank's parts of each room's hashes are gathered; a room is ready once every rank
+    has hashed it, and its hashes are every rank's parts combined (issue 37)."""
+    import torch.distributed as dist
+
+    from pdd_sglang.diagnostics.kv_digest import combine
+
+    other_rank = {}  # what rank 1 contributes this step
+
+    def all_gather_object(out, obj, group=None):
+        assert group == "cpu-group"
+        out[0], out[1] = obj, other_rank
+
+    monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
+    mine, theirs = bytes(range(16)), bytes(range(16, 32))
+    ranks = RankInputs(group(0))
+    other_rank.update({5: None, 6: theirs})
+    got = ranks.whole_kv_hashes({5: Hashes(mine), 6: Hashes(mine)})
+    assert got == {6: combine([mine, theirs])}  # room 5: rank 1 is still hashing
+    other_rank.update({5: theirs})
+    assert ranks.whole_kv_hashes({5: Hashes(mine, ready=False)}) == {}
+    assert RankInputs().whole_kv_hashes({5: Hashes(mine)}) == {5: combine([mine])}  # TP 1
+    assert ranks.whole_kv_hashes({}) == {}  # nothing awaited: no collective
