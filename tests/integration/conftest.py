@@ -40,27 +40,21 @@ from __future__ import annotations
 import pytest
 
 from pdd_sglang.dev.testing.cluster import RELAY_CPU_ARGS, Cluster, SGLangServer, free_port
+from pdd_sglang.dev.testing.mixed_tp import (TpSizes, mixed_tp_cluster, start_router, tp_args,
+                                             tp_env)
 from pdd_sglang.dev.testing.pristine import pristine_env, pristine_sglang
 from pdd_sglang.dev.testing.tiny_model import TinyModelSpec, ensure_tiny_model
-from pdd_sglang.dev.testing.wan_cluster import RouterProcess
 
 # Every KV chunk to main waits this long (a test-only WAN delay), so the relay runs ahead.
 WAN_DELAY_MS = 300
-# The TP 2 cluster's: its relay must finish a 2-token request before main's copy lands, and a TP 2
-# decode step, its two ranks all-reducing over gloo beside six other ranks on two cores, took more
-# than 300 ms in a CI run (main became ready first and took a 1-token handoff).
-TP2_WAN_DELAY_MS = 1000
 CATCH_UP_CHUNK = 64
 # The second main gives up on a silent relay quickly, for the slow-relay tests (its other user,
 # the two-main affinity test, places every request P->MD: no handoff to time out).
 MAIN2_HANDOFF_TIMEOUT_S = 2.0
 
 # ---- PDD router ------------------------------------------------------------------------------
-# Link parameters that put the P->MD / P->RLD->MD boundary at 100 uncached tokens of the tiny
-# model (512 KV bytes/token in float32): 100 tokens x 512 B at 102,400 B/s = 0.5 s, the policy's
-# default hide_wan_below_s; RTT 0 so the prompt length alone decides.
-ROUTER_RELAY_ABOVE_TOKENS = 100
-ROUTER_WAN_GBPS = ROUTER_RELAY_ABOVE_TOKENS * 512 / 0.5 * 8 / 1e9
+# Over each cluster: the link puts the P->MD / P->RLD->MD boundary at 100 uncached tokens of the
+# tiny model (pdd_sglang.dev.testing.mixed_tp: ROUTER_WAN_GBPS, start_router).
 
 
 @pytest.fixture(scope="session")
@@ -119,43 +113,26 @@ def _no_role_pair(model_path, log_dir) -> Cluster:
     return cluster
 
 
-# SGLang's CPU engine at --tp-size 2 (patch 0017: no PyNccl on CPU; the TP group all-reduces over
-# gloo): one core list per rank, or it asserts one rank per NUMA node (this machine has one).
-CPU_TP2_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
+# test_tp.py's combination of TP sizes (issue 37): prefill and relay at TP 1, main at TP 2 (a
+# prefill rank feeds two main ranks their own heads; relay and main hand off across TP sizes).
+# scripts/tp_matrix.py runs every other combination of TP 1 and 2.
+MAKE_TEST_TP = TpSizes(prefill=1, relay=1, main=2)
 
 
-TP2_CATCH_UP_CHUNK = 8  # several Catch-Up chunks (each one acknowledged) in a short request
-
-
-def _tp2(model_path, log_dir) -> Cluster:
-    """``test_tp.py``'s one TP 2 cluster: a plain SGLang server of the patched venv at --tp-size 2
-    (no role; the reference), and PDD prefill, relay and main, each at --tp-size 2, page size 1,
-    the WAN delay on prefill's path to main and the relay's test-only handoff hold. Each server's
-    two schedulers and detokenizer forked (measured for the plain one: ready in about a minute,
-    2.4 GB RSS in all beside the launcher; the same greedy tokens as spawned)."""
-    bootstrap_port = free_port()
-    tp2 = ("--tp-size", "2", "--disable-custom-all-reduce")
-    common = (*tp2, "--disaggregation-transfer-backend", "mooncake_tcp")
-    forked = dict(env=CPU_TP2_ENV, fork_children=True)
-    cluster = Cluster([
-        SGLangServer("plain_tp2", model_path, log_dir, extra_args=tp2, **forked),
-        SGLangServer("prefill", model_path, log_dir, extra_args=(
-            "--pdd-role", "prefill", "--disaggregation-bootstrap-port", str(bootstrap_port),
-            "--pdd-debug-wan-delay-ms", str(TP2_WAN_DELAY_MS), *common), **forked),
-        SGLangServer("relay", model_path, log_dir, extra_args=(
-            "--pdd-role", "relay", "--pdd-control-port", "0", "--pdd-debug-handoff-hold",
-            "--pdd-catch-up-chunk", str(TP2_CATCH_UP_CHUNK), *common, *RELAY_CPU_ARGS),
-            **forked),
-        SGLangServer("main", model_path, log_dir, extra_args=("--pdd-role", "main", *common),
-                     **forked),
-    ])
-    cluster.bootstrap_port = bootstrap_port
-    cluster.log_dir = log_dir
-    return cluster
+def _tp(model_path, log_dir) -> Cluster:
+    """``test_tp.py``'s one TP cluster: a plain SGLang server of the patched venv at --tp-size 2
+    (no role; the reference), and PDD prefill, relay and main at ``MAKE_TEST_TP`` (page size 1,
+    the WAN delay on prefill's path to main, the relay's test-only handoff hold, the KV digest:
+    ``pdd_sglang.dev.testing.mixed_tp``). Each server's schedulers and detokenizer forked
+    (measured for the plain one: ready in about a minute, 2.4 GB RSS in all beside the
+    launcher; the same greedy tokens as spawned)."""
+    plain = SGLangServer("plain_tp2", model_path, log_dir, extra_args=tp_args(2), env=tp_env(2),
+                         fork_children=True)
+    return mixed_tp_cluster(MAKE_TEST_TP, model_path, log_dir, extra=(plain,))
 
 
 # name -> how to build it: servers a single test owns, started early by ``start_beside``
-BESIDE = {"no_role": _no_role_pair, "tp2": _tp2}
+BESIDE = {"no_role": _no_role_pair, "tp": _tp}
 
 
 class SharedClusters:
@@ -237,17 +214,7 @@ class SharedClusters:
         """The page-1 cluster's P, RLD and MD behind the PDD router."""
         cluster = self.get(1)
         if cluster.router is None:
-            router = RouterProcess(cluster.log_dir / "router.log", [
-                "--prefill", cluster["prefill"].url, str(cluster.bootstrap_port),
-                "--relay", cluster["relay"].url, "--main", cluster["main"].url,
-                "--wan-gbps", repr(ROUTER_WAN_GBPS), "--wan-rtt-ms", "0",
-                "--health-interval-s", "1"])
-            try:
-                router.start()
-            except BaseException:
-                router.stop()
-                raise
-            cluster.router = router
+            start_router(cluster)
         return cluster
 
     def close(self) -> None:
@@ -308,22 +275,18 @@ def pd_pair(page1_cluster):
 
 
 @pytest.fixture(scope="module")
-def tp2_cluster(shared_clusters):
-    """``test_tp.py``'s TP 2 cluster (``_tp2``), started beside the page-16 tests, with P, RLD and
+def tp_cluster(shared_clusters):
+    """``test_tp.py``'s TP cluster (``_tp``), started beside the page-16 tests, with P, RLD and
     MD behind the PDD router; stopped when the module ends (its last test stops its PDD servers
     itself, checking their shutdown)."""
-    cluster = shared_clusters.take_beside("tp2")
-    router = RouterProcess(cluster.log_dir / "router.log", [
-        "--prefill", cluster["prefill"].url, str(cluster.bootstrap_port),
-        "--relay", cluster["relay"].url, "--main", cluster["main"].url,
-        "--wan-gbps", repr(ROUTER_WAN_GBPS), "--wan-rtt-ms", "0", "--health-interval-s", "1"])
+    cluster = shared_clusters.take_beside("tp")
     try:
-        router.start()
-        cluster.router = router
+        start_router(cluster)
         yield cluster
     finally:
         try:
-            router.stop()
+            if cluster.router is not None:
+                cluster.router.stop()
         finally:
             cluster.stop()
 
@@ -353,9 +316,9 @@ def router_cluster(shared_clusters):
 # - The no-role pair and the demo's crash run (two servers each) start beside the page-16 tests
 #   (from the second on), which mostly wait on their WAN delay: the CPU was 47-62 % busy there,
 #   against 100 % over the first minutes, where the crash run and the lock used to start.
-# - ``test_tp.py``'s TP 2 cluster (four servers of a launcher, two schedulers and a detokenizer
-#   each) starts beside the shutdown test, which stops the page-16 servers; the TP tests run after
-#   it, before the tail.
+# - ``test_tp.py``'s TP cluster (four servers of a launcher, one or two schedulers and a
+#   detokenizer each) starts beside the shutdown test, which stops the page-16 servers; the TP
+#   tests run after it, before the tail.
 # - The foreground reaches the quick demo's result minutes before the demo ends (the demo's pace
 #   is its line and its CPU quotas), so the Ctrl-C run (four servers cut short in start-up) and
 #   the fault suite's start sit there at no cost to the session.
@@ -366,7 +329,7 @@ QUICK_DEMO_TEST = "test_quick_demo_runs_both_points_and_pdd_hands_off"  # its ru
 DEMO_TESTS = ("test_demo.py",)
 FAULT_SUITE = ("test_fault_suite.py",)
 NO_ROLE = ("test_no_role.py",)
-TP_TESTS = ("test_tp.py",)  # after the shutdown test, beside which its TP 2 cluster starts
+TP_TESTS = ("test_tp.py",)  # after the shutdown test, beside which its TP cluster starts
 LAST = ("test_shutdown.py",)  # stops the live cluster's servers
 LAST_ORDER = (5,)
 FAULT_SUITE_STARTS_AT = (1,)  # the quick demo's result
@@ -423,8 +386,8 @@ def _background_and_ahead(request, start_background, still_running):
             if clusters.page_size == 1:
                 clusters.start_ahead(16)
     if order == LAST_ORDER and _collected(request.session, TP_TESTS):
-        # Four TP 2 servers (about 11 GB) fit once the page-16 cluster's servers stop.
-        request.getfixturevalue("shared_clusters").start_beside("tp2")
+        # The TP cluster's four servers (six ranks) fit once the page-16 cluster's servers stop.
+        request.getfixturevalue("shared_clusters").start_beside("tp")
     if order == PAGE16_TESTS:
         clusters = request.getfixturevalue("shared_clusters")
         if clusters.page_size == 16:  # from the second page-16 test on: its servers are up
