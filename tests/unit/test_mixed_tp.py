@@ -57,6 +57,12 @@ def opened(kv, room):
     kv.update_status(room, KVPoll.Bootstrapping)
 
 
+def main_works(fanout, room) -> list:
+    """The main-bound work of ``room`` routed so far and not yet reported (whatever queues the
+    harness gives the WAN senders)."""
+    return [work for work in fanout._rooms[room].in_flight if work.role == "main"]
+
+
 class SlicingKv(Kv):
     """The harness's KV manager with SGLang's sliced send recorded (the executor it got too)."""
 
@@ -93,11 +99,11 @@ def test_a_main_at_twice_prefills_tp_gets_each_rank_its_heads_and_each_rank_is_t
     assert fanout._rooms[5].awaits_main()  # one of main's two ranks: its chunks are kept
     register(fanout, kv, 5, MAIN_RANKS[1], "main", tp=2, rank=1, prefix=4)  # replayed to it
     assert not fanout._rooms[5].awaits_main()
-    assert sorted(w.session for w in fanout.wan_queues[0]) == sorted(MAIN_RANKS)
-    for work in list(fanout.wan_queues[0]):
+    assert sorted(w.session for w in main_works(fanout, 5)) == sorted(MAIN_RANKS)
+    for work in main_works(fanout, 5):
         assert work.chunk.prefill_kv_indices.tolist() == list(range(4, 10))  # past its prefix
     send_all(fanout, kv, fanout.local_queues[1])
-    send_all(fanout, kv, fanout.wan_queues[0])
+    send_all(fanout, kv, main_works(fanout, 5))
     assert kv.sent_kv == [(RELAY, 0, 10)]  # the relay: whole pages, SGLang's send_kvcache
     assert sorted((s, rank, pages) for s, rank, pages, _ in kv.sliced) == [
         (MAIN_RANKS[0], 0, 6), (MAIN_RANKS[1], 1, 6)]
@@ -136,7 +142,7 @@ def test_a_main_dropped_with_one_rank_registered_fails_that_rank_too():
     fanout.take_chunk(chunk(7, 0, 4, last=True))
     drain(fanout)
     send_all(fanout, kv, fanout.local_queues[1])
-    send_all(fanout, kv, fanout.wan_queues[0])  # main's rank 0 has its KV, rank 1 never came
+    send_all(fanout, kv, main_works(fanout, 7))  # main's rank 0 has its KV, rank 1 never came
     assert kv.messages == [((("127.0.0.1", 1001),), 7, "Success")]  # only the relay is told
     fanout.tick(now=fanout._rooms[7].first_hello_at + 4)
     assert kv.messages[-1] == ((("127.0.0.1", 2002),), 7, "Failed")  # not Success for a half
@@ -170,7 +176,8 @@ def test_an_mla_dummy_registration_gets_no_kv_and_is_told_nothing():
     assert poll_name(kv.request_status[10]) == "WaitingForInput"
     fanout.take_chunk(chunk(10, 4, 8, last=True))
     drain(fanout)
-    assert not fanout.local_queues[0] and not fanout.local_queues[1] and not fanout.wan_queues[0]
+    assert not fanout.local_queues[0] and not fanout.local_queues[1]
+    assert not fanout._rooms[10].in_flight  # nothing for any sender
     assert kv.messages == [] and poll_name(kv.request_status[10]) == "Success"
 
 
