@@ -269,12 +269,15 @@ def after_children_started() -> None:
 
 # ---- the router's compact WAN-line poll: patch 0018 ----------------------------------------
 def add_http_routes(app) -> None:
-    """The launcher's HTTP server is about to start: a PDD prefill serves ``GET /pdd/line``."""
+    """The launcher's HTTP server is about to start: a PDD prefill serves ``GET /pdd/line`` and
+    ``POST /pdd/cache_only``."""
     if pdd_role() != "prefill":
         return
-    from pdd_sglang.diagnostics.line_report import add_route
+    from pdd_sglang.diagnostics import line_report
+    from pdd_sglang.prefill import cache_only
 
-    add_route(app)
+    line_report.add_route(app)
+    cache_only.add_route(app)
 
 
 # ---- waiting without spinning: patch 0011 ---------------------------------------------------

@@ -63,6 +63,31 @@ class PddArgs(msgspec.Struct):
         "fails. Enforced by the WAN engine itself (not MC_TRANSFER_TIMEOUT, which stays "
         "SGLang's for the relay path). Default: 120.",
     ] = 120
+    pdd_wan_bandwidth_gbps: A[
+        float,
+        "PDD prefill: the WAN line's bandwidth to the mains, in Gbit/s, as leased. With "
+        "--pdd-wan-rtt-ms it sizes each WAN copy's slices (two bandwidth-delay products) and "
+        "window (four in flight): enough to fill the line, and all a cancel or an urgent copy "
+        "waits behind. "
+        "Default: 10.",
+    ] = 10.0
+    pdd_wan_rtt_ms: A[
+        float,
+        "PDD prefill: the WAN line's round-trip time to the mains, in ms. Default: 20.",
+    ] = 20.0
+    pdd_wan_window_mb: A[
+        float,
+        "PDD prefill: bytes (MiB) one WAN copy keeps in flight, in slices of at most 4 MiB, "
+        "instead of what --pdd-wan-bandwidth-gbps x --pdd-wan-rtt-ms gives; 4 is the rule "
+        "before windowed copies (one 4 MiB slice per round trip). Default: 0 (from the line).",
+    ] = 0.0
+    pdd_wan_cache_only_backlog_s: A[
+        float,
+        "PDD prefill: seconds of the WAN line (bytes ahead over its measured rate) past which a "
+        "line's queued cache-only copies (their relay answered alone: they only warm main's "
+        "cache) are dropped; prefill frees their KV and main is told, not taken out. 0: never "
+        "drop. Default: 10.",
+    ] = 10.0
     pdd_relay_bootstrap_timeout: A[
         float,
         "PDD prefill: seconds to wait, after a main registers for a P->RLD->MD request, for its "
@@ -148,6 +173,36 @@ class PddArgs(msgspec.Struct):
     ] = False
 
 
+# SGLang's decode holds an aborted request's pages until the prefill acks that nothing writes
+# them any more, or until this timeout (default 30 s). A PDD prefill acks once its sender has
+# waited out the copy's blocks in flight: each may take --pdd-wan-transfer-timeout, and a failed
+# copy is waited out up to another (prefill/wan_engine.py), past which the fan-out calls the
+# chunk stuck (+10 s). Main must hold the pages at least that long, or a late block of a WAN
+# write lands in pages it gave to the next request.
+DEFERRED_RELEASE_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT"
+DEFERRED_RELEASE_MARGIN_S = 15.0
+
+
+def hold_aborted_pages_past_wan_writes(wan_transfer_timeout_s: float) -> None:
+    """A PDD decode's deferred release outlasts the prefill's worst case before its ack: set
+    when unset, refused (naming both) when set shorter."""
+    needed = 2 * float(wan_transfer_timeout_s) + DEFERRED_RELEASE_MARGIN_S
+    given = os.environ.get(DEFERRED_RELEASE_ENV)
+    if given is None:
+        os.environ[DEFERRED_RELEASE_ENV] = repr(needed)  # the scheduler inherits it
+        return
+    try:
+        seconds = float(given)
+    except ValueError:
+        raise PddConfigError(f"{DEFERRED_RELEASE_ENV}={given!r} is not a number of seconds")
+    if seconds < needed:
+        raise PddConfigError(
+            f"{DEFERRED_RELEASE_ENV}={given}: a PDD decode must hold an aborted request's pages "
+            f"at least {needed:g} s (2 x --pdd-wan-transfer-timeout {wan_transfer_timeout_s:g} "
+            f"+ {DEFERRED_RELEASE_MARGIN_S:g}), as long as a WAN write to them may still land; "
+            "raise it, or lower --pdd-wan-transfer-timeout")
+
+
 class PddConfigError(ValueError):
     """A PDD flag contradicts another flag; the message names both."""
 
@@ -178,6 +233,8 @@ def resolve_pdd_server_args(server_args: Any) -> None:
         # SGLang's bootstrap registration and Mooncake session advertise this address; the
         # scheduler and its children inherit it from the launcher.
         os.environ["SGLANG_HOST_IP"] = cfg.pdd_advertise_host
+    if role in ("relay", "main"):
+        hold_aborted_pages_past_wan_writes(cfg.pdd_wan_transfer_timeout)
     check_parallelism(role, pp_size=cfg.pp_size, dp_size=cfg.dp_size,
                       enable_dp_attention=cfg.enable_dp_attention,
                       staging_buffer=_staging_buffer_enabled())
@@ -299,6 +356,15 @@ def _check_handoff_flags(cfg: Any) -> None:
         raise PddConfigError(
             f"--pdd-relay-load-watermark must be >= 0, got {cfg.pdd_relay_load_watermark}"
         )
+    for flag in ("pdd_wan_bandwidth_gbps", "pdd_wan_rtt_ms"):
+        if not getattr(cfg, flag) > 0:
+            raise PddConfigError(
+                f"--{flag.replace('_', '-')} must be positive, got {getattr(cfg, flag)}")
+    if cfg.pdd_wan_cache_only_backlog_s < 0:
+        raise PddConfigError("--pdd-wan-cache-only-backlog-s must be >= 0, got "
+                             f"{cfg.pdd_wan_cache_only_backlog_s}")
+    if cfg.pdd_wan_window_mb < 0:
+        raise PddConfigError(f"--pdd-wan-window-mb must be >= 0, got {cfg.pdd_wan_window_mb}")
     for flag in ("pdd_relay_bootstrap_timeout", "pdd_main_bootstrap_timeout"):
         if getattr(cfg, flag) <= 0:
             raise PddConfigError(

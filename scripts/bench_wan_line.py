@@ -4,8 +4,8 @@
 Over a grid of rate x RTT on the emulated line, real copies through the prefill's own WAN engine
 (Mooncake TCP; ``pdd_sglang/dev/wan_emulator/line_bench.py``): one copy, then ``--concurrent``
 at once, each at least ``--bdp-multiple`` bandwidth-delay products, under the old slice rule (a
-window of one 4 MiB slice, each waited for before the next) and the windowed one (two BDPs in
-flight), the same sender in the same run. ``utilization`` is the achieved rate over the line's
+window of one 4 MiB slice, each waited for before the next) and the windowed one (slices of two
+BDPs, four BDPs in flight), the same sender in the same run. ``utilization`` is the achieved rate over the line's
 own TCP goodput at that point (``measure.bulk_rate``, as ``scripts/wan_check.py`` measures it).
 Also measures the forwarder's ceiling (no rate limit), which bounds the grid.
 
@@ -32,8 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pdd_sglang.dev.wan_emulator import WanLine, check_prerequisites, measure  # noqa: E402
 from pdd_sglang.dev.wan_emulator.line_bench import run_point  # noqa: E402
-from pdd_sglang.prefill.wan_engine import (TCP_TRANSPORT_ENV, WAN_SLICE_BYTES,  # noqa: E402
-                                           window_for_line)
+from pdd_sglang.prefill.wan_engine import TCP_TRANSPORT_ENV, window_for_line  # noqa: E402
 
 # rate (Mbit/s) x RTT (ms): BDPs from 0.5 MB to 10 MB, past the 4 MiB slice, within the
 # forwarder's ceiling (it holds a set rate up to about 400 Mbit/s on 2 cores).
@@ -68,20 +67,21 @@ def bench(args) -> dict:
         copy_bytes -= copy_bytes % (1 << 20)
         window = window_for_line(rate / 1e3, rtt)
         print(f"== {rate:g} Mbit/s x {rtt:g} ms: BDP {bdp / 1e6:.2f} MB, copies of "
-              f"{copy_bytes / 1e6:.0f} MB, window {window / 1e6:.1f} MB", flush=True)
+              f"{copy_bytes / 1e6:.0f} MB, slices {window.slice_bytes / 1e6:.2f} MB, window "
+              f"{window.window_bytes / 1e6:.1f} MB", flush=True)
         point = run_point(out_dir, rate_mbit=rate, rtt_ms=rtt, copy_bytes=copy_bytes,
-                          window_bytes=window, concurrent=args.concurrent,
+                          window=window, concurrent=args.concurrent,
                           blocks=args.blocks_per_slice, sysctls=LONG_FAT_LINE_SYSCTLS)
         for run in point["runs"]:
             points.append({"rate_mbit": rate, "rtt_ms": rtt, "bdp_bytes": bdp,
                            "copy_bytes": run["copy_bytes"], "concurrent": run["concurrent"],
                            "rule": run["rule"], "window_bytes": run["window_bytes"],
+                           "slice_bytes": run["slice_bytes"],
                            "achieved_mbit": run["achieved_mbit"],
                            "line_goodput_mbit": point["goodput_mbit"],
                            "utilization": run["achieved_mbit"] / point["goodput_mbit"],
                            "copy_s": run["copy_s"]})
-    result = {"points": points, "slice_bytes": WAN_SLICE_BYTES,
-              "blocks_per_slice": args.blocks_per_slice, "bdp_multiple": args.bdp_multiple,
+    result = {"points": points, "blocks_per_slice": args.blocks_per_slice, "bdp_multiple": args.bdp_multiple,
               "mooncake_tcp_env": TCP_TRANSPORT_ENV, "sysctls": LONG_FAT_LINE_SYSCTLS,
               "date": time.strftime("%Y-%m-%d %H:%M"),
               "note": "2 shared cores: the forwarder, both Mooncake engines and the bench share "
@@ -110,7 +110,7 @@ def main() -> int:
     parser.add_argument("--concurrent", type=int, default=4)
     parser.add_argument("--bdp-multiple", type=int, default=20)
     parser.add_argument("--blocks-per-slice", type=int, default=8,
-                        help="Mooncake requests per 4 MiB slice (the KV's per-layer blocks)")
+                        help="Mooncake requests per slice (the KV's per-layer blocks)")
     parser.add_argument("--no-ceiling", action="store_true")
     parser.add_argument("--out", default="out/wan_line_bench")
     args = parser.parse_args()

@@ -29,7 +29,7 @@ from pdd_sglang.sim.cluster import Setup  # noqa: E402
 from pdd_sglang.sim.report import write_report  # noqa: E402
 from pdd_sglang.sim.workload import TRACE_PATH, generate_agentic  # noqa: E402
 from pdd_sglang.sim.cluster import simulate  # noqa: E402
-from pdd_sglang.prefill.wan_engine import WAN_SLICE_BYTES, window_for_line  # noqa: E402
+from pdd_sglang.prefill.wan_engine import ONE_SLICE, window_for_line  # noqa: E402
 
 PAPER = {
     "ttft_s": {"same_dc_pd": {"p50": 4.2}, "cross_dc_pd": {"p50": 6.7, "p90": 18.3, "p99": 29.7}},
@@ -135,10 +135,10 @@ def task_f4(quick):
 # what one copy may keep in flight, as the simulator's per-flow window (rate = min(line share,
 # window / RTT)). DECLARED from the sender's code (prefill/wan_engine.py) and MEASURED on the
 # emulated line (scripts/bench_wan_line.py): the old rule sent one 4 MiB slice per round trip
-# (its window: one slice); the windowed sender keeps two BDPs plus a slice in flight.
+# (its window: one slice); the windowed sender keeps four BDPs in flight (slices of two).
 BRIEF_LINE_GBPS, BRIEF_LINE_RTT_MS = 10.0, 20.0
-SENDER_WINDOWS = {"one_slice": WAN_SLICE_BYTES,
-                  "window": window_for_line(BRIEF_LINE_GBPS, BRIEF_LINE_RTT_MS)}
+SENDER_WINDOWS = {"one_slice": ONE_SLICE.window_bytes,
+                  "window": window_for_line(BRIEF_LINE_GBPS, BRIEF_LINE_RTT_MS).window_bytes}
 
 
 def task_sender_window(quick):

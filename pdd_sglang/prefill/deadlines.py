@@ -107,6 +107,7 @@ class FanoutDeadlines:
                 if room.pending is not None and not room.in_flight:
                     self._conclude(room, *room.pending)
         self._probe_mains_out(now)
+        self.drop_cache_only_backlog()
         self.published = self._snapshot()
 
     def _fail_partial_ranks(self, room: Room, role: str) -> None:

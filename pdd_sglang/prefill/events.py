@@ -2,7 +2,7 @@
 
 Posted on :attr:`PrefillFanout.events <pdd_sglang.prefill.fanout.PrefillFanout>` by SGLang's
 bootstrap thread (:class:`Registered`), the scheduler (:class:`ChunkReady`, :class:`RoomCleared`), the senders
-(:class:`ChunkSent`), the bootstrap thread again (:class:`AbortNotified`) and the peer thread (:class:`ProbeAnswered`); applied in order by the owner.
+(:class:`ChunkSent`), the bootstrap thread again (:class:`AbortNotified`) the peer thread (:class:`ProbeAnswered`) and the cache-only intake (:class:`CacheOnly`); applied in order by the owner.
 """
 
 from __future__ import annotations
@@ -56,3 +56,11 @@ class AbortNotified:
     decode_ip: Optional[str]
     decode_port: Optional[int]
     ack_target: Any  # SGLang's AckTarget, or None: that decode waits for no ack
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheOnly:
+    """The router: ``room``'s relay answered alone, so main's copy only warms its cache (the
+    cache-only intake thread, :mod:`pdd_sglang.prefill.cache_only`)."""
+
+    room: int

@@ -66,12 +66,13 @@ from typing import Any, Callable, Optional
 from pdd_sglang.prefill.aborts import FanoutAborts
 from pdd_sglang.prefill.deadlines import FanoutDeadlines
 from pdd_sglang.prefill.destination_chunks import skip_prefix_pages
-from pdd_sglang.prefill.events import (AbortNotified, ChunkReady, ChunkSent, ProbeAnswered,
-                                       Registered, RoomCleared)
+from pdd_sglang.prefill.events import (AbortNotified, CacheOnly, ChunkReady, ChunkSent,
+                                       ProbeAnswered, Registered, RoomCleared)
 from pdd_sglang.prefill.ledger import LEDGER
 from pdd_sglang.prefill.room import Destination, DestinationState, Room, RoomPhase, Work
 from pdd_sglang.prefill.tp_slices import page_bytes_to
 from pdd_sglang.prefill.wan_line import WanLine
+from pdd_sglang.prefill.wan_lines import CopyClass, WanLines, remaining_bytes
 from pdd_sglang.protocol.messages import (DestinationHello, MessageError, decode,
                                           sessions_per_prefill_rank, tp_refusal)
 
@@ -96,10 +97,14 @@ class PrefillFanout(FanoutDeadlines, FanoutAborts):
         self.events: queue.SimpleQueue = queue.SimpleQueue()
         # Set by WanPath: where work and peer jobs go. Tests plug lists in.
         self.local_queues: list = []
-        self.wan_queues: list = []  # ChargedQueue, one per WAN sender
+        self.wan_lines = WanLines()  # main-bound work, per main session (the WAN senders')
         self.peer_jobs: Callable[[Callable[[], None]], None] = lambda job: job()
         self.wan_engine = None  # WanTransferEngine, set at start
         self.wan_line = WanLine()
+        self.wan_line.queue_view = self.wan_lines.queued_by_class
+        # --pdd-wan-cache-only-backlog-s: past this much of a line ahead, its queued cache-only
+        # copies are dropped (None: never).
+        self.cache_only_backlog_s: Optional[float] = None
         self.relay_bootstrap_timeout_s = 5.0
         self.main_bootstrap_timeout_s = 30.0
         self.stuck_after_s = 150.0
@@ -113,7 +118,7 @@ class PrefillFanout(FanoutDeadlines, FanoutAborts):
         self.counters = dict.fromkeys((
             "refused_hellos", "refused_late", "relays_dropped", "mains_dropped", "relays_failed",
             "mains_failed", "rooms_stuck", "rooms_abandoned", "rooms_succeeded", "rooms_failed",
-            "destinations_aborted"), 0)
+            "destinations_aborted", "cache_only_copies", "cache_only_dropped"), 0)
         # Written by the owner only; tested by other threads.
         self.pdd_rooms: set[int] = set()
         self.main_sessions: set[str] = set()
@@ -181,6 +186,8 @@ class PrefillFanout(FanoutDeadlines, FanoutAborts):
             self._on_cleared(event.room)
         elif isinstance(event, AbortNotified):
             self._on_abort(event)
+        elif isinstance(event, CacheOnly):
+            self._on_cache_only(event.room)
         else:
             raise TypeError(f"unknown fan-out event {event!r}")
         self.published = self._snapshot()
@@ -288,11 +295,11 @@ class PrefillFanout(FanoutDeadlines, FanoutAborts):
         dest.last_routed = dest.last_routed or chunk.is_last_chunk
         work = Work(room.room, dest.info.mooncake_session_id, dest.role, dest.info, view)
         room.in_flight.append(work)
-        if dest.role == "main" and self.wan_queues:
+        if dest.role == "main":
+            pages = len(view.prefill_kv_indices)  # charged by the heads this main rank gets
             peer = self.kv_mgr.decode_kv_args_table.get(work.session)
-            # charged by the heads this main rank gets
-            nbytes = len(view.prefill_kv_indices) * page_bytes_to(self.kv_mgr, peer)
-            self.wan_queues[room.room % len(self.wan_queues)].put(work, ((work.session, nbytes),))
+            self.wan_lines.put(work, pages * page_bytes_to(self.kv_mgr, peer), pages,
+                               CopyClass.CACHE_ONLY if room.cache_only else CopyClass.NEEDED_NOW)
         else:
             self.local_queues[room.room % len(self.local_queues)].put(work)
 
@@ -325,6 +332,41 @@ class PrefillFanout(FanoutDeadlines, FanoutAborts):
             self._conclude(room, *room.pending)
         elif room.finished():
             self._conclude(room, "Success")
+
+    def _on_cache_only(self, room_id: int) -> None:
+        """The relay answered alone: main's copy of the room goes behind every needed-now one."""
+        room = self._rooms.get(room_id)
+        if room is None or room.phase is RoomPhase.CONCLUDED or room.cache_only:
+            return
+        room.cache_only = True
+        self.counters["cache_only_copies"] += 1
+        self.wan_lines.reclassify(room_id, CopyClass.CACHE_ONLY)
+
+    def drop_cache_only_backlog(self) -> None:
+        """Owner, each tick: a line whose bytes ahead take longer than the backlog bound at its
+        measured rate drops its queued cache-only copies, newest first, down to the bound. Main
+        is told the copy failed (it frees its slots) but is not taken out: its line is slow,
+        not broken."""
+        if self.cache_only_backlog_s is None:
+            return
+        for session, line in self.wan_line.snapshot().items():
+            rate = line["recent_bytes_per_s"]
+            if not line["cache_only_bytes_ahead"] or not rate:
+                continue
+            if line["bytes_ahead"] <= self.cache_only_backlog_s * rate:
+                continue
+            for work in self.wan_lines.drop_cache_only(session, int(self.cache_only_backlog_s * rate)):
+                room = self._rooms.get(work.room)
+                dest = room.destinations.get(work.session) if room is not None else None
+                self.wan_line.dropped(session, remaining_bytes(work))
+                if dest is None or dest.state is not DestinationState.REGISTERED:
+                    work.cancelled = True
+                    continue
+                self.counters["cache_only_dropped"] += 1
+                self._fail_destination(room, dest, (
+                    f"PDD: main's cache-only copy of room {room.room} was dropped: the WAN line "
+                    f"to {session} had over {self.cache_only_backlog_s:g} s of bytes ahead "
+                    "(--pdd-wan-cache-only-backlog-s)"))
 
     def _fail_destination(self, room: Room, dest, reason: str, wan: bool = False) -> None:
         """One destination out of the room: the room goes on to the other if it can."""

@@ -53,6 +53,13 @@ class Work:
     chunk: Any  # SGLang's TransferKVChunk, this destination's own copy
     started_at: Optional[float] = None
     cancelled: bool = False  # set by the owner: the sender skips it (and still reports)
+    # Main-bound work only (prefill/wan_lines.py): its class (changed by the owner under the
+    # lines' lock), its size, and the pages a sender has handed to Mooncake (the sender's; a
+    # copy put back between slices resumes there).
+    copy_class: Any = None  # a wan_lines.CopyClass
+    nbytes: int = 0
+    pages: int = 0
+    pages_done: int = 0
 
 
 @dataclasses.dataclass
@@ -101,6 +108,7 @@ class Room:
     chunk_seen: bool = False  # prefill has computed and handed over at least one chunk
     pending: Optional[tuple] = None  # (status, reason) decided while chunks were in a sender
     forget_when_drained: bool = False  # SGLang cleared it while an abort's ack waited on a sender
+    cache_only: bool = False  # the relay answered alone: main's copy only warms its cache
     # role -> how many of its ranks register with this prefill rank (1 unless the decode runs a
     # larger TP: protocol.messages.sessions_per_prefill_rank), from its first hello.
     ranks: dict = dataclasses.field(default_factory=dict)

@@ -19,33 +19,57 @@ import logging
 import time
 from typing import Any, Callable, Optional
 
+from pdd_sglang import seam
 from pdd_sglang.prefill.ledger import LEDGER
 from pdd_sglang.prefill.room import Work
 from pdd_sglang.prefill.tp_slices import SAME_THREAD, LedgerScoped, is_sliced, page_bytes_to
-from pdd_sglang.prefill.wan_engine import WAN_SLICE_BYTES
 
 logger = logging.getLogger(__name__)
 
+YIELDED = "yielded"  # a cache-only copy put back on its line for a needed-now one
 
 
-def run_sender(kv_mgr: Any, work_queue: Any, executor: Any, report: Callable[[Any], None],
-               pause: Optional[Callable[[Work], None]] = None) -> None:
-    """A sender's loop until the ``None`` sentinel. ``pause``: a debug hook (tests only)."""
-    from pdd_sglang.prefill.events import ChunkSent
 
+def run_sender(kv_mgr: Any, work_queue: Any, executor: Any, report: Callable[[Any], None]) -> None:
+    """A local sender's loop (relays) until the ``None`` sentinel."""
     while True:
         work = work_queue.get()
         if work is None:
             return
         work.started_at = time.monotonic()
-        if pause is not None:
-            pause(work)
-        try:
-            ok, reason = send_work(kv_mgr, work, executor)
-        except Exception as err:  # a bad chunk fails its destination, not the sender
-            logger.exception("PDD: sending room %s to %s raised", work.room, work.session)
-            ok, reason = False, f"PDD: sending to {work.session} raised {err!r}"
-        report(ChunkSent(work, ok, reason))
+        seam.aids.before_send(work)
+        report(_send_and_judge(kv_mgr, work, executor, None))
+
+
+def _send_and_judge(kv_mgr: Any, work: Work, executor: Any, lines: Any) -> Any:
+    """The work's report (a ChunkSent), or YIELDED; an exception is a failed item."""
+    from pdd_sglang.prefill.events import ChunkSent
+
+    try:
+        ok, reason = send_work(kv_mgr, work, executor, lines)
+    except Exception as err:  # a bad chunk fails its destination, not the sender
+        logger.exception("PDD: sending room %s to %s raised", work.room, work.session)
+        ok, reason = False, f"PDD: sending to {work.session} raised {err!r}"
+    return YIELDED if ok is YIELDED else ChunkSent(work, ok, reason)
+
+
+def run_wan_sender(kv_mgr: Any, lines: Any, executor: Any, report: Callable[[Any], None]) -> None:
+    """A WAN sender's loop until the lines stop: the best work of a free line
+    (:class:`~pdd_sglang.prefill.wan_lines.WanLines`); a cache-only copy a needed-now one
+    overtakes goes back to its line between two slices, unreported."""
+    while True:
+        work = lines.take()
+        if work is None:
+            return
+        work.started_at = time.monotonic()  # the owner's stuck check: in a sender since
+        if not work.pages_done:  # not a copy resumed after a yield
+            seam.aids.before_send(work)
+        outcome = _send_and_judge(kv_mgr, work, executor, lines)
+        if outcome is YIELDED:
+            lines.put_back(work)
+            continue
+        lines.release(work)
+        report(outcome)
 
 
 def _let_go(kv_mgr: Any, work: Work) -> bool:
@@ -72,28 +96,36 @@ def _send_pages(kv_mgr: Any, work: Work, peer: Any, src: Any, dst: Any, executor
         peer.dst_kv_item_len, layers, peer.dst_kv_layer_ids)
 
 
-def _send_to_main(kv_mgr: Any, work: Work, peer: Any, src: Any, dst: Any,
-                  executor: Any) -> Optional[bool]:
-    """A chunk to main across the WAN: slices of WAN_SLICE_BYTES inside one windowed copy of the
-    WAN engine (:meth:`~pdd_sglang.prefill.wan_engine.WanTransferEngine.copy`), so the line
-    stays full while the window holds; True once every block landed, False if one failed, None
-    when the owner cancelled it (it stops within one window: what is in flight is waited out).
-    The slices exist for the cancel: a whole chunk (up to --chunked-prefill-size tokens) handed
-    to Mooncake at once could not be called back."""
+def _send_to_main(kv_mgr: Any, work: Work, peer: Any, src: Any, dst: Any, executor: Any,
+                  lines: Any) -> Any:
+    """A chunk to main across the WAN: slices of the engine's ``slice_bytes`` inside one windowed
+    copy of the WAN engine (:meth:`~pdd_sglang.prefill.wan_engine.WanTransferEngine.copy`), so the line
+    stays full while the window holds, from ``work.pages_done`` on. True once every block
+    landed, False if one failed, None when the owner cancelled it, YIELDED when a needed-now
+    copy waits behind this cache-only one (:meth:`WanLines.should_yield`). A cancel or a yield
+    stops it within one window: what is in flight is waited out. The slices exist for those
+    two: a whole chunk (up to --chunked-prefill-size tokens) handed to Mooncake at once could
+    not be called back."""
+    wan = kv_mgr.pdd_fanout.wan_engine
     page_bytes = page_bytes_to(kv_mgr, peer) or 1  # a head slice's, between TP sizes
-    step = max(WAN_SLICE_BYTES // page_bytes, 1)
-    with kv_mgr.pdd_fanout.wan_engine.copy(work.session) as copy:
-        for start in range(0, len(src), step):
-            if start and _let_go(kv_mgr, work):  # free the line now, not after the chunk
-                return None
+    step = max(wan.slice_bytes // page_bytes, 1)
+    with wan.copy(work.session) as copy:
+        for start in range(work.pages_done, len(src), step):
+            if start:
+                if _let_go(kv_mgr, work):  # free the line now, not after the chunk
+                    return None
+                if lines is not None and lines.should_yield(work):
+                    return YIELDED if copy.finish() else False
             if _send_pages(kv_mgr, work, peer, src[start:start + step], dst[start:start + step],
                            executor) != 0:
                 return False
+            work.pages_done = min(start + step, len(src))
         return copy.finish()
 
 
-def send_work(kv_mgr: Any, work: Work, executor: Any) -> tuple[Optional[bool], Optional[str]]:
-    """``(True, None)`` sent, ``(False, reason)`` failed, ``(None, None)`` skipped."""
+def send_work(kv_mgr: Any, work: Work, executor: Any, lines: Any = None) -> tuple[Any, Optional[str]]:
+    """``(True, None)`` sent, ``(False, reason)`` failed, ``(None, None)`` skipped, ``(YIELDED,
+    None)`` put back for a needed-now copy (main-bound work from ``lines`` only)."""
     if _let_go(kv_mgr, work):
         return None, None
     chunk, info = work.chunk, work.destination
@@ -111,10 +143,13 @@ def send_work(kv_mgr: Any, work: Work, executor: Any) -> tuple[Optional[bool], O
         return False, f"PDD: {work.session} never registered its KV buffers"
     dst = info.dst_kv_indices[chunk.index_slice]
     src = src[: len(dst)]
-    LEDGER.begin(work.room, work.session, len(src))
+    if not work.pages_done:
+        LEDGER.begin(work.room, work.session, len(src))
     if len(src) and kv_mgr.kv_args.kv_data_ptrs:
         if work.role == "main":
-            sent = _send_to_main(kv_mgr, work, peer, src, dst, executor)
+            sent = _send_to_main(kv_mgr, work, peer, src, dst, executor, lines)
+            if sent is YIELDED:
+                return YIELDED, None
         else:
             sent = _send_pages(kv_mgr, work, peer, src, dst, executor) == 0
         if sent is None:

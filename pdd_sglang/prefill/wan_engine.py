@@ -9,18 +9,20 @@ WAN traffic can leave by its own NIC; default ``--pdd-advertise-host``), registe
 memory with it, and sends every batch for a main session through it. Mooncake does the transport
 on both paths.
 
-**A copy keeps a window of bytes in flight.** A copy to main goes out as slices (one
-``batch_transfer_sync`` call of SGLang's ``send_kvcache`` each, ``prefill/senders.py``). Inside
+**A copy keeps a window of bytes in flight.** A copy to main goes out as slices of
+``slice_bytes`` (one ``batch_transfer_sync`` call of SGLang's ``send_kvcache`` each,
+``prefill/senders.py``). Inside
 :meth:`WanTransferEngine.copy` a slice is submitted and the call returns at once, as long as the
 copy's bytes in flight plus the slice fit in ``window_bytes``; otherwise it first waits for the
 oldest blocks to land. The copy's end (:meth:`WanCopy.finish`) waits for every block, so the
 sender writes the aux data (main's word that the KV is complete) only after the KV has landed.
-A window of one slice is the rule before this one: each slice waited for before the next, one
-slice per round trip, which fills a line only while its bandwidth-delay product is below a slice
-(``scripts/bench_wan_line.py`` runs both). The window comes from the line the operator declares
-(``--pdd-wan-bandwidth-gbps`` x ``--pdd-wan-rtt-ms``, see :func:`window_for_line`), so cancelling
-a copy, or a copy a request waits for overtaking one that only warms main's cache, still waits
-for at most one window: about two round trips of the line, whatever its rate.
+A window of one 4 MiB slice is the rule before this one (:data:`ONE_SLICE`): each slice waited
+for before the next, one slice per round trip, which fills a line only while its
+bandwidth-delay product is below a slice (``scripts/bench_wan_line.py`` runs both). Slices and
+window come from the line the operator declares (``--pdd-wan-bandwidth-gbps`` x
+``--pdd-wan-rtt-ms``, see :func:`window_for_line`), so cancelling a copy, or a copy a request
+waits for overtaking one that only warms main's cache, waits for at most one window: about three
+round trips of the line, whatever its rate.
 
 Waiting: Mooncake's synchronous batch call polls without sleeping, a core per waiting worker.
 This engine submits each block asynchronously (``transfer_submit_write``, one single-task batch
@@ -58,37 +60,59 @@ _DONE, _PENDING, _FAILED = 1, 0, -1
 # leaves the line idle).
 FIRST_POLL_S = 0.0005
 LONGEST_POLL_S = 0.02
-# The submission unit of a copy to main: one SGLang send_kvcache call. A window holds whole
-# slices, so a window of one slice is the old one-slice-per-round-trip rule.
+# The submission unit of a copy to main (one SGLang send_kvcache call), sized to the line:
+# SLICE_BDPS bandwidth-delay products, within these bounds. Mooncake's TCP transport completes a
+# request on the receiver's acknowledgement and runs one request per lane, so it holds at most
+# lanes x block in flight, and each request waits a round trip for its acknowledgement; a slice's
+# blocks (its pages per layer, K and V) grow with the slice. Measured at 200 Mbit/s x 200 ms
+# (BDP 5 MB), one 100 MB copy of 8 blocks per slice: slices of 1 BDP 0.53 of the line, 2 BDPs
+# 0.69, 4 BDPs 0.75 (docs/measurements.md). Small slices on slow lines: a cancel or an urgent
+# copy waits for what is in flight, and a slice is admitted whole.
+SLICE_BDPS = 2.0
+MIN_SLICE_BYTES = 256 << 10
+MAX_SLICE_BYTES = 64 << 20
+# The rule before windowed copies, still the sender's with --pdd-wan-window-mb 4: one 4 MiB
+# slice at a time, each waited for before the next.
 WAN_SLICE_BYTES = 4 << 20
-# In flight per copy: this many bandwidth-delay products of the declared line. TCP needs more
-# than one BDP in flight to fill a line (acknowledgements take a round trip, and Mooncake counts a
-# block in flight until the receiver's acknowledgement is back), and more than two only lengthens
-# what a cancel or an urgent copy waits for.
+# In flight per copy: this many bandwidth-delay products of the declared line, plus the slice
+# being admitted. TCP needs more than one BDP in flight to fill a line (acknowledgements take a
+# round trip, and Mooncake counts a block in flight until the receiver's acknowledgement is
+# back), and more only lengthens what a cancel or an urgent copy waits for.
 WINDOW_BDPS = 2.0
 # Mooncake's TCP transport by default opens a connection per request (a handshake and a slow
-# start each time, and a request completes on the receiver's acknowledgement). Pooled, it keeps
-# lanes open per peer and runs one request per lane at a time, so what it holds in flight is at
-# most lanes x block: its most lanes (16). Measured across the emulated line at 200 Mbit/s x
-# 100 ms with a 32 MiB window, one copy: 94 Mbit/s unpooled, 95 with the default 4 lanes, 170
-# with 16 (docs/measurements.md). Set before the WAN engine initialises (Mooncake reads them
-# then); an operator's own values win.
+# start each time). Pooled, it keeps lanes open per peer and runs one request per lane at a time:
+# its most lanes (16). Measured across the emulated line at 200 Mbit/s x 100 ms with a 32 MiB
+# window, one copy: 94 Mbit/s unpooled, 95 with the default 4 lanes, 170 with 16
+# (docs/measurements.md). Set before the WAN engine initialises (Mooncake reads them then); an
+# operator's own values win.
 TCP_TRANSPORT_ENV = {"MC_TCP_ENABLE_CONNECTION_POOL": "1", "MC_TCP_LANES_PER_PEER": "16"}
 
 
-def window_for_line(bandwidth_gbps: float, rtt_ms: float, window_mb: float = 0.0) -> int:
-    """A copy's window in bytes: ``--pdd-wan-window-mb`` when set, else WINDOW_BDPS x the
-    declared line's bandwidth-delay product plus one slice."""
+@dataclass(frozen=True)
+class CopyWindow:
+    """How a copy goes out: slices of ``slice_bytes``, at most ``window_bytes`` in flight."""
+
+    slice_bytes: int
+    window_bytes: int
+
+
+ONE_SLICE = CopyWindow(WAN_SLICE_BYTES, WAN_SLICE_BYTES)
+
+
+def window_for_line(bandwidth_gbps: float, rtt_ms: float, window_mb: float = 0.0) -> CopyWindow:
+    """A copy's slices and window: with ``--pdd-wan-window-mb``, that window and slices of at
+    most 4 MiB (4: the old rule); else slices sized by the bandwidth-delay product of the
+    declared line (SLICE_BDPS of them) and WINDOW_BDPS in flight plus the slice being admitted."""
     if window_mb < 0 or bandwidth_gbps <= 0 or rtt_ms <= 0:
         raise ValueError(
             f"the WAN line needs a positive bandwidth and RTT and a window >= 0 (got "
             f"{bandwidth_gbps} Gbit/s, {rtt_ms} ms, window {window_mb} MB)")
     if window_mb > 0:
-        return max(int(window_mb * (1 << 20)), 1)
+        window = max(int(window_mb * (1 << 20)), 1)
+        return CopyWindow(min(WAN_SLICE_BYTES, window), window)
     bdp_bytes = bandwidth_gbps * 1e9 / 8 * rtt_ms / 1e3
-    # Plus one slice: a slice is admitted whole once the oldest blocks have landed, so what is
-    # in flight swings between the window less a slice and the window.
-    return int(WINDOW_BDPS * bdp_bytes) + WAN_SLICE_BYTES
+    slice_bytes = int(min(max(SLICE_BDPS * bdp_bytes, MIN_SLICE_BYTES), MAX_SLICE_BYTES))
+    return CopyWindow(slice_bytes, int(WINDOW_BDPS * bdp_bytes) + slice_bytes)
 
 
 @dataclass
@@ -102,7 +126,7 @@ class WanTransferEngine:
     """A Mooncake TransferEngine with the call surface SGLang's transfer code uses."""
 
     def __init__(self, hostname: str, protocol: str, device: Optional[str], timeout_s: float,
-                 line: Optional[WanLine] = None, window_bytes: int = WAN_SLICE_BYTES):
+                 line: Optional[WanLine] = None, window: CopyWindow = ONE_SLICE):
         from mooncake.engine import TransferEngine
 
         if protocol == "tcp":
@@ -115,28 +139,30 @@ class WanTransferEngine:
                 f"PDD: the WAN Mooncake engine failed to initialise (protocol {protocol!r}, "
                 f"device {device!r}, host {hostname!r})"
             )
-        self._setup(engine, timeout_s, line, window_bytes)
+        self._setup(engine, timeout_s, line, window)
         self.protocol = protocol
         self.session_id = f"{hostname}:{engine.get_rpc_port()}"
 
     @classmethod
     def over(cls, engine: Any, timeout_s: float, line: Optional[WanLine] = None,
-             window_bytes: int = WAN_SLICE_BYTES) -> "WanTransferEngine":
+             window_bytes: int = WAN_SLICE_BYTES,
+             slice_bytes: int = WAN_SLICE_BYTES) -> "WanTransferEngine":
         """This engine's logic over an engine already made (a scripted one in unit tests)."""
         self = cls.__new__(cls)
-        self._setup(engine, timeout_s, line, window_bytes)
+        self._setup(engine, timeout_s, line, CopyWindow(slice_bytes, window_bytes))
         self.protocol, self.session_id = "scripted", "scripted"
         return self
 
     def _setup(self, engine: Any, timeout_s: float, line: Optional[WanLine],
-               window_bytes: int) -> None:
+               window: CopyWindow) -> None:
         if not timeout_s > 0:
             raise ValueError(f"the WAN transfer timeout must be positive, got {timeout_s}")
-        if not window_bytes > 0:
-            raise ValueError(f"the WAN window must be positive, got {window_bytes} bytes")
+        if not (window.window_bytes > 0 and window.slice_bytes > 0):
+            raise ValueError(f"the WAN window and slice must be positive, got {window}")
         self.engine = engine
         self.timeout_s = float(timeout_s)
-        self.window_bytes = int(window_bytes)
+        self.window_bytes = int(window.window_bytes)  # read by the senders at each slice
+        self.slice_bytes = int(window.slice_bytes)
         self.line = line if line is not None else WanLine()
         self._registered: list[int] = []
         self._lock = threading.Lock()
@@ -348,14 +374,14 @@ def wan_hostname(kv_mgr: Any, wan_host: Optional[str] = None,
 
 
 def open_wan_engine(kv_mgr: Any, protocol: str, device: Optional[str], timeout_s: float,
-                    line: WanLine, window_bytes: int, hostname: Optional[str] = None
+                    line: WanLine, window: CopyWindow, hostname: Optional[str] = None
                     ) -> WanTransferEngine:
     hostname = hostname or wan_hostname(kv_mgr)
-    engine = WanTransferEngine(hostname, protocol, device, timeout_s, line, window_bytes)
+    engine = WanTransferEngine(hostname, protocol, device, timeout_s, line, window)
     engine.register_regions(kv_mgr._registerable_regions())
     logger.info(
-        "PDD: WAN transfer path ready: Mooncake %s engine %s, a window of %.1f MB per copy "
-        "(relay path: SGLang's engine %s)",
-        protocol, engine.session_id, window_bytes / 1e6, kv_mgr.engine.get_session_id(),
+        "PDD: WAN transfer path ready: Mooncake %s engine %s, copies in slices of %.2f MB with "
+        "%.1f MB in flight (relay path: SGLang's engine %s)", protocol, engine.session_id,
+        window.slice_bytes / 1e6, window.window_bytes / 1e6, kv_mgr.engine.get_session_id(),
     )
     return engine

@@ -2,10 +2,11 @@
 
 Congestion-aware placement (``policy.LineState``) predicts a new copy's WAN time from the bytes
 already ahead of it on the line to its main and the throughput measured over recent copies. Both
-are known only here, at the sender: bytes are *queued* from when a chunk is put on a WAN queue
-until a WAN sender takes it, then *in flight* from when its batch is handed to Mooncake until the
-batch completes or fails. The router reads :meth:`WanLine.snapshot` from the prefill's
-``/server_info`` (``pdd.wan_line``).
+are known only here, at the sender: bytes are *queued* while a live (not cancelled) work waits
+on its line or a sender has not yet handed them to Mooncake (:mod:`~pdd_sglang.prefill.wan_lines`,
+per copy class, read through :attr:`WanLine.queue_view`), then *in flight* from when a block is
+handed to Mooncake until it completes or fails (counted here by the WAN engine). The router
+reads :meth:`WanLine.snapshot` from the prefill's ``/pdd/line`` (or ``/server_info``).
 
 Throughput is measured per main over its last :data:`RECENT_COPIES` completed batches: their
 bytes over the time the line to that main was busy with them (overlapping batches counted once),
@@ -18,19 +19,19 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Callable
 
 RECENT_COPIES = 32
 
 
 @dataclass
 class _MainLine:
-    queued_bytes: int = 0
     in_flight_bytes: int = 0
     busy_until: float = 0.0  # when the latest batch to this main completed
     recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_COPIES))  # (bytes, busy_s)
     sent_bytes: int = 0
     failed_batches: int = 0
+    dropped_cache_only_bytes: int = 0
 
     def bytes_per_s(self) -> float | None:
         busy_s = sum(s for _, s in self.recent)
@@ -51,20 +52,12 @@ class WanLine:
         self._clock = clock
         self._lock = threading.Lock()
         self._mains: dict[str, _MainLine] = {}
+        # ``{session: {"needed_now": bytes, "cache_only": bytes}}`` not yet on the wire: the
+        # fan-out's WanLines.queued_by_class; nothing queued where no lines are plugged in.
+        self.queue_view: Callable[[], dict] = dict
 
     def _main(self, session: str) -> _MainLine:
         return self._mains.setdefault(session, _MainLine())
-
-    def queued(self, charges: Iterable[tuple[str, int]]) -> None:
-        with self._lock:
-            for session, nbytes in charges:
-                self._main(session).queued_bytes += nbytes
-
-    def dequeued(self, charges: Iterable[tuple[str, int]]) -> None:
-        with self._lock:
-            for session, nbytes in charges:
-                line = self._main(session)
-                line.queued_bytes = max(line.queued_bytes - nbytes, 0)
 
     def started(self, session: str, nbytes: int) -> float:
         """A batch of ``nbytes`` to ``session`` is handed to Mooncake; returns its start mark."""
@@ -91,46 +84,41 @@ class WanLine:
                 line.recent[-1] = (b + nbytes, s)
 
     def snapshot(self) -> dict:
-        """``{session: {queued_bytes, in_flight_bytes, bytes_ahead, recent_bytes_per_s, ...}}``."""
+        """``{session: {queued_bytes, in_flight_bytes, bytes_ahead, needed_now_bytes_ahead,
+        cache_only_bytes_ahead, recent_bytes_per_s, ...}}``. A new needed-now copy waits behind
+        ``needed_now_bytes_ahead``: the needed-now bytes queued and whatever is in flight (a
+        window of either class lands before it starts)."""
+        queued = self.queue_view()  # outside this lock: the lines have their own
         with self._lock:
-            return {
-                session: {
-                    "queued_bytes": line.queued_bytes,
+            for session in queued:
+                self._main(session)
+            out = {}
+            for session, line in self._mains.items():
+                classes = queued.get(session, {})
+                needed_now = int(classes.get("needed_now", 0))
+                cache_only = int(classes.get("cache_only", 0))
+                out[session] = {
+                    "queued_bytes": needed_now + cache_only,
                     "in_flight_bytes": line.in_flight_bytes,
-                    "bytes_ahead": line.queued_bytes + line.in_flight_bytes,
+                    "bytes_ahead": needed_now + cache_only + line.in_flight_bytes,
+                    "needed_now_bytes_ahead": needed_now + line.in_flight_bytes,
+                    "cache_only_bytes_ahead": cache_only,
                     "recent_bytes_per_s": line.bytes_per_s(),
                     "sent_bytes": line.sent_bytes,
                     "failed_batches": line.failed_batches,
+                    "dropped_cache_only_bytes": line.dropped_cache_only_bytes,
                 }
-                for session, line in self._mains.items()
-            }
+            return out
 
+    def dropped(self, session: str, nbytes: int) -> None:
+        """The owner dropped ``nbytes`` of cache-only copies queued for ``session``."""
+        with self._lock:
+            self._main(session).dropped_cache_only_bytes += int(nbytes)
 
-class ChargedQueue:
-    """A WAN sender's queue that counts each chunk's bytes as queued until the sender takes it.
-
-    ``put(item, charges)`` (the owner) takes the ``(main session, bytes)`` the chunk will carry;
-    the sender's loop (:func:`~pdd_sglang.prefill.senders.run_sender`) calls ``get()`` as on any
-    queue. ``None`` (the stop sentinel) passes through.
-    """
-
-    def __init__(self, inner: Any, line: WanLine):
-        self.inner = inner
-        self.line = line
-
-    def put(self, item: Any, charges: tuple = ()) -> None:
-        charges = tuple(charges)
-        self.line.queued(charges)
-        self.inner.put((item, charges))
-
-    def get(self) -> Any:
-        entry = self.inner.get()
-        if entry is None:
+    def backlog_s(self, session: str) -> float | None:
+        """Seconds of the line the bytes ahead of a new copy to ``session`` take at its
+        measured rate; None before a copy has been measured."""
+        ahead = self.snapshot().get(session)
+        if ahead is None or not ahead["recent_bytes_per_s"]:
             return None
-        item, charges = entry
-        self.line.dequeued(charges)
-        return item
-
-    def stop(self) -> None:
-        """Wake the worker blocked in ``get`` and let it leave SGLang's loop."""
-        self.inner.put(None)
+        return ahead["bytes_ahead"] / ahead["recent_bytes_per_s"]

@@ -7,9 +7,12 @@ Started once per PDD prefill KV manager (patch 0007 calls :func:`start_wan_path`
   events other threads post, and every ``OWNER_TICK_S`` its deadlines;
 - ``pdd-local-xfer-N``: local senders (relays, SGLang's engine), one per SGLang transfer queue,
   each on SGLang's own executor of that index;
-- ``pdd-wan-xfer-N``: WAN senders (mains, the WAN engine), each with a one-thread executor;
+- ``pdd-wan-xfer-N``: WAN senders (mains, the WAN engine), each with a one-thread executor,
+  each taking the best work of a main's line no other holds (:mod:`~pdd_sglang.prefill.wan_lines`);
 - ``pdd-peer-io``: status messages to destinations and WAN probes, which may wait on a dead peer
-  and so never run on the owner.
+  and so never run on the owner;
+- ``pdd-cache-only``: the router's cache-only notices in (:mod:`pdd_sglang.prefill.cache_only`),
+  posted to the owner.
 
 :class:`WanPath` owns every thread and the engine, and :meth:`WanPath.close` (called on
 SGLang's scheduler shutdown, :mod:`pdd_sglang.lifecycle`) stops them: a sentinel to each queue,
@@ -26,9 +29,9 @@ from typing import Any, Optional
 
 from pdd_sglang import seam
 from pdd_sglang.lifecycle import name_os_thread
+from pdd_sglang.prefill.cache_only import start_intake
 from pdd_sglang.prefill.fanout import PrefillFanout, logger
-from pdd_sglang.prefill.senders import run_sender
-from pdd_sglang.prefill.wan_line import ChargedQueue
+from pdd_sglang.prefill.senders import run_sender, run_wan_sender
 
 WAN_WORKERS = 4
 OWNER_TICK_S = 0.25
@@ -45,12 +48,14 @@ class WanPath:
         self.threads: list[threading.Thread] = []
         self._peer_jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._executors: list = []
+        self.cache_only_intake = None  # CacheOnlyIntake, started with the threads
         fanout.peer_jobs = self._peer_jobs.put
 
     def start(self, kv_mgr: Any, workers: int, local_workers: int = 2) -> None:
         from sglang.srt.disaggregation.common.utils import FastQueue
 
         report = self.fanout.events.put
+        self.cache_only_intake = start_intake(kv_mgr, report)
         self._spawn("pdd-fanout", self._own)
         self._spawn("pdd-peer-io", self._peer_io)
         sglang_executors = list(getattr(kv_mgr, "executors", None) or [])
@@ -61,11 +66,9 @@ class WanPath:
                         else self._executor(2, f"pdd-local-layers-{index}"))
             self._spawn(f"pdd-local-xfer-{index}", run_sender, kv_mgr, local_queue, executor,
                         report)
-        for index in range(workers):
-            wan_queue = ChargedQueue(FastQueue(), self.fanout.wan_line)
-            self.fanout.wan_queues.append(wan_queue)
-            self._spawn(f"pdd-wan-xfer-{index}", run_sender, kv_mgr, wan_queue,
-                        self._executor(1, f"pdd-wan-layers-{index}"), report, _before_send)
+        for index in range(workers):  # at most one per main's line at a time (WanLines)
+            self._spawn(f"pdd-wan-xfer-{index}", run_wan_sender, kv_mgr, self.fanout.wan_lines,
+                        self._executor(1, f"pdd-wan-layers-{index}"), report)
 
     def _executor(self, threads: int, prefix: str):
         executor = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix=prefix)
@@ -113,14 +116,15 @@ class WanPath:
 
     def close(self, timeout_s: float = JOIN_TIMEOUT_S) -> list[str]:
         """Stop every thread and close the engine; the names of threads still alive after it."""
+        if self.cache_only_intake is not None:
+            self.cache_only_intake.close()
         self.fanout.events.put(_STOP)
         self._peer_jobs.put(_STOP)
         if self.fanout.wan_engine is not None:
             self.fanout.wan_engine.stop_waiting()
         for sender_queue in self.fanout.local_queues:
             sender_queue.put(None)
-        for wan_queue in self.fanout.wan_queues:
-            wan_queue.stop()
+        self.fanout.wan_lines.stop()
         deadline = time.monotonic() + timeout_s
         for thread in self.threads:
             thread.join(max(deadline - time.monotonic(), 0))
@@ -137,10 +141,6 @@ class WanPath:
         return left
 
 
-def _before_send(work: Any) -> None:
-    seam.aids.before_send(work)  # looked up per item: aids installed after the start count
-
-
 def start_wan_path(kv_mgr: Any, args: Optional[Any] = None) -> WanPath:
     """Attach a fan-out to a PDD prefill KV manager and start its WAN path."""
     from sglang.srt.environ import envs
@@ -148,7 +148,7 @@ def start_wan_path(kv_mgr: Any, args: Optional[Any] = None) -> WanPath:
 
     from pdd_sglang.diagnostics.line_report import start_line_report
     from pdd_sglang.diagnostics.metrics import start_prefill_exporter
-    from pdd_sglang.prefill.wan_engine import open_wan_engine, wan_hostname
+    from pdd_sglang.prefill.wan_engine import open_wan_engine, wan_hostname, window_for_line
 
     args = get_server_args() if args is None else args
     fanout = PrefillFanout(kv_mgr)
@@ -157,12 +157,16 @@ def start_wan_path(kv_mgr: Any, args: Optional[Any] = None) -> WanPath:
     # Every batch of a WAN chunk fails at --pdd-wan-transfer-timeout; a chunk still in a sender
     # well past it is stuck in the transport, and its room must not hold prefill's KV for ever.
     fanout.stuck_after_s = 2 * float(args.pdd_wan_transfer_timeout) + STUCK_MARGIN_S
+    backlog_s = float(args.pdd_wan_cache_only_backlog_s)
+    fanout.cache_only_backlog_s = backlog_s if backlog_s > 0 else None
     # A room prefill never computed: its decode servers stop waiting after SGLang's timeout.
     fanout.abandon_after_s = float(getattr(kv_mgr, "waiting_timeout", None)
                                    or envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get()) + STUCK_MARGIN_S
     fanout.wan_engine = open_wan_engine(
         kv_mgr, args.pdd_wan_transfer_protocol, args.pdd_wan_ib_device,
         timeout_s=float(args.pdd_wan_transfer_timeout), line=fanout.wan_line,
+        window=window_for_line(float(args.pdd_wan_bandwidth_gbps),
+                                     float(args.pdd_wan_rtt_ms), float(args.pdd_wan_window_mb)),
         hostname=wan_hostname(kv_mgr, getattr(args, "pdd_wan_hostname", None),
                               getattr(args, "pdd_advertise_host", None)))
     seam.aids.wan_engine_opened(fanout.wan_engine)

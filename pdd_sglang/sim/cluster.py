@@ -270,9 +270,9 @@ class Cluster:
 
     def coding_window_bytes(self) -> float:
         """A copy is coded per window of what the sender keeps in flight: the line's per-flow
-        window, else three bandwidth-delay products (prefill/wan_engine.window_for_line)."""
+        window, else four bandwidth-delay products (prefill/wan_engine.window_for_line)."""
         rate, rtt = self.router_line()
-        return self.wan.profile.window_bytes or 3 * rate * rtt
+        return self.wan.profile.window_bytes or 4 * rate * rtt
 
     def wan_bytes_per_token(self, uncached_tokens: int) -> float:
         """What the router predicts a copy with: wire bytes (the prefill's /pdd/line reports

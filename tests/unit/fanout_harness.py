@@ -15,6 +15,7 @@ import numpy as np
 
 from pdd_sglang.prefill.fanout import HELLO_FRAME_INDEX, PrefillFanout
 from pdd_sglang.prefill.wan_engine import WanTransferEngine
+from pdd_sglang.prefill.wan_lines import WanLines
 from pdd_sglang.protocol.messages import DestinationHello, encode
 
 RELAY, MAIN = "127.0.0.1:1001", "127.0.0.1:2002"
@@ -129,16 +130,47 @@ def poll_name(status) -> str:
     return next(k for k, v in vars(KVPoll).items() if v == status and not k.startswith("_"))
 
 
-def make_fanout(kv, local=2, wan=1):
+def make_fanout(kv, local=2):
     """A fan-out whose queues are lists and whose peer jobs run inline."""
     fanout = PrefillFanout(kv)
     fanout.local_queues = [ListQueue() for _ in range(local)]
-    fanout.wan_queues = [ListQueue() for _ in range(wan)]
+    fanout.wan_lines = ListLines()
+    fanout.wan_line.queue_view = fanout.wan_lines.queued_by_class
     # The WAN engine's windowed copy over no Mooncake: the harness's send_kvcache records what
     # it was asked to send and hands the engine nothing, so each copy ends with nothing in flight.
     fanout.wan_engine = WanTransferEngine.over(engine=None, timeout_s=60.0)
     kv.pdd_fanout = fanout
     return fanout
+
+
+class ListLines(list):
+    """The fan-out's WanLines, with its works also in one list in arrival order, which tests pop
+    and send by hand (a popped work leaves the real lines' queue too)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lines = WanLines()
+
+    def put(self, work, nbytes, pages, copy_class):
+        self.lines.put(work, nbytes, pages, copy_class)
+        self.append(work)
+
+    def pop(self, index=-1):
+        work = super().pop(index)
+        self.lines._lines[work.session].queued.remove(work)
+        return work
+
+    def reclassify(self, room, copy_class):
+        return self.lines.reclassify(room, copy_class)
+
+    def drop_cache_only(self, session, keep_bytes):
+        return self.lines.drop_cache_only(session, keep_bytes)
+
+    def queued_by_class(self):
+        return self.lines.queued_by_class()
+
+    def stop(self):
+        self.lines.stop()
 
 
 class ListQueue(list):

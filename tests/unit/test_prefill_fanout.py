@@ -80,7 +80,7 @@ def test_a_main_that_registered_first_waits_for_its_relay_then_the_room_starts_a
     assert kv.req_to_decode_prefix_len[8] == 0
     fanout.take_chunk(chunk(8, 0, 24, last=True))
     drain(fanout)
-    (relay_work,), (main_work,) = fanout.local_queues[0], fanout.wan_queues[0]
+    (relay_work,), (main_work,) = fanout.local_queues[0], fanout.wan_lines
     assert len(relay_work.chunk.prefill_kv_indices) == 24
     assert main_work.chunk.prefill_kv_indices.tolist() == list(range(16, 24))  # past its prefix
 
@@ -166,7 +166,7 @@ def test_a_relay_whose_transfer_fails_drops_out_and_a_late_main_still_gets_every
     fanout.take_chunk(chunk(21, 8, 12, last=True))
     drain(fanout)
     assert not fanout.local_queues[1]  # nothing more for the relay
-    send_all(fanout, kv, fanout.wan_queues[0])
+    send_all(fanout, kv, fanout.wan_lines)
     assert [s for s in kv.sent_kv if s[0] == MAIN] == [(MAIN, 0, 8), (MAIN, 8, 4)]
     assert poll_name(kv.request_status[21]) == "Success"
 
@@ -182,7 +182,7 @@ def test_a_room_waits_for_its_chunks_in_flight_before_it_concludes_failed():
     fanout.take_chunk(chunk(22, 0, 4))
     fanout.take_chunk(chunk(22, 4, 8, last=True))
     drain(fanout)
-    queue = fanout.wan_queues[0]
+    queue = fanout.wan_lines
     first = queue.pop(0)
     from pdd_sglang.prefill.events import ChunkSent
 
@@ -202,7 +202,7 @@ def test_a_chunk_stuck_in_a_sender_fails_its_destination_and_frees_the_room():
     register(fanout, kv, 23, MAIN, "main", destinations=1)
     fanout.take_chunk(chunk(23, 0, 4, last=True))
     drain(fanout)
-    work = fanout.wan_queues[0][0]
+    work = fanout.wan_lines[0]
     work.started_at = fanout.clock()  # a sender took it, and Mooncake never returns
     fanout.tick(now=work.started_at + 10)
     assert poll_name(kv.request_status[23]) == "WaitingForInput"
@@ -267,3 +267,49 @@ def test_a_destination_of_a_tp_size_sglang_cannot_pair_is_refused_naming_both_si
             "decode ranks by whole ratios" in caplog.text)
     register(fanout, kv, 8, MAIN, "main", destinations=1)  # TP 1 under prefill's 2: accepted
     assert len(fanout._rooms[8].destinations) == 1
+
+
+# ---- copy classes (issue 34): the copy a request waits for goes first --------------------------
+def _room_with_relay_done(kv, fanout, room):
+    opened(kv, room)
+    register(fanout, kv, room, RELAY, "relay")
+    register(fanout, kv, room, MAIN, "main")
+    fanout.take_chunk(chunk(room, 0, 8, last=True))
+    drain(fanout)
+    send_all(fanout, kv, fanout.local_queues[room % 2])  # the relay has its KV
+
+
+def test_a_room_the_router_calls_cache_only_sends_main_its_copy_behind_needed_now_ones():
+    from pdd_sglang.prefill.events import CacheOnly
+    from pdd_sglang.prefill.wan_lines import CopyClass
+
+    kv = Kv()
+    fanout = make_fanout(kv)
+    _room_with_relay_done(kv, fanout, 30)
+    fanout.events.put(CacheOnly(30))
+    fanout.events.put(CacheOnly(999))  # a room it never knew: ignored
+    drain(fanout)
+    (work,) = fanout.wan_lines
+    assert work.copy_class is CopyClass.CACHE_ONLY
+    assert fanout.published["cache_only_copies"] == 1
+    send_all(fanout, kv, fanout.wan_lines)
+    assert poll_name(kv.request_status[30]) == "Success"
+
+
+def test_past_the_backlog_bound_a_cache_only_copy_is_dropped_main_told_not_taken_out():
+    from pdd_sglang.prefill.events import CacheOnly
+
+    kv = Kv()
+    fanout = make_fanout(kv)
+    fanout.cache_only_backlog_s = 1.0
+    _room_with_relay_done(kv, fanout, 31)
+    fanout.handle(CacheOnly(31))
+    fanout.wan_line._main(MAIN).recent.append((100, 1.0))  # the line measured at 100 B/s
+    fanout.tick()  # 8 pages x 200 B ahead, 16 s of line: past the 1 s bound
+    assert fanout.published["cache_only_dropped"] == 1 and MAIN not in fanout.mains_out
+    assert kv.messages[-1][1:] == (31, "Failed")  # main frees its slots
+    assert fanout.wan_line.snapshot()[MAIN]["dropped_cache_only_bytes"] == 1600
+    assert fanout.wan_line.snapshot()[MAIN]["bytes_ahead"] == 0  # cancelled: nothing ahead
+    send_all(fanout, kv, fanout.wan_lines)  # the sender skips it and reports
+    assert poll_name(kv.request_status[31]) == "Success"  # the relay answers; prefill's KV freed
+    assert [s for s in kv.sent_kv if s[0] == MAIN] == []

@@ -15,6 +15,7 @@ import pdd_sglang.hooks as hooks
 from fanout_harness import (MAIN, RELAY, Kv, chunk, drain, hello_frames, make_fanout, poll_name,
                             register, send_all)
 from pdd_sglang.prefill.events import ChunkSent, ProbeAnswered
+from pdd_sglang.prefill.wan_lines import WanLines
 
 
 @pytest.fixture(autouse=True)
@@ -38,7 +39,7 @@ def test_race1_a_rooms_chunks_for_one_destination_keep_one_queue_and_order():
     """Failed before: SGLang's add_transfer_request sharded by the sum of the destinations'
     ports, so the main registering mid-room moved the last chunk to another queue."""
     kv = Kv()
-    fanout = make_fanout(kv, local=2, wan=2)
+    fanout = make_fanout(kv, local=2)
     open_room(kv, 5)
     register(fanout, kv, 5, RELAY, "relay")
     kv.add_transfer_request(5, np.arange(0, 8, dtype=np.int32), slice(0, 8), False)
@@ -48,15 +49,14 @@ def test_race1_a_rooms_chunks_for_one_destination_keep_one_queue_and_order():
     drain(fanout)
     assert not any(q.items for q in kv.transfer_queues)  # SGLang's queues never see a PDD room
     relay_queues = [i for i, q in enumerate(fanout.local_queues) if q]
-    main_queues = [i for i, q in enumerate(fanout.wan_queues) if q]
-    assert len(relay_queues) == 1 and len(main_queues) == 1
-    assert [w.chunk.index_slice.start for w in fanout.wan_queues[main_queues[0]]] == [0, 8]
+    assert len(relay_queues) == 1
+    assert [w.chunk.index_slice.start for w in fanout.wan_lines] == [0, 8]
 
 
 def test_race1_a_last_chunk_that_lands_first_does_not_conclude_the_room():
     """The relay is told Success, and the room concluded, only once every chunk landed."""
     kv = Kv()
-    fanout = make_fanout(kv, local=1, wan=1)
+    fanout = make_fanout(kv, local=1)
     open_room(kv, 6)
     register(fanout, kv, 6, RELAY, "relay", destinations=1)
     for c in (chunk(6, 0, 8), chunk(6, 8, 16, last=True)):
@@ -77,7 +77,7 @@ def test_race1b_replay_and_the_forwarded_last_chunk_reach_main_in_order():
     the chunk are two events for one thread, in whatever order they were posted."""
     for main_first in (True, False):
         kv = Kv()
-        fanout = make_fanout(kv, local=1, wan=1)
+        fanout = make_fanout(kv, local=1)
         open_room(kv, 7)
         register(fanout, kv, 7, RELAY, "relay")
         fanout.take_chunk(chunk(7, 0, 8))
@@ -100,7 +100,7 @@ def test_race1b_replay_and_the_forwarded_last_chunk_reach_main_in_order():
             both_posted.wait()
         thread.join(5)
         drain(fanout)
-        assert [w.chunk.index_slice.start for w in fanout.wan_queues[0]] == [0, 8], main_first
+        assert [w.chunk.index_slice.start for w in fanout.wan_lines] == [0, 8], main_first
 
 
 def test_race2_and_3_pdd_rooms_never_enter_sglangs_destination_table():
@@ -153,7 +153,7 @@ def test_race4_and_5_pdd_senders_never_touch_sglangs_worker_bookkeeping():
         fanout.take_chunk(c)
     drain(fanout)
     send_all(fanout, kv, fanout.local_queues[0])
-    send_all(fanout, kv, fanout.wan_queues[0])
+    send_all(fanout, kv, fanout.wan_lines)
     assert status_name(kv, 10) == "Success"
     assert dict(kv._staging_outstanding) == {}
     assert {w[0] for w in kv.writes} == {"request_status", "req_to_decode_prefix_len"}
@@ -175,7 +175,8 @@ def test_race4_a_room_whose_relay_and_main_land_at_once_is_concluded_once(caplog
     kv = Kv()
     kv.executors = [None]
     fanout = make_fanout(kv)
-    fanout.local_queues, fanout.wan_queues = [], []
+    fanout.local_queues, fanout.wan_lines = [], WanLines()
+    fanout.wan_line.queue_view = fanout.wan_lines.queued_by_class
     both_writing = threading.Barrier(2, timeout=10)
     send_aux, concluded = kv.send_aux, []
 
@@ -220,7 +221,8 @@ def test_race6_only_the_owner_thread_writes_sglangs_status_for_a_pdd_room():
     kv = Kv()
     kv.executors = [None]
     fanout = make_fanout(kv)
-    fanout.local_queues, fanout.wan_queues = [], []
+    fanout.local_queues, fanout.wan_lines = [], WanLines()
+    fanout.wan_line.queue_view = fanout.wan_lines.queued_by_class
     path = WanPath(fanout)
     path.start(kv, workers=1, local_workers=1)
     try:
@@ -265,7 +267,7 @@ def test_race6_mains_abort_during_the_relay_wait_stands_against_the_relay_deadli
         fanout.tick(now=fanout.clock() + 1)
     fanout.take_chunk(chunk(25, 0, 8, last=True))  # prefill's chunk, had the room started
     drain(fanout)
-    for queue in fanout.local_queues + fanout.wan_queues:
+    for queue in fanout.local_queues + [fanout.wan_lines]:
         send_all(fanout, kv, queue)
     fanout.tick(now=fanout.clock() + 400)
     drain(fanout)
@@ -298,14 +300,14 @@ def test_race7_an_aux_write_failure_concludes_the_room():
     drain(fanout)
     send_all(fanout, kv, fanout.local_queues[0])
     assert kv.messages == [((("127.0.0.1", 1001),), 12, "Failed")]
-    send_all(fanout, kv, fanout.wan_queues[0])
+    send_all(fanout, kv, fanout.wan_lines)
     assert status_name(kv, 12) == "Success"  # main had it all; prefill frees the KV
     kv.fail_aux = {MAIN}
     open_room(kv, 13)
     register(fanout, kv, 13, MAIN, "main", destinations=1)
     fanout.take_chunk(chunk(13, 0, 8, last=True))
     drain(fanout)
-    send_all(fanout, kv, fanout.wan_queues[0])
+    send_all(fanout, kv, fanout.wan_lines)
     assert status_name(kv, 13) == "Failed"
 
 
@@ -321,7 +323,7 @@ def test_race9_a_main_out_after_a_wan_failure_comes_back_on_a_wan_probe():
     register(fanout, kv, 14, MAIN, "main", destinations=1)
     fanout.take_chunk(chunk(14, 0, 8, last=True))
     drain(fanout)
-    send_all(fanout, kv, fanout.wan_queues[0])
+    send_all(fanout, kv, fanout.wan_lines)
     assert status_name(kv, 14) == "Failed"
     assert fanout.published["mains_out"] == [MAIN]  # /server_info: the router keeps off it
     fanout.tick(now=fanout.clock() + 60)
@@ -337,7 +339,7 @@ def test_race9_a_main_out_after_a_wan_failure_comes_back_on_a_wan_probe():
     register(fanout, kv, 15, MAIN, "main", destinations=1)
     fanout.take_chunk(chunk(15, 0, 8, last=True))
     drain(fanout)
-    send_all(fanout, kv, fanout.wan_queues[0])
+    send_all(fanout, kv, fanout.wan_lines)
     assert fanout.mains_out[MAIN] - fanout.clock() > 3.0  # twice PROBE_INTERVAL_S
 
 
@@ -349,7 +351,7 @@ def _room_with_main_chunk_in_a_sender(kv, fanout, room):
     for c in (chunk(room, 0, 8), chunk(room, 8, 16, last=True)):
         fanout.take_chunk(c)
     drain(fanout)
-    writing = fanout.wan_queues[0].pop(0)
+    writing = fanout.wan_lines.pop(0)
     writing.started_at = fanout.clock()
     return writing
 
@@ -368,7 +370,7 @@ def test_race10_sglangs_own_abort_path_acks_a_pdd_room_at_once_and_fails_the_rel
     assert status_name(kv, 20) == "Failed"
     fanout.tick()
     fanout.handle(ChunkSent(writing, True))
-    for queue in (fanout.wan_queues[0], fanout.local_queues[0]):
+    for queue in (fanout.wan_lines, fanout.local_queues[0]):
         send_all(fanout, kv, queue)
     assert ((("127.0.0.1", 1001),), 20, "Failed") in kv.messages  # the relay failed with it
 
@@ -384,11 +386,11 @@ def test_race10_a_mains_abort_is_acked_once_no_sender_writes_its_pages_and_the_r
     drain(fanout)
     assert kv.abort_acks == [] and status_name(kv, 21) == "WaitingForInput"
     assert kv._deferred_ack_targets == {}  # SGLang's own table never held it
-    queued = list(fanout.wan_queues[0])
+    queued = list(fanout.wan_lines)
     assert [w.cancelled for w in queued] == [True]
     fanout.handle(ChunkSent(writing, True))  # the write in progress lands
     assert kv.abort_acks == []  # the queued one is still in a sender
-    send_all(fanout, kv, fanout.wan_queues[0])  # skipped: cancelled
+    send_all(fanout, kv, fanout.wan_lines)  # skipped: cancelled
     assert kv.abort_acks == [(21, "127.0.0.1", 2002, 1)]
     assert not [s for s, first, n in kv.sent_kv if s == MAIN and first == 8]
     send_all(fanout, kv, fanout.local_queues[1])
@@ -404,7 +406,7 @@ def test_race10_an_abort_after_the_destination_has_all_its_kv_is_acked_at_once()
     register(fanout, kv, 22, MAIN, "main", destinations=1)
     fanout.take_chunk(chunk(22, 0, 8, last=True))
     drain(fanout)
-    send_all(fanout, kv, fanout.wan_queues[0])
+    send_all(fanout, kv, fanout.wan_lines)
     assert status_name(kv, 22) == "Success"
     kv.handle_abort(22, MAIN, generation=3)
     drain(fanout)
@@ -423,7 +425,7 @@ def test_race10_when_every_destination_aborts_the_room_fails_and_prefill_frees_i
     assert status_name(kv, 23) == "WaitingForInput"  # a chunk is still being written
     send_all(fanout, kv, fanout.local_queues[1])
     fanout.handle(ChunkSent(writing, True))
-    send_all(fanout, kv, fanout.wan_queues[0])
+    send_all(fanout, kv, fanout.wan_lines)
     assert status_name(kv, 23) == "Failed"
     assert sorted(a[2] for a in kv.abort_acks) == [1001, 2002]
     assert kv.messages == []  # neither is told anything: both let the request go
@@ -443,7 +445,7 @@ def test_race10_an_abort_is_acked_when_prefill_cleared_the_room_before_its_sende
     drain(fanout)
     assert kv.abort_acks == []
     fanout.handle(ChunkSent(writing, True))
-    send_all(fanout, kv, fanout.wan_queues[0])
+    send_all(fanout, kv, fanout.wan_lines)
     assert kv.abort_acks == [(24, "127.0.0.1", 2002, 1)]
     send_all(fanout, kv, fanout.local_queues[0])
     assert fanout.published["rooms_tracked"] == 0 and 24 not in fanout.pdd_rooms

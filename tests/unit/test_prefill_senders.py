@@ -14,7 +14,6 @@ PAGE_BYTES = 200  # the harness's kv_item_lens, summed
 @pytest.fixture(autouse=True)
 def prefill_role(monkeypatch):
     monkeypatch.setattr(hooks, "_role", "prefill")
-    monkeypatch.setattr(senders, "WAN_SLICE_BYTES", 4 * PAGE_BYTES)
 
 
 def _room_of_ten_pages(kv, fanout, room):
@@ -25,12 +24,13 @@ def _room_of_ten_pages(kv, fanout, room):
     register(fanout, kv, room, MAIN, "main")
     fanout.take_chunk(chunk(room, 0, 10, last=True))
     drain(fanout)
-    return fanout.local_queues[room % 2].pop(0), fanout.wan_queues[0].pop(0)
+    return fanout.local_queues[room % 2].pop(0), fanout.wan_lines.pop(0)
 
 
 def test_a_copy_to_main_goes_out_in_batches_of_the_slice_and_a_relays_in_one():
     kv = Kv()
     fanout = make_fanout(kv)
+    fanout.wan_engine.slice_bytes = 4 * PAGE_BYTES
     to_relay, to_main = _room_of_ten_pages(kv, fanout, 40)
     assert senders.send_work(kv, to_relay, None) == (True, None)
     assert senders.send_work(kv, to_main, None) == (True, None)
@@ -42,6 +42,7 @@ def test_a_copy_to_main_aborted_while_it_is_written_stops_at_the_next_batch():
     holding the line for a copy nobody reads; its ABORT's ack waited for all of it."""
     kv = Kv()
     fanout = make_fanout(kv)
+    fanout.wan_engine.slice_bytes = 4 * PAGE_BYTES
     to_relay, to_main = _room_of_ten_pages(kv, fanout, 41)
     sglang_send = kv.send_kvcache
 
@@ -61,3 +62,29 @@ def test_a_copy_to_main_aborted_while_it_is_written_stops_at_the_next_batch():
     kv.send_kvcache = sglang_send
     fanout.handle(ChunkSent(to_relay, *senders.send_work(kv, to_relay, None)))
     assert fanout.published["destinations_aborted"] == 1
+
+
+def test_a_cache_only_copy_yields_to_a_needed_now_one_at_its_next_slice_and_resumes_there():
+    """Issue 34: a copy a request waits for goes before one that only warms main's cache, on the
+    wire and not only in the queue."""
+    from pdd_sglang.prefill.wan_lines import CopyClass, WanLines
+
+    kv = Kv()
+    fanout = make_fanout(kv)
+    fanout.wan_engine.slice_bytes = 4 * PAGE_BYTES
+    lines = WanLines()
+    _, cache_only = _room_of_ten_pages(kv, fanout, 42)
+    lines.put(cache_only, 10 * PAGE_BYTES, 10, CopyClass.CACHE_ONLY)
+    assert lines.take() is cache_only
+    _, needed_now = _room_of_ten_pages(kv, fanout, 43)
+    lines.put(needed_now, 10 * PAGE_BYTES, 10, CopyClass.NEEDED_NOW)
+    assert senders.send_work(kv, cache_only, None, lines) == (senders.YIELDED, None)
+    assert [s for s in kv.sent_kv if s[0] == MAIN] == [(MAIN, 0, 4)]  # one slice, then yields
+    lines.put_back(cache_only)
+    assert lines.take() is needed_now
+    assert senders.send_work(kv, needed_now, None, lines) == (True, None)
+    lines.release(needed_now)
+    assert lines.take() is cache_only
+    assert senders.send_work(kv, cache_only, None, lines) == (True, None)
+    assert [s for s in kv.sent_kv if s[0] == MAIN] == [
+        (MAIN, 0, 4), (MAIN, 0, 4), (MAIN, 4, 4), (MAIN, 8, 2), (MAIN, 4, 4), (MAIN, 8, 2)]

@@ -7,7 +7,8 @@ import time
 import numpy as np
 import pytest
 
-from pdd_sglang.prefill.wan_line import ChargedQueue, WanLine
+from pdd_sglang.prefill.wan_line import WanLine
+from pdd_sglang.prefill.wan_lines import CopyClass, WanLines
 
 
 class Clock:
@@ -18,20 +19,104 @@ class Clock:
         return self.now
 
 
+def _work(room, session="main-a", cancelled=False):
+    from pdd_sglang.prefill.room import Work
+
+    return Work(room, session, "main", None, None, cancelled=cancelled)
+
+
 def test_bytes_are_queued_then_in_flight_then_gone():
+    lines = WanLines()
     line = WanLine(Clock())
-    inner = []
-    queue = ChargedQueue(type("Q", (), {"put": inner.append, "get": lambda self=None: inner.pop(0)})(),
-                         line)
-    queue.put("chunk", [("main-a", 500), ("main-b", 300)])
+    line.queue_view = lines.queued_by_class
+    lines.put(_work(1), 500, 5, CopyClass.NEEDED_NOW)
+    lines.put(_work(2, "main-b"), 300, 3, CopyClass.NEEDED_NOW)
     assert line.snapshot()["main-a"]["bytes_ahead"] == 500
-    assert queue.get() == "chunk"
+    work = lines.take()
+    assert work.room in (1, 2)
+    work = work if work.room == 1 else lines.take()
+    work.pages_done = 5  # the sender handed every page to Mooncake
     assert line.snapshot()["main-a"]["queued_bytes"] == 0
     started = line.started("main-a", 500)
     assert line.snapshot()["main-a"]["in_flight_bytes"] == 500
     line.finished("main-a", 500, started, ok=True)
+    lines.release(work)
     snap = line.snapshot()["main-a"]
     assert (snap["in_flight_bytes"], snap["bytes_ahead"], snap["sent_bytes"]) == (0, 0, 500)
+
+
+def test_a_line_serves_needed_now_first_then_the_least_left_and_one_sender_at_a_time():
+    lines = WanLines()
+    lines.put(_work(1), 8000, 8, CopyClass.CACHE_ONLY)
+    lines.put(_work(2), 900, 9, CopyClass.NEEDED_NOW)
+    lines.put(_work(3), 400, 4, CopyClass.NEEDED_NOW)
+    lines.put(_work(4, "main-b"), 100, 1, CopyClass.CACHE_ONLY)
+    first, second = lines.take(), lines.take()
+    assert (first.room, second.room) == (3, 4)  # main-a's line is held: main-b's goes meanwhile
+    lines.release(first)
+    assert lines.take().room == 2
+    assert lines.should_yield(second) is False  # nothing needed-now waits on main-b
+
+
+def test_a_needed_now_copy_overtakes_a_cache_only_one_between_its_slices():
+    lines = WanLines()
+    lines.put(_work(1), 8000, 8, CopyClass.CACHE_ONLY)
+    cache_only = lines.take()
+    assert not lines.should_yield(cache_only)
+    lines.put(_work(2), 100, 1, CopyClass.NEEDED_NOW)
+    assert lines.should_yield(cache_only)
+    cache_only.pages_done = 3
+    lines.put_back(cache_only)
+    assert lines.take().room == 2
+    assert lines.queued_by_class()["main-a"] == {"needed_now": 100, "cache_only": 5000}
+
+
+def test_a_relay_that_finished_makes_its_rooms_copy_cache_only_queued_or_being_written():
+    lines = WanLines()
+    lines.put(_work(7), 1000, 10, CopyClass.NEEDED_NOW)
+    lines.put(_work(7), 1000, 10, CopyClass.NEEDED_NOW)
+    held = lines.take()
+    assert lines.reclassify(7, CopyClass.CACHE_ONLY) == 2
+    assert held.copy_class is CopyClass.CACHE_ONLY
+    assert lines.queued_by_class()["main-a"] == {"needed_now": 0, "cache_only": 2000}
+
+
+def test_cancelled_work_counts_no_bytes_ahead_though_it_waits_for_a_sender():
+    """Issue 34's hazard: cancelled work stayed counted as queued until a sender popped it, so
+    /pdd/line over-reported what was ahead of a new copy."""
+    lines = WanLines()
+    line = WanLine(Clock())
+    line.queue_view = lines.queued_by_class
+    live, dead = _work(1), _work(2)
+    lines.put(live, 300, 3, CopyClass.NEEDED_NOW)
+    lines.put(dead, 5000, 5, CopyClass.NEEDED_NOW)
+    dead.cancelled = True
+    assert line.snapshot()["main-a"]["bytes_ahead"] == 300
+    assert lines.take() is dead  # skipped first: its room's conclusion waits for its report
+
+
+def test_past_the_backlog_bound_the_newest_cache_only_copies_are_dropped():
+    lines = WanLines()
+    for room, cls in ((1, CopyClass.NEEDED_NOW), (2, CopyClass.CACHE_ONLY),
+                      (3, CopyClass.CACHE_ONLY), (4, CopyClass.NEEDED_NOW)):
+        lines.put(_work(room), 1000, 10, cls)
+    dropped = lines.drop_cache_only("main-a", keep_bytes=2500)
+    assert [w.room for w in dropped] == [3, 2]  # needed-now bytes are never dropped
+    assert lines.drop_cache_only("main-a", keep_bytes=3500) == [_work_of(lines, 3)]
+
+
+def _work_of(lines, room):
+    return next(w for w in lines._lines["main-a"].queued if w.room == room)
+
+
+def test_stopped_lines_wake_every_sender():
+    lines = WanLines()
+    got = []
+    sender = threading.Thread(target=lambda: got.append(lines.take()))
+    sender.start()
+    lines.stop()
+    sender.join(5)
+    assert got == [None]
 
 
 def test_throughput_counts_overlapping_copies_once_and_ignores_idle_gaps():
@@ -60,15 +145,6 @@ def test_a_failed_copy_is_not_throughput():
     snap = line.snapshot()["m"]
     assert snap["recent_bytes_per_s"] is None and snap["failed_batches"] == 1
     assert snap["in_flight_bytes"] == 0
-
-
-def test_the_stop_sentinel_passes_through():
-    import queue as stdlib_queue
-
-    line = WanLine()
-    queue = ChargedQueue(stdlib_queue.Queue(), line)
-    queue.stop()
-    assert queue.get() is None
 
 
 # ---- the real engine: two Mooncake TCP engines in this process ----------------------------------
@@ -190,12 +266,16 @@ def test_a_failed_block_waits_for_the_other_blocks_of_its_copy():
 
 
 # ---- the window: a copy keeps bytes in flight across slices (issue 34) -------------------------
-def test_the_window_is_two_bdps_of_the_declared_line_plus_a_slice_or_the_flag():
-    from pdd_sglang.prefill.wan_engine import WAN_SLICE_BYTES, window_for_line
+def test_slices_are_two_bdps_of_the_declared_line_and_the_window_two_more_or_the_flag():
+    from pdd_sglang.prefill.wan_engine import (MAX_SLICE_BYTES, MIN_SLICE_BYTES, ONE_SLICE,
+                                               CopyWindow, window_for_line)
 
-    assert window_for_line(10, 20) == 50_000_000 + WAN_SLICE_BYTES  # the brief's line: 25 MB BDP
-    assert window_for_line(0.02, 20) == 100_000 + WAN_SLICE_BYTES
-    assert window_for_line(10, 20, window_mb=4) == WAN_SLICE_BYTES  # the old one-slice rule
+    # The brief's line: 25 MB BDP, slices of two, two BDPs more in flight.
+    assert window_for_line(10, 20) == CopyWindow(50_000_000, 100_000_000)
+    slow = window_for_line(0.02, 40)  # the demo's line: 100 KB BDP, the smallest slice
+    assert slow == CopyWindow(MIN_SLICE_BYTES, 200_000 + MIN_SLICE_BYTES)
+    assert window_for_line(100, 100).slice_bytes == MAX_SLICE_BYTES
+    assert window_for_line(10, 20, window_mb=4) == ONE_SLICE  # the old one-slice rule
     with pytest.raises(ValueError, match="positive"):
         window_for_line(0, 20)
 

@@ -1,3 +1,5 @@
+import os
+
 import pytest
 
 from pdd_sglang.server_args import PddConfigError, _decide
@@ -104,7 +106,9 @@ def handoff_flags(**overrides):
                   pdd_catch_up_chunk=64, pdd_relay_load_watermark=0.7, pdd_handoff_timeout=30.0,
                   pdd_control_keypair=None,
                   pdd_control_authorized_keys=None, pdd_control_relay_key=None,
-                  pdd_relay_bootstrap_timeout=5.0, pdd_main_bootstrap_timeout=30.0)
+                  pdd_relay_bootstrap_timeout=5.0, pdd_main_bootstrap_timeout=30.0,
+                  pdd_wan_bandwidth_gbps=10.0, pdd_wan_rtt_ms=20.0, pdd_wan_window_mb=0.0,
+                  pdd_wan_cache_only_backlog_s=10.0)
     values.update(overrides)
     return SimpleNamespace(**values)
 
@@ -117,6 +121,10 @@ def handoff_flags(**overrides):
     ({"pdd_handoff_timeout": 0}, "--pdd-handoff-timeout"),
     ({"pdd_main_bootstrap_timeout": 0}, "--pdd-main-bootstrap-timeout"),
     ({"pdd_relay_bootstrap_timeout": -1}, "--pdd-relay-bootstrap-timeout"),
+    ({"pdd_wan_bandwidth_gbps": 0}, "--pdd-wan-bandwidth-gbps"),
+    ({"pdd_wan_rtt_ms": -1}, "--pdd-wan-rtt-ms"),
+    ({"pdd_wan_window_mb": -1}, "--pdd-wan-window-mb"),
+    ({"pdd_wan_cache_only_backlog_s": -1}, "--pdd-wan-cache-only-backlog-s"),
     ({"pdd_control_keypair": "/k/relay.key_secret"}, "--pdd-control-authorized-keys"),
     ({"pdd_role": "main", "pdd_control_keypair": "/k/main.key_secret"}, "--pdd-control-relay-key"),
 ])
@@ -163,3 +171,21 @@ def test_sglangs_own_argument_resolution_takes_tp_2_with_the_kv_digest():
 
     accepted = outcomes()["tp2_kv_digest"]
     assert accepted["ok"], accepted
+
+
+def test_a_pdd_decode_holds_aborted_pages_as_long_as_a_wan_write_may_land(monkeypatch):
+    """Issue 34's hazard: main freed an aborted room's pages after SGLang's 30 s deferred-release
+    timeout, while a WAN write to them may run 2 x --pdd-wan-transfer-timeout (120 s) before the
+    prefill acks; a late block landed in pages given to the next request."""
+    from pdd_sglang.server_args import (DEFERRED_RELEASE_ENV, PddConfigError,
+                                        hold_aborted_pages_past_wan_writes)
+
+    monkeypatch.delenv(DEFERRED_RELEASE_ENV, raising=False)
+    hold_aborted_pages_past_wan_writes(120)
+    assert float(os.environ[DEFERRED_RELEASE_ENV]) >= 2 * 120
+    monkeypatch.setenv(DEFERRED_RELEASE_ENV, "30")
+    with pytest.raises(PddConfigError, match="--pdd-wan-transfer-timeout"):
+        hold_aborted_pages_past_wan_writes(120)
+    monkeypatch.setenv(DEFERRED_RELEASE_ENV, "300")
+    hold_aborted_pages_past_wan_writes(120)
+    assert os.environ[DEFERRED_RELEASE_ENV] == "300"  # the operator's longer hold stays

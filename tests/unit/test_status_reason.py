@@ -64,11 +64,13 @@ def decode_side_error(parts: list, room: int) -> str:
     return decode.failure_records[room]
 
 
-def refuse_a_tp_2_main(kv) -> list:
+def refuse_a_tp_3_main(kv) -> list:
+    """A TP 3 main against a TP 2 prefill: neither size divides the other (issue 37)."""
+    kv.attn_tp_size = 2
     fanout = make_fanout(kv)
     frames = hello_frames(kv, 7, MAIN, "main")
     frames[-1] = encode(DestinationHello(room=7, role="main", destinations=2, prefix_tokens=0,
-                                         tp_size=2))
+                                         tp_size=3))
     assert fanout.claim_registration(7, MAIN, frames)
     drain(fanout)
     assert fanout.published["refused_hellos"] == 1
@@ -76,12 +78,11 @@ def refuse_a_tp_2_main(kv) -> list:
 
 
 def test_a_refused_hello_reaches_the_decode_with_its_reason():
-    parts = refuse_a_tp_2_main(WireKv())
+    parts = refuse_a_tp_3_main(WireKv())
     assert decode_side_error(parts, 7) == (
-        "PDD: hello refused: tp_size_mismatch: the main runs --tp-size 2, this prefill "
-        "--tp-size 1: PDD needs one TP size on prefill, relay and main (each decode rank "
-        "registers with the prefill rank of its index, and the fan-out counts one session per "
-        "role and room; SGLang's head slicing between TP sizes is not wired into the fan-out)")
+        "PDD: hello refused: tp_size_incompatible: the main runs --tp-size 3, this prefill "
+        "--tp-size 2: SGLang's PD pairs prefill and decode ranks by whole ratios, so one TP size "
+        "must divide the other (e.g. 1, 2, 4, 8)")
 
 
 def test_without_the_fan_out_mooncake_drops_the_reason():

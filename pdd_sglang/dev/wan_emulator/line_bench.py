@@ -2,18 +2,19 @@
 line whatever its bandwidth-delay product).
 
 The sender (cluster A) is the prefill's own :class:`~pdd_sglang.prefill.wan_engine.WanTransferEngine`
-(Mooncake TCP), driven as a WAN sender drives it: a copy is a run of slices of
-``WAN_SLICE_BYTES``, each one ``batch_transfer_sync`` call of ``blocks_per_slice`` blocks (the KV
-of a slice's pages, per layer, K and V), inside :meth:`WanTransferEngine.copy`. The receiver
+(Mooncake TCP), driven as a WAN sender drives it: a copy is a run of slices, each one
+``batch_transfer_sync`` call of ``blocks_per_slice`` blocks (the KV of a slice's pages, per
+layer, K and V), inside :meth:`WanTransferEngine.copy`. The receiver
 (cluster B) is a plain Mooncake TCP engine with one registered buffer, as main's KV pool is. Per
 point the sender runs one copy, then ``concurrent`` copies at once (one thread each, as the
 prefill's WAN senders run), under each slice rule:
 
-- ``one_slice``: a window of one slice, the rule before: each slice waited for before the next;
-- ``window``: the window :func:`~pdd_sglang.prefill.wan_engine.window_for_line` gives for the
-  line as set (two bandwidth-delay products).
+- ``one_slice``: 4 MiB slices and a window of one, the rule before: each slice waited for
+  before the next (:data:`~pdd_sglang.prefill.wan_engine.ONE_SLICE`);
+- ``window``: the slices and window :func:`~pdd_sglang.prefill.wan_engine.window_for_line` gives
+  for the line as set (slices of two bandwidth-delay products, four in flight).
 
-The same sender, the same code path; only ``window_bytes`` differs. Before the timed copies, one
+The same sender, the same code path; only its slice and window differ. Before the timed copies, one
 small copy warms the session (Mooncake's handshake, the first connection).
 """
 
@@ -27,11 +28,14 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from pdd_sglang.dev.wan_emulator import WanLine
 from pdd_sglang.dev.wan_emulator.handoff_peers import _mooncake, _report, _stdin_closed
 from pdd_sglang.dev.wan_emulator.line import stop_process
+
+if TYPE_CHECKING:
+    from pdd_sglang.prefill.wan_engine import CopyWindow
 
 PEER_READY_TIMEOUT_S = 120.0
 RULES = ("one_slice", "window")
@@ -68,24 +72,24 @@ def _one_copy(wan, session: str, src_ptr: int, dst_ptr: int, copy_bytes: int, of
 
 
 def run_sender(args) -> None:
-    from pdd_sglang.prefill.wan_engine import WAN_SLICE_BYTES, WanTransferEngine
+    from pdd_sglang.prefill.wan_engine import ONE_SLICE, CopyWindow, WanTransferEngine
 
-    wan = WanTransferEngine(args.host, "tcp", None, timeout_s=600.0, window_bytes=WAN_SLICE_BYTES)
+    wan = WanTransferEngine(args.host, "tcp", None, timeout_s=600.0)
     src = ctypes.create_string_buffer(args.buffer_bytes)
     src_ptr = ctypes.addressof(src)
     wan.register_regions([(src_ptr, args.buffer_bytes)])
     session, dst_ptr = args.target_session, args.target_ptr
-    wan.window_bytes = WAN_SLICE_BYTES
-    _one_copy(wan, session, src_ptr, dst_ptr, 1 << 20, 0, WAN_SLICE_BYTES, args.blocks)
+    _one_copy(wan, session, src_ptr, dst_ptr, 1 << 20, 0, ONE_SLICE.slice_bytes, args.blocks)
     runs = []
-    for rule, window in (("one_slice", WAN_SLICE_BYTES), ("window", args.window_bytes)):
-        wan.window_bytes = window
+    for rule, window in (("one_slice", ONE_SLICE),
+                         ("window", CopyWindow(args.slice_bytes, args.window_bytes))):
+        wan.window_bytes, wan.slice_bytes = window.window_bytes, window.slice_bytes
         for concurrent in sorted({1, args.concurrent}):
             seconds: list[float] = [0.0] * concurrent
 
             def copy_at(i: int) -> None:
                 seconds[i] = _one_copy(wan, session, src_ptr, dst_ptr, args.copy_bytes,
-                                       i * args.copy_bytes, WAN_SLICE_BYTES, args.blocks)
+                                       i * args.copy_bytes, window.slice_bytes, args.blocks)
             began = time.perf_counter()
             threads = [threading.Thread(target=copy_at, args=(i,)) for i in range(concurrent)]
             for thread in threads:
@@ -93,7 +97,8 @@ def run_sender(args) -> None:
             for thread in threads:
                 thread.join()
             wall = time.perf_counter() - began
-            runs.append({"rule": rule, "window_bytes": window, "concurrent": concurrent,
+            runs.append({"rule": rule, "window_bytes": window.window_bytes,
+                         "slice_bytes": window.slice_bytes, "concurrent": concurrent,
                          "copy_bytes": args.copy_bytes, "wall_s": wall, "copy_s": seconds,
                          "achieved_mbit": concurrent * args.copy_bytes * 8 / wall / 1e6})
             time.sleep(args.pause_s)  # the line's queue drains between runs
@@ -102,7 +107,7 @@ def run_sender(args) -> None:
 
 
 def run_point(out_dir: Path, *, rate_mbit: float, rtt_ms: float, copy_bytes: int,
-              window_bytes: int, concurrent: int = 4, blocks: int = 8,
+              window: "CopyWindow", concurrent: int = 4, blocks: int = 8,
               sysctls: dict | None = None, log: Callable[[str], None] = print) -> dict:
     """One grid point: a fresh line (``sysctls`` set in both namespaces), its bulk TCP goodput
     (the forwarder's own figure, as ``scripts/wan_check.py`` measures it), then a receiver in B
@@ -136,7 +141,8 @@ def run_point(out_dir: Path, *, rate_mbit: float, rtt_ms: float, copy_bytes: int
                                   "--target-session", target["session_id"],
                                   "--target-ptr", str(target["buffer_ptr"]),
                                   "--copy-bytes", str(copy_bytes),
-                                  "--window-bytes", str(window_bytes),
+                                  "--window-bytes", str(window.window_bytes),
+                                  "--slice-bytes", str(window.slice_bytes),
                                   "--concurrent", str(concurrent), "--blocks", str(blocks)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=logs["sender"], env=env, text=True)
@@ -166,6 +172,7 @@ def main(argv=None) -> None:
     parser.add_argument("--target-ptr", type=int, default=0)
     parser.add_argument("--copy-bytes", type=int, default=64 << 20)
     parser.add_argument("--window-bytes", type=int, default=16 << 20)
+    parser.add_argument("--slice-bytes", type=int, default=4 << 20)
     parser.add_argument("--concurrent", type=int, default=4)
     parser.add_argument("--blocks", type=int, default=8)
     parser.add_argument("--pause-s", type=float, default=1.0)

@@ -1,0 +1,177 @@
+"""Main-bound work, one queue per destination line, and the copy a request waits for first.
+
+Every main-bound :class:`~pdd_sglang.prefill.room.Work` carries a :class:`CopyClass`:
+
+- ``NEEDED_NOW``: a request waits for this copy: a P->MD request (main decodes every token), a
+  handoff waiting for main's copy, a request whose relay died. Every copy starts here.
+- ``CACHE_ONLY``: the relay answered alone; the copy only warms main's cache for the
+  conversation's next turn. A copy becomes cache-only when the router says its relay finished
+  (``POST /pdd/cache_only``, :mod:`pdd_sglang.prefill.cache_only`).
+
+Order (issue 34): work is queued per main session (one WAN line each), so a slow main's line
+holds up no other main's copies. A line is served by one WAN sender at a time, so its window
+(:meth:`~pdd_sglang.prefill.wan_engine.WanTransferEngine.copy`) is one copy's. Within a line,
+needed-now goes before cache-only, and the least remaining bytes first within a class. A
+needed-now copy overtakes a cache-only one on the line at the cache-only copy's next slice: the
+sender asks :meth:`WanLines.should_yield` between slices, puts the copy back with its progress
+(:attr:`Work.pages_done`) and takes the needed-now one once the window in flight has landed.
+
+Past a backlog bound (``--pdd-wan-cache-only-backlog-s``, seconds of the line at its measured
+rate), the owner drops a line's queued cache-only copies (:meth:`WanLines.drop_cache_only`):
+prefill frees their KV, main is told the copy failed and frees its slots (it is not taken out),
+and the router, which records a prompt at main only once main's copy landed, forgets nothing it
+had not got.
+
+Threads: the fan-out's owner (``pdd-fanout``) puts work, reclassifies and drops; the WAN senders
+(``pdd-wan-xfer-N``) take, yield and release; the line report and ``/server_info`` read
+:meth:`queued_by_class`. Everything here is under one condition lock, held only for list work,
+never across a send.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+class CopyClass(enum.Enum):
+    NEEDED_NOW = "needed_now"
+    CACHE_ONLY = "cache_only"
+
+
+@dataclass
+class _Line:
+    queued: list = field(default_factory=list)  # Work, in arrival order
+    holder: Any = None  # the Work a sender is writing on this line, if any
+
+
+def remaining_bytes(work: Any) -> int:
+    """What is left of a work's copy (its bytes less the pages already written)."""
+    if not work.pages:
+        return work.nbytes
+    return work.nbytes * (work.pages - work.pages_done) // work.pages
+
+
+def _rank(work: Any) -> tuple:
+    """Cancelled work first (a sender only skips and reports it, and its room's conclusion, which
+    frees prefill's KV, waits for that report), then needed-now, then the least left."""
+    return (not work.cancelled, work.copy_class is CopyClass.CACHE_ONLY, remaining_bytes(work))
+
+
+class WanLines:
+    """Main-bound work per main session, served best first (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._lines: dict[str, _Line] = {}
+        self._stopped = False
+
+    # ---- the owner -------------------------------------------------------------------------
+    def put(self, work: Any, nbytes: int, pages: int, copy_class: CopyClass) -> None:
+        work.nbytes, work.pages, work.copy_class = int(nbytes), int(pages), copy_class
+        with self._cond:
+            self._lines.setdefault(work.session, _Line()).queued.append(work)
+            self._cond.notify_all()
+
+    def reclassify(self, room: int, copy_class: CopyClass) -> int:
+        """Every queued or written work of ``room`` becomes ``copy_class``; how many did."""
+        changed = 0
+        with self._cond:
+            for line in self._lines.values():
+                for work in [*line.queued, line.holder]:
+                    if work is not None and work.room == room and work.copy_class is not copy_class:
+                        work.copy_class = copy_class
+                        changed += 1
+            self._cond.notify_all()
+        return changed
+
+    def drop_cache_only(self, session: str, keep_bytes: int) -> list:
+        """The queued cache-only works of ``session``'s line, newest first, past the first
+        ``keep_bytes`` of everything ahead on it: the owner cancels and fails them."""
+        with self._cond:
+            line = self._lines.get(session)
+            if line is None:
+                return []
+            ahead = sum(remaining_bytes(w) for w in line.queued if not w.cancelled)
+            if line.holder is not None:
+                ahead += remaining_bytes(line.holder)
+            dropped = []
+            for work in reversed(line.queued):
+                if ahead <= keep_bytes:
+                    break
+                if work.copy_class is CopyClass.CACHE_ONLY and not work.cancelled:
+                    dropped.append(work)
+                    ahead -= remaining_bytes(work)
+            return dropped
+
+    # ---- the WAN senders -------------------------------------------------------------------
+    def take(self) -> Optional[Any]:
+        """The best work of a line no sender holds (waiting for one); None once stopped."""
+        with self._cond:
+            while True:
+                if self._stopped:
+                    return None
+                best = None
+                for line in self._lines.values():
+                    if line.holder is None and line.queued:
+                        candidate = min(line.queued, key=_rank)
+                        if best is None or _rank(candidate) < _rank(best[1]):
+                            best = (line, candidate)
+                if best is not None:
+                    line, work = best
+                    line.queued.remove(work)
+                    line.holder = work
+                    return work
+                self._cond.wait()
+
+    def should_yield(self, work: Any) -> bool:
+        """Between two slices of ``work``: a needed-now work waits on its line behind it."""
+        if work.copy_class is CopyClass.NEEDED_NOW:
+            return False
+        with self._cond:
+            line = self._lines.get(work.session)
+            return line is not None and any(
+                w.copy_class is CopyClass.NEEDED_NOW and not w.cancelled for w in line.queued)
+
+    def put_back(self, work: Any) -> None:
+        """A yielded work goes back to its line, with its progress, and the line is free. It is
+        in no sender now: the owner's stuck check (``started_at``) leaves it alone until a sender
+        takes it again."""
+        work.started_at = None
+        with self._cond:
+            line = self._lines[work.session]
+            line.queued.append(work)
+            line.holder = None
+            self._cond.notify_all()
+
+    def release(self, work: Any) -> None:
+        """The sender is done with ``work`` (sent, failed or skipped): its line is free."""
+        with self._cond:
+            line = self._lines.get(work.session)
+            if line is not None and line.holder is work:
+                line.holder = None
+                if not line.queued:
+                    del self._lines[work.session]
+            self._cond.notify_all()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+
+    # ---- readers ---------------------------------------------------------------------------
+    def queued_by_class(self) -> dict:
+        """``{session: {"needed_now": bytes, "cache_only": bytes}}`` of live work not yet on
+        the wire: queued works and the unwritten part of the one a sender holds. A cancelled
+        work counts nothing, though it waits in a queue until a sender skips it."""
+        out: dict = {}
+        with self._cond:
+            for session, line in self._lines.items():
+                counts = {c.value: 0 for c in CopyClass}
+                for work in [*line.queued, line.holder]:
+                    if work is not None and not work.cancelled:
+                        counts[work.copy_class.value] += remaining_bytes(work)
+                out[session] = counts
+        return out
