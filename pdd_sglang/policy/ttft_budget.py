@@ -8,7 +8,7 @@ import enum
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from pdd_sglang.policy import DEFAULT_POLICY, Pipeline, PolicyConfig, _require_non_negative
+from pdd_sglang.policy.config import DEFAULT_POLICY, Pipeline, PolicyConfig, _require_non_negative
 
 
 @dataclass(frozen=True)
