@@ -24,6 +24,7 @@ from pdd_sglang.router.shared_state import PeerBus
 from pdd_sglang.router.workers import run_workers
 
 logger = logging.getLogger("pdd_sglang.router")
+LISTEN_BACKLOG = 4096
 
 
 async def serve(app: web.Application, host: str, port: int, reuse_port: bool = False,
@@ -50,7 +51,9 @@ async def serve(app: web.Application, host: str, port: int, reuse_port: bool = F
     stopped.cancel()
     setup.result()  # a start-up failure is the operator's to see
     try:
-        await web.TCPSite(runner, host, port, reuse_port=reuse_port or None).start()
+        # A backlog for a thousand clients connecting at once (aiohttp's default is 128).
+        await web.TCPSite(runner, host, port, backlog=LISTEN_BACKLOG,
+                          reuse_port=reuse_port or None).start()
         if listening is None:
             logger.info("PDD router listening on http://%s:%s", host, port)
         else:

@@ -42,7 +42,7 @@ from pdd_sglang.router import relay_loss
 from pdd_sglang.router.landing import keep_mains_copy
 from pdd_sglang.router.metrics import TokenClock
 from pdd_sglang.router.placement import Placement
-from pdd_sglang.router.pumps import PREFILL_ANSWERED, StreamEndedEarly
+from pdd_sglang.router.pumps import PREFILL_ANSWERED, ItemQueue, StreamEndedEarly
 from pdd_sglang.router.relay_loss import MainSilence
 from pdd_sglang.router.request_parsing import GenerateJob
 from pdd_sglang.router.servers import Upstream
@@ -80,7 +80,7 @@ def _from(item, upstream: Optional[Upstream]) -> bool:
     return getattr(item, "upstream", None) is upstream
 
 
-async def _next_item(queue: asyncio.Queue, timeout_s: Optional[float]):
+async def _next_item(queue: ItemQueue, timeout_s: Optional[float]):
     """The queue's next item; asyncio.TimeoutError after ``timeout_s`` without one."""
     if timeout_s is None:
         return await queue.get()
@@ -111,6 +111,7 @@ class Attempt:
     def __init__(self, router, job: GenerateJob, placement: Placement, api: str,
                  started: float):
         self.router, self.job, self.placement = router, job, placement
+        self.loop = asyncio.get_running_loop()  # once: each look-up is a system call (3.11)
         self.body = request_body(job, placement)
         self.rid = self.body["rid"]
         self.pipeline = placement.pipeline.label
@@ -135,8 +136,7 @@ class Attempt:
         source = self.splicer.phase
         if source not in self.queues:
             raise SpliceError(f"{self.pipeline}: the relay handed off but there is no main")
-        loop_time = asyncio.get_running_loop().time
-        timeout = self.silence.remaining(loop_time()) if source == "main" else None
+        timeout = self.silence.remaining(self.loop.time()) if source == "main" else None
         try:
             return await _next_item(self.queues[source], timeout)
         except asyncio.TimeoutError:
@@ -147,7 +147,7 @@ class Attempt:
         source = self.splicer.phase
         if item is PREFILL_ANSWERED:  # main's copy has landed (prefill answers after it)
             if self.silence.copy_landed_at is None:
-                self.silence.copy_landed_at = asyncio.get_running_loop().time()
+                self.silence.copy_landed_at = self.loop.time()
             return None
         if isinstance(item, UpstreamChunk):
             self.silence.main_spoke |= source == "main"
@@ -207,7 +207,7 @@ class Attempt:
                 # Its stream gave the finish (or the handoff): it reads the end and hands the
                 # connection back to the pool; cancelled now, it would close it. A server
                 # that never ends its stream gets STREAM_END_GRACE_S.
-                asyncio.get_running_loop().call_later(STREAM_END_GRACE_S, task.cancel)
+                self.loop.call_later(STREAM_END_GRACE_S, task.cancel)
         if not self.clean:
             self.prefill_task.cancel()
             self.router.abort(self.placement.upstreams, self.rid)

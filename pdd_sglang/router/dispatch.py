@@ -24,7 +24,7 @@ from pdd_sglang.router.metrics import RouterMetrics
 from pdd_sglang.router.model import ModelInfo
 from pdd_sglang.router.placement import Placement, Placer
 from pdd_sglang.router.prefix_mirror import PrefixMirror
-from pdd_sglang.router.pumps import Pumps, StreamEndedEarly
+from pdd_sglang.router.pumps import ItemQueue, Pumps, StreamEndedEarly
 from pdd_sglang.router.relay_loss import MAX_RELAY_LOSS_REPLACEMENTS, RelayLost
 from pdd_sglang.router.request_parsing import GenerateJob, with_exact_prompt
 from pdd_sglang.router.resume import Resumed, continuation
@@ -64,10 +64,13 @@ class Dispatcher:
         self.finish = FinishRecorder(metrics, self.shared, model.kv_bytes_per_token, placer.cfg,
                                      model.estimate)
         self._background: set[asyncio.Task] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None  # the first spawn's
 
     def spawn(self, coro) -> asyncio.Task:
         """A task nobody awaits (aborts, a prefill's trailing answer), kept alive until done."""
-        task = asyncio.create_task(coro)
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        task = self._loop.create_task(coro)  # asyncio.create_task looks the loop up each time
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         return task
@@ -132,7 +135,7 @@ class Dispatcher:
         """Send ``attempt``'s body to its decoders (each stream into its queue) and its prefill;
         the queues and tasks by role, main's WAN copy (filled by its pump), the prefill's task."""
         placement = attempt.placement
-        queues = {u.role: asyncio.Queue() for u in placement.decoders}
+        queues = {u.role: ItemQueue(attempt.loop) for u in placement.decoders}
         main_after = attempt.main_waits_for()
         copy: dict = {}  # main's WAN copy (router/line_state.py), shared by the two pumps
         tasks = {u.role: self.spawn(self.pumps.decoder(

@@ -38,7 +38,6 @@ a slow one, which is why step 3 needs the router at all.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
@@ -108,7 +107,7 @@ def relay_lost(attempt: "Attempt", item) -> None:
     logger.warning("%s: relay %s lost (%s); going on with main %s", attempt.rid, relay.url,
                    failure, attempt.placement.main.url)
     splicer.relay_lost()
-    attempt.silence.relay_lost_at = asyncio.get_running_loop().time()
+    attempt.silence.relay_lost_at = attempt.loop.time()
     router.abort([relay], attempt.rid)
 
 

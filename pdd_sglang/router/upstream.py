@@ -37,12 +37,60 @@ MAX_EVENT_BYTES = 64 << 20  # one SSE event of a cumulative stream holds the who
 _JSON = {"Content-Type": "application/json"}
 
 
+class SilenceWatch:
+    """The read timeout of every streamed answer, kept by one timer: a stream silent for
+    ``timeout_s`` is closed, and its reader fails with "no data within the read timeout".
+    aiohttp's own read timeout re-arms a timer at every chunk received, a timer per token
+    relayed at hundreds of streams. Owner: the router's event loop."""
+
+    PERIOD_S = 1.0
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self._heard: dict = {}  # response -> loop time of its last data
+        self._expired: set = set()
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._task: Optional[asyncio.Task] = None
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._task = self._loop.create_task(self._run())
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    def heard(self, response) -> None:
+        self._heard[response] = self._loop.time()
+
+    def forget(self, response) -> bool:
+        """Stop watching ``response``; whether it was closed for its silence."""
+        self._heard.pop(response, None)
+        if response in self._expired:
+            self._expired.discard(response)
+            return True
+        return False
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.PERIOD_S)
+            now = self._loop.time()
+            silent = [r for r, last in self._heard.items() if now - last > self.timeout_s]
+            for response in silent:
+                del self._heard[response]
+                self._expired.add(response)
+                response.close()
+
+
 class UpstreamClient:
     def __init__(self, connect_timeout_s: float, read_timeout_s: float):
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
         self._session: Optional[aiohttp.ClientSession] = None
         self._timeouts: dict[Optional[float], aiohttp.ClientTimeout] = {}
+        # A stream's silence is the watch's (aiohttp's per-chunk read timer is off for it).
+        self._stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s)
+        self.silences = SilenceWatch(read_timeout_s)
 
     async def start(self) -> None:
         # No pool limit: each in-flight request holds one stream per server. Idle pooled
@@ -53,8 +101,10 @@ class UpstreamClient:
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(
             limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S),
             cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False)
+        self.silences.start()
 
     async def close(self) -> None:
+        self.silences.stop()
         if self._session is not None:
             await self._session.close()
 
@@ -156,22 +206,27 @@ class UpstreamClient:
         """A streamed /generate, each chunk carrying this server's cumulative ids and text."""
         ids: list[int] = []
         text = ""
+        resp = None
         try:
             async with self._session.post(upstream.url + "/generate",
                                           data=orjson.dumps({**body, "stream": True}),
-                                          headers=_JSON, timeout=self._timeout()) as resp:
+                                          headers=_JSON, timeout=self._stream_timeout) as resp:
                 if resp.status != 200:
                     raise UpstreamError(upstream, _error_message(await resp.read()),
                                         "upstream_status", resp.status)
                 while True:
+                    self.silences.heard(resp)
                     # One SSE event per read (SGLang writes "data: {...}\n\n"), not a line.
                     event = await resp.content.readuntil(b"\n\n", max_size=MAX_EVENT_BYTES)
                     if not event:
                         return
                     if not event.startswith(b"data:"):
                         continue
-                    data = event[5:].strip()
-                    if data == b"[DONE]":
+                    data = memoryview(event)[5:]  # orjson reads it as it is, spaces and all
+                    if event.startswith(b"data: [DONE]"):
+                        # Read to the body's end: a response read whole hands its connection
+                        # back to the pool, one left unread closes it (a new connect per request).
+                        await resp.content.read()
                         return
                     out = orjson.loads(data)
                     if "error" in out:
@@ -197,10 +252,16 @@ class UpstreamClient:
                     yield UpstreamChunk(chunk_ids, text, meta,
                                         meta.get("finish_reason") is not None)
         except (aiohttp.ClientError, OSError) as err:
+            if resp is not None and self.silences.forget(resp):
+                raise UpstreamError(upstream, "no data within the read timeout",
+                                    "upstream_timeout") from err
             raise _connection_error(upstream, err) from err
         except asyncio.TimeoutError as err:
             raise UpstreamError(upstream, "no data within the read timeout",
                                 "upstream_timeout") from err
+        finally:
+            if resp is not None:
+                self.silences.forget(resp)
 
 
 def _connection_error(upstream: Upstream, err: BaseException) -> UpstreamError:

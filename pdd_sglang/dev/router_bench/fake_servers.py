@@ -66,8 +66,12 @@ def _text(ids) -> str:
 
 
 def _relayed(body: dict) -> bool:
-    hints = body.get("kv_hints")
-    return isinstance(hints, dict) and "relay" in str(hints.get("route", hints))
+    """Whether the request's route goes through the relay to main (P->RLD->MD); a relay-only
+    route (P->RLD, no main) never hands off."""
+    try:
+        return body["kv_hints"]["actions"][0]["payload"]["pipeline"] == "prefill_relay_main"
+    except (KeyError, IndexError, TypeError):
+        return False
 
 
 def server_info(role: str, args, port: int) -> dict:

@@ -1,6 +1,6 @@
 """The bench's client: closed-loop streams against one URL, timing each chunk as it arrives.
 
-Each of ``concurrency`` workers sends a streamed /generate, reads its SSE lines (only the last
+Each of ``concurrency`` workers sends a streamed /generate, reads its SSE events (only the last
 chunk is parsed, for an error), and sends the next one as soon as it ends, until ``duration_s``
 has passed. TTFT is request-to-first-chunk; ITL the gaps between chunks (one token a chunk).
 """
@@ -51,11 +51,15 @@ async def _one(session, url: str, body: bytes, result: LoadResult) -> None:
                                 headers={"Content-Type": "application/json"}) as resp:
             if resp.status != 200:
                 raise RuntimeError(f"HTTP {resp.status}: {(await resp.read())[:200]!r}")
-            async for line in resp.content:
+            while True:  # one SSE event per read, not a line
+                line = await resp.content.readuntil(b"\n\n")
+                if not line:
+                    break
                 if not line.startswith(b"data:"):
                     continue
                 now = time.perf_counter()
                 if line.startswith(b"data: [DONE]"):
+                    await resp.content.read()  # to the body's end: the connection is reused
                     break
                 last_line = line
                 chunks += 1
