@@ -9,6 +9,7 @@ holding it), background streams get their drain time, and the process exits 0. W
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -50,6 +51,7 @@ async def serve(app: web.Application, host: str, port: int, reuse_port: bool = F
         return
     stopped.cancel()
     setup.result()  # a start-up failure is the operator's to see
+    gc.freeze()  # what start-up loaded (the tokenizer, the modules) is never collected
     try:
         # A backlog for a thousand clients connecting at once (aiohttp's default is 128).
         await web.TCPSite(runner, host, port, backlog=LISTEN_BACKLOG,
@@ -73,6 +75,14 @@ async def _cleanup(runner: web.AppRunner) -> None:
         pass
 
 
+# The cyclic garbage collector, tuned for a server that allocates a few hundred short-lived
+# objects per chunk relayed: with Python's default (a young collection every 700 allocations) the
+# collector was about 40 % of the relay path's CPU at saturation (2.3 ms per request, 1.3 ms with
+# these thresholds, bench fakes, 256 streams). What start-up loaded is frozen out of the old
+# generation once the router is ready (serve).
+GC_THRESHOLDS = (50_000, 20, 100)
+
+
 def run_event_loop(main_coroutine) -> None:
     """``main_coroutine`` on uvloop where it is installed (its loop and transports cost a
     fraction of asyncio's per chunk relayed), else on asyncio's own loop."""
@@ -86,6 +96,7 @@ def run_event_loop(main_coroutine) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     config = parse_args(argv)
+    gc.set_threshold(*GC_THRESHOLDS)
     worker_tag = " [%(process)d]" if config.workers > 1 else ""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"[%(asctime)s]{worker_tag} %(name)s %(levelname)s %(message)s")
