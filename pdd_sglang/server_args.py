@@ -179,6 +179,14 @@ class PddArgs(msgspec.Struct):
 # copy is waited out up to another (prefill/wan_engine.py), past which the fan-out calls the
 # chunk stuck (+10 s). Main must hold the pages at least that long, or a late block of a WAN
 # write lands in pages it gave to the next request.
+# Mooncake's TCP transport (0.3.13) queues at most 1,024 requests per lane and peer, and fails a
+# whole batch past that ("TCP lane queue-full rejection"). SGLang writes a chunk to a decode as
+# one batch of one request per run of contiguous pages, per layer, K and V: a relay whose pool is
+# fragmented (page size 1, long answers) gets thousands, and a 10-minute chaos soak lost 116 of
+# 232 answers to it. 32,768 is the largest value Mooncake accepts (measured: 20,000 blocks in
+# one batch land with it, fail without). The prefill sets it for its process (both engines)
+# unless the operator has.
+MOONCAKE_TCP_QUEUE_ENV = ("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "32768")
 DEFERRED_RELEASE_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT"
 DEFERRED_RELEASE_MARGIN_S = 15.0
 
@@ -235,6 +243,8 @@ def resolve_pdd_server_args(server_args: Any) -> None:
         os.environ["SGLANG_HOST_IP"] = cfg.pdd_advertise_host
     if role in ("relay", "main"):
         hold_aborted_pages_past_wan_writes(cfg.pdd_wan_transfer_timeout)
+    else:
+        os.environ.setdefault(*MOONCAKE_TCP_QUEUE_ENV)  # the scheduler inherits it
     check_parallelism(role, pp_size=cfg.pp_size, dp_size=cfg.dp_size,
                       enable_dp_attention=cfg.enable_dp_attention,
                       staging_buffer=_staging_buffer_enabled())

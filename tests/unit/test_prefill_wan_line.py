@@ -342,3 +342,28 @@ def test_a_call_outside_a_copy_or_for_another_session_waits_for_its_own_blocks()
     with wan.copy("main"):
         assert wan.batch_transfer_sync("other", [1], [2], [50]) == 0  # aux to another main
         assert events[-1] == ("poll", 1)  # waited for before it returned
+
+
+def test_a_batch_of_thousands_of_blocks_lands_with_the_prefills_mooncake_queue(monkeypatch):
+    """A fragmented relay pool (page size 1, long answers) gets SGLang's chunk as one batch of
+    thousands of blocks; Mooncake's TCP transport queues 1,024 a lane by default and failed the
+    whole batch (a 10-minute chaos soak lost 116 of 232 answers to it). The prefill sets
+    MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER; an engine made after it takes such a batch."""
+    from mooncake.engine import TransferEngine
+
+    from pdd_sglang.server_args import MOONCAKE_TCP_QUEUE_ENV
+
+    monkeypatch.setenv(*MOONCAKE_TCP_QUEUE_ENV)
+    sender, receiver = TransferEngine(), TransferEngine()
+    for engine in (sender, receiver):
+        assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    blocks, size = 6000, 64
+    src = np.arange(blocks * size, dtype=np.uint8)
+    dst = np.zeros(blocks * size, dtype=np.uint8)
+    assert sender.register_memory(src.ctypes.data, src.nbytes) == 0
+    assert receiver.register_memory(dst.ctypes.data, dst.nbytes) == 0
+    offsets = [i * size for i in range(blocks)]
+    assert sender.batch_transfer_sync_write(
+        f"127.0.0.1:{receiver.get_rpc_port()}", [src.ctypes.data + o for o in offsets],
+        [dst.ctypes.data + o for o in offsets], [size] * blocks) == 0
+    assert np.array_equal(src, dst)

@@ -12,7 +12,7 @@ bound over a soak.)
 
 Load (:class:`MultiTurnLoad`, a :class:`SteadyLoad`): each client holds one conversation at a
 time: a shared system prompt and a task, then turns that re-send the whole history plus a short
-tool result or, now and then, a long document, with answers of 48-512 tokens (greedy, EOS
+tool result or, now and then, a long document, with answers of 32-320 tokens (greedy, EOS
 ignored, so every answer has its exact length). A failed turn ends its conversation.
 
 Faults (:data:`faults.SOAK`): a seeded shuffled deck (every kind once before any twice), one at a
@@ -58,10 +58,12 @@ SERVER_ARGS = {"prefill": ("--chunked-prefill-size", str(CHUNK_TOKENS)),
                "relay": ("--pdd-enable-kv-digest",), "main": ("--pdd-enable-kv-digest",)}
 PROFILE = LoadProfile(shared_tokens=512, unique_tokens=0, output_tokens=0, concurrency=3)
 MAX_TURNS = 5
-# Answers long enough that main's copy of the turn lands while the relay still decodes (issue
-# 34: the handoff must be exercised under faults). Measured on the 20 Mbit/s line: answers of
-# 16-160 tokens handed off 8 of 990, of 32-320 tokens 14 of 185; 48 still finishes at the relay.
-OUTPUT_TOKENS = (48, 320, 448, 512)
+# Answers long enough that main's copy of the turn may land while the relay still decodes (issue
+# 34: the handoff must be exercised under faults). Measured on the 20 Mbit/s line, 10 minutes:
+# answers of 16-160 tokens handed off 8 of 990, of 32-320 tokens 14 of 185, of 48-512 tokens 4 of
+# 115 (the relay decodes a 512-token answer in about 3 s, main's copy of a 2,000-token history
+# takes 6 s unless main has cached it) and made the reference check slower: 32-320 it is.
+OUTPUT_TOKENS = (32, 160, 256, 320)
 # The KV digest's counters in /server_info's pdd.handoff: name -> (server, group, key).
 COUNTERS = {"verified": ("relay", "events", "kv_digest_verified"),
             "mismatch": ("relay", "refused", "kv_digest_mismatch"),
