@@ -51,6 +51,9 @@ class IdsPrefix(Sequence):
 
     def __getitem__(self, index):
         if isinstance(index, slice):
+            if index.step is None and index.stop is not None and 0 <= index.stop <= self._n \
+                    and (index.start or 0) >= 0:
+                return self._ids[index]  # the common case, a slice inside the prefix
             return self._ids[:self._n][index] if index.step not in (None, 1) else \
                 self._ids[slice(*index.indices(self._n))]
         if not -self._n <= index < self._n:
@@ -222,20 +225,21 @@ class StreamSplicer:
         ``lenient``: a disagreement on positions the client already has is recorded
         (``diverged``: a sampled answer drawn twice) instead of refused; those cannot be unsent.
         """
-        if first > len(self.emitted):
-            raise SpliceError(f"gap: tokens start at position {first}, {len(self.emitted)} sent")
-        overlap = min(len(self.emitted) - first, len(ids))
+        emitted, count = self.emitted, len(ids)
+        if first > len(emitted):
+            raise SpliceError(f"gap: tokens start at position {first}, {len(emitted)} sent")
+        overlap = min(len(emitted) - first, count)
         # A cumulative stream repeats its earlier ids in every chunk: those were checked (or
         # placed) with its previous chunk, so only the rest is compared (O(new ids) a chunk).
         key, checked = self._checked
         start = min(checked, overlap) if key == (self.phase, first) else 0
-        if self.emitted[first + start:first + overlap] != list(ids[start:overlap]):
+        if start < overlap and emitted[first + start:first + overlap] != list(ids[start:overlap]):
             if not lenient:
                 raise SpliceError(f"servers disagree on positions {first}..{first + overlap}")
             self.diverged = True
-        new_ids = list(ids[overlap:])
-        self.emitted.extend(new_ids)
-        self._checked = ((self.phase, first), len(ids))
+        new_ids = list(ids[overlap:count]) if overlap < count else []
+        emitted.extend(new_ids)
+        self._checked = ((self.phase, first), count)
         return new_ids
 
     def _update(self, new_ids, meta, finished, source, first_after_handoff=False) -> SplicedUpdate:
