@@ -57,6 +57,7 @@ class Work:
     # lines' lock), its size, and the pages a sender has handed to Mooncake (the sender's; a
     # copy put back between slices resumes there).
     copy_class: Any = None  # a wan_lines.CopyClass
+    queued_at: float = 0.0  # when the owner put it on its line (monotonic)
     nbytes: int = 0
     pages: int = 0
     pages_done: int = 0

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import enum
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -71,6 +72,7 @@ class WanLines:
     # ---- the owner -------------------------------------------------------------------------
     def put(self, work: Any, nbytes: int, pages: int, copy_class: CopyClass) -> None:
         work.nbytes, work.pages, work.copy_class = int(nbytes), int(pages), copy_class
+        work.queued_at = time.monotonic()
         with self._cond:
             self._lines.setdefault(work.session, _Line()).queued.append(work)
             self._cond.notify_all()

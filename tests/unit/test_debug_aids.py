@@ -113,13 +113,19 @@ def test_a_negative_wan_delay_is_refused_by_name():
         DebugAids.from_args(flags(pdd_debug_wan_delay_ms=-5))
 
 
-def test_the_wan_delay_holds_chunks_to_a_main_only(monkeypatch):
+def test_the_wan_delay_holds_chunks_to_a_main_only_counted_from_when_they_were_queued(monkeypatch):
+    """A main's line has one sender, which takes its chunks one after another: each chunk is late
+    by the delay from when it was queued, not by the delays of every chunk ahead of it (eight
+    concurrent requests' chunks were 2-5 s late, and no relay was caught by its main)."""
     slept = []
     monkeypatch.setattr("pdd_sglang.dev.debug_aids.aids.time.sleep", slept.append)
+    monkeypatch.setattr("pdd_sglang.dev.debug_aids.aids.time.monotonic", lambda: 100.0)
     aids = DebugAids(wan_delay_s=0.3)
     aids.before_send(SimpleNamespace(role="relay"))
-    aids.before_send(SimpleNamespace(role="main"))
-    assert slept == [0.3]
+    aids.before_send(SimpleNamespace(role="main", queued_at=100.0))
+    aids.before_send(SimpleNamespace(role="main", queued_at=99.8))  # waited 0.2 s for the line
+    aids.before_send(SimpleNamespace(role="main", queued_at=99.0))  # waited past the delay
+    assert slept == [pytest.approx(0.3), pytest.approx(0.1), 0.0]
 
 
 def test_the_blocking_wait_writes_through_mooncakes_synchronous_call():

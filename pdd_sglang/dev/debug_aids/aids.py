@@ -67,9 +67,12 @@ class DebugAids(seam.Aids):
     # ---- prefill: a slow WAN path, Mooncake's own wait ---------------------------------------
     def before_send(self, work: Any) -> None:
         # Every chunk to a main waits, so the relay reliably runs ahead of main (forced handoff
-        # points, the singular filter).
+        # points, the singular filter): the delay counts from when it was queued on its main's
+        # line, whose one sender takes chunks one after another, so concurrent requests' chunks
+        # are each late by the delay, not by the delays of every chunk ahead of them.
         if self.wan_delay_s > 0 and work.role == "main":
-            time.sleep(self.wan_delay_s)
+            queued_at = getattr(work, "queued_at", 0.0) or time.monotonic()
+            time.sleep(max(0.0, queued_at + self.wan_delay_s - time.monotonic()))
 
     def wan_engine_opened(self, engine: Any) -> None:
         if self.wan_blocking_wait:

@@ -141,6 +141,9 @@ def _routers(s: Settings, fake: dict) -> list[Router]:
             _python(), "-m", "sglang_router.launch_router", "--pd-disaggregation",
             "--prefill", fake["prefill"], "8998", "--decode", fake["main"],
             "--policy", "round_robin", "--log-level", "warn",
+            # Its metrics exporter binds 29000 by default: a free one, so a second bench (or
+            # anything else on 29000) does not stop it at start.
+            "--prometheus-port", str(free_port()),
             "--worker-startup-timeout-secs", "120"], dict(model_env), free_port()))
     return out
 
