@@ -123,7 +123,8 @@ class Attempt:
         self.splicer = StreamSplicer(
             with_relay=placement.relay is not None,
             decode=lambda ids: router.model.decode(ids, job.skip_special_tokens),
-            stops=StopStrings.of(job.sampling_params))
+            stops=StopStrings.of(job.sampling_params),
+            start_detokenizer=router.model.detokenizer(job.skip_special_tokens))
         self.silence = MainSilence(router.relay_loss_main_grace_s)
         self.relay_failure: Optional[BaseException] = None  # once the relay was lost
         self.clean = False

@@ -12,11 +12,17 @@ split across tokens):
   only once that text is stable: not ending in U+FFFD (an incomplete UTF-8 sequence that the next
   token completes). Until then nothing is emitted and the window grows by the new tokens.
 - the last step (``final``) emits whatever is there, U+FFFD included, as a whole decode would.
+
+:class:`StreamDetokenizer` does the same on the tokenizers library's own ``DecodeStream`` (Rust,
+about a microsecond a token against fifteen for two decodes through transformers a step), where
+the tokenizer is a tokenizers one whose decode adds no Python clean-up
+(:func:`detokenizer_for`); IncrementalDetokenizer serves any other.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from functools import partial
+from typing import Any, Callable, Optional, Sequence
 
 REPLACEMENT_CHAR = "\ufffd"
 CONTEXT_TOKENS = 5  # tokens of already-emitted text decoded again as context (vLLM uses 5)
@@ -63,3 +69,59 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(ids)
         self._prefix_text = None
         return delta
+
+
+class StreamDetokenizer:
+    """IncrementalDetokenizer's steps on ``tokenizers.decoders.DecodeStream``."""
+
+    def __init__(self, backend: Any, skip_special_tokens: bool,
+                 decode: Callable[[Sequence[int]], str], read_offset: int):
+        from tokenizers.decoders import DecodeStream
+
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._backend, self._decode = backend, decode
+        self.read_offset = read_offset
+        self._emitted_through = read_offset  # every token before it is in the text emitted
+
+    @classmethod
+    def start(cls, backend: Any, skip_special_tokens: bool,
+              decode: Callable[[Sequence[int]], str],
+              ids: Sequence[int]) -> tuple["StreamDetokenizer", str]:
+        """As IncrementalDetokenizer.start (its stable point), the stream primed with the ids
+        before it."""
+        stable, text = IncrementalDetokenizer.start(decode, ids)
+        detok = cls(backend, skip_special_tokens, decode, stable.read_offset)
+        for token in ids[:stable.read_offset]:
+            detok._stream.step(backend, token)
+        return detok, text
+
+    def step(self, ids: Sequence[int], final: bool = False) -> str:
+        pieces = []
+        for index in range(self.read_offset, len(ids)):
+            piece = self._stream.step(self._backend, ids[index])
+            if piece:
+                pieces.append(piece)
+                self._emitted_through = index + 1
+        self.read_offset = len(ids)
+        if final and self._emitted_through < len(ids):
+            # The answer ends inside a character: what a whole decode shows of it (U+FFFD).
+            context = max(0, self._emitted_through - CONTEXT_TOKENS)
+            head = self._decode(list(ids[context:self._emitted_through]))
+            pieces.append(self._decode(list(ids[context:]))[len(head):])
+            self._emitted_through = len(ids)
+        return "".join(pieces)
+
+
+def detokenizer_for(tokenizer: Any, skip_special_tokens: bool) -> Optional[Callable]:
+    """``start(decode, ids)`` for a StreamDetokenizer when ``tokenizer`` is a tokenizers one
+    whose decode adds no clean-up; None (IncrementalDetokenizer) otherwise."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    try:
+        from tokenizers import Tokenizer
+        from tokenizers.decoders import DecodeStream  # noqa: F401 - tokenizers >= 0.21
+    except ImportError:
+        return None
+    if not isinstance(backend, Tokenizer) or getattr(tokenizer, "clean_up_tokenization_spaces",
+                                                     False):
+        return None
+    return partial(StreamDetokenizer.start, backend, skip_special_tokens)

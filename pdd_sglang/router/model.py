@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
+from pdd_sglang.router.detokenize import detokenizer_for
 from pdd_sglang.router.prompt import TokenEstimate
 
 # An English sample whose tokens per byte start the estimate (the servers' counts then correct
@@ -34,6 +35,7 @@ class ModelInfo:
     tokenizer: Any
     kv_bytes_per_token: float
     estimate: TokenEstimate = field(default_factory=TokenEstimate)
+    _detokenizers: dict = field(default_factory=dict, repr=False, compare=False)
 
     def known_names(self) -> set[str]:
         # SGLang answers to its served name, its path and "default" (its protocol's default).
@@ -45,6 +47,13 @@ class ModelInfo:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def detokenizer(self, skip_special_tokens: bool) -> Optional[Callable]:
+        """How the router decodes main's tokens after a handoff (router/detokenize.py)."""
+        key = bool(skip_special_tokens)
+        if key not in self._detokenizers:
+            self._detokenizers[key] = detokenizer_for(self.tokenizer, key)
+        return self._detokenizers[key]
 
     def apply_chat_template(self, messages: list[dict]) -> Union[str, list[int]]:
         """Render like SGLang's chat serving: template to text, then encode without re-adding

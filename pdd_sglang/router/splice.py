@@ -97,6 +97,9 @@ class StreamSplicer:
     with_relay: bool
     decode: Callable[[list[int]], str]
     stops: StopStrings = field(default_factory=StopStrings)
+    # start(decode, ids) -> (detokenizer, its text): how the router decodes main's tokens
+    # (detokenize.py); None: IncrementalDetokenizer.
+    start_detokenizer: Optional[Callable] = None
     emitted: list[int] = field(default_factory=list)
     text: str = ""  # the text of ``emitted``; the client has ``client_text``, a prefix of it
     client_text: str = ""
@@ -172,7 +175,8 @@ class StreamSplicer:
     def _start_main_text(self) -> None:
         """From here the router decodes main's tokens itself, incrementally (O(new tokens) per
         chunk, :mod:`pdd_sglang.router.detokenize`), after the relay's text."""
-        self._detok, decoded = IncrementalDetokenizer.start(self.decode, self.emitted)
+        start = self.start_detokenizer or IncrementalDetokenizer.start
+        self._detok, decoded = start(self.decode, self.emitted)
         if self._detok.read_offset < len(self.emitted) and self.text != decoded:
             # The relay's last tokens end inside a character and its text shows them (as
             # U+FFFD, which the client was not sent): the router's decode up to the character's

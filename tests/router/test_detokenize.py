@@ -141,3 +141,62 @@ def test_a_stop_string_is_trimmed_from_incremental_text(tiny_tokenizer):
     final = s.main_chunk(chunk(ids[2:], True, completion_tokens=4,
                                finish_reason={"type": "stop", "matched": " w4"}))
     assert final.text == "w1 w2 w3"
+
+
+# ---- the same on tokenizers' DecodeStream (what the router uses with a tokenizers tokenizer) --
+def _stream_start(tokenizer):
+    from pdd_sglang.router.detokenize import StreamDetokenizer
+    return lambda decode, ids: StreamDetokenizer.start(tokenizer, True, decode, ids)
+
+
+def splice_with(start, decode, ids, handed):
+    s = StreamSplicer(with_relay=True, decode=decode, start_detokenizer=start)
+    updates = []
+    for n in range(1, handed + 1):
+        text = decode(ids[:n]).rstrip(REPLACEMENT_CHAR)
+        updates.append(s.relay_chunk(chunk(ids[:n], text=text)))
+    s.relay_chunk(chunk(ids[:handed], True, finish_reason={"type": "pdd_handoff",
+                                                           "handed_tokens": handed}))
+    main = ids[handed:]
+    for n in range(1, len(main) + 1):
+        updates.append(s.main_chunk(chunk(main[:n], n == len(main), completion_tokens=handed + n)))
+    return [u for u in updates if u is not None]
+
+
+@pytest.mark.parametrize("handed_at", range(1, 12))
+def test_the_stream_detokenizer_stays_exact_across_a_handoff_inside_a_character(byte_bpe,
+                                                                                 handed_at):
+    ids = byte_bpe.encode(CORPUS[1] + CORPUS[0]).ids
+    updates = splice_with(_stream_start(byte_bpe), byte_bpe.decode, ids, handed_at)
+    assert updates[-1].finished and updates[-1].text == byte_bpe.decode(ids)
+    for before, after in zip(updates, updates[1:]):
+        assert after.text.startswith(before.text) and REPLACEMENT_CHAR not in before.text
+
+
+def test_the_stream_detokenizer_is_exact_at_every_chunk_of_the_tiny_model(tiny_tokenizer):
+    rng = random.Random(11)
+    ids = [rng.randrange(4, 1000) for _ in range(300)]
+    decode = lambda ids: tiny_tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    updates = splice_with(_stream_start(tiny_tokenizer), decode, ids, 40)
+    for update in updates:
+        assert update.text == decode(list(update.output_ids))
+
+
+def test_an_answer_ending_inside_a_character_shows_it_as_a_whole_decode_does(byte_bpe):
+    from pdd_sglang.router.detokenize import StreamDetokenizer
+    ids = byte_bpe.encode(CORPUS[0]).ids
+    cut = next(n for n in range(2, len(ids)) if byte_bpe.decode(ids[:n]).endswith(REPLACEMENT_CHAR))
+    detok, text = StreamDetokenizer.start(byte_bpe, True, byte_bpe.decode, ids[:1])
+    assert text + detok.step(ids[:cut], final=True) == byte_bpe.decode(ids[:cut])
+
+
+def test_the_router_decodes_with_the_stream_where_the_tokenizer_allows():
+    from transformers import AutoTokenizer
+
+    from pdd_sglang.dev.testing.tiny_model import ensure_tiny_model
+    from pdd_sglang.router.detokenize import detokenizer_for
+    tokenizer = AutoTokenizer.from_pretrained(str(ensure_tiny_model()))
+    assert detokenizer_for(tokenizer, True) is not None
+    tokenizer.clean_up_tokenization_spaces = True  # a Python clean-up the stream would skip
+    assert detokenizer_for(tokenizer, True) is None
+    assert detokenizer_for(object(), True) is None
