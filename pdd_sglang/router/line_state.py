@@ -38,6 +38,10 @@ several HTTP workers) answers 404, and from then on that prefill's ``/server_inf
 instead, compactly (:func:`read_line_report`): it is large (its transfer ledger keeps up to
 8,192 rows), and only the two small objects the router needs (``pdd.wan_line`` and
 ``pdd.fanout.mains_out``) are parsed; the rest is skipped as bytes.
+
+Owner of the accounting: the router's event loop; its copies change only through
+router/shared_state.py's SharedState (so every ``--workers`` process sees them), the reports
+through the poller here.
 """
 
 from __future__ import annotations

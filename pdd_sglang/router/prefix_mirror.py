@@ -12,8 +12,8 @@ Two things keep it honest: the mirror's budget defaults to main's KV pool size, 
 evicted below that depth, so the mirror drops that branch too (``observe_hit``). Lengths are in
 key units (characters or tokens); the budget counts a character as TOKENS_PER_CHAR of a token.
 
-Owner: the router's event loop (one mirror per main; placement reads, the finish records and the
-landing copies write).
+Owner: the router's event loop (one mirror per main; placement reads it, and every write goes
+through router/shared_state.py's SharedState, so every ``--workers`` process holds the same).
 """
 
 from __future__ import annotations

@@ -16,6 +16,9 @@ far off it was. Counts that must be exact stay exact:
 Prefix matches (the mirror, the landing copies) run over :attr:`Prompt.key`: the text itself
 (characters, as sglang-router's cache-aware tree does) or the tuple of ids; a length in key
 units converts to tokens in proportion (:meth:`Prompt.tokens_of`).
+
+Owner of the estimate (:class:`TokenEstimate`, one per router process): the router's event loop;
+parsing reads it, the finish recorder teaches it. A Prompt is immutable.
 """
 
 from __future__ import annotations
