@@ -79,6 +79,7 @@ class LineAccounting:
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         self._clock = clock
         self._open: dict[str, list[Copy]] = {}
+        self._needed_bytes: dict[str, int] = {}  # the open needed-now copies' bytes, by main
         self._recent: dict[str, deque] = {}
         # url -> (at, bytes beyond the router's own open copies, rate)
         self._reported: dict[str, tuple[float, int, float | None]] = {}
@@ -102,6 +103,7 @@ class LineAccounting:
         copy = Copy(main_url, max(0, int(kv_bytes)),
                     self._clock() if started is None else started)
         self._open.setdefault(main_url, []).append(copy)
+        self._needed_bytes[main_url] = self._needed_bytes.get(main_url, 0) + copy.kv_bytes
         return copy
 
     def on_wire(self, copy: Copy | None, at: float | None = None) -> None:
@@ -118,20 +120,23 @@ class LineAccounting:
 
     def cache_only(self, copy: Copy | None) -> None:
         """The copy's relay answered alone: it goes on, behind every needed-now copy."""
-        if copy is not None:
+        if copy is not None and copy.open and not copy.cache_only:
             copy.cache_only = True
+            self._needed_bytes[copy.main_url] -= copy.kv_bytes
 
     def _close(self, copy: Copy) -> bool:
         if not copy.open:
             return False
         copy.open = False
         self._open[copy.main_url].remove(copy)
+        if not copy.cache_only:
+            self._needed_bytes[copy.main_url] -= copy.kv_bytes
         return True
 
     def bytes_ahead(self, main_url: str) -> int:
         """The router's own open copies to ``main_url`` (every worker's) that a new copy waits
         behind."""
-        return sum(c.kv_bytes for c in self._open.get(main_url, ()) if not c.cache_only)
+        return self._needed_bytes.get(main_url, 0)  # kept as copies open and close: O(1)
 
     def measured_bytes_per_s(self, main_url: str) -> float | None:
         samples = sorted(self._recent.get(main_url, ()))
