@@ -11,14 +11,19 @@ three setups, at two operating points: latency (one conversation at a time) and 
                reachable only through the emulated WAN line (rate limit, RTT, jitter): Mooncake's
                KV transfer, the bootstrap handshake and the router's HTTP all cross it.
   pdd          prefill, relay decode, router and client in cluster A; main decode in cluster B.
-               The router places each request on P->MD or P->RLD->MD (pdd_sglang.policy), with
-               --placement (congestion-aware by default); at the load point PDD runs a second
-               time with the other placement (setups.pdd_idle_line or pdd_congestion_aware).
+               The router places each request on P->MD or P->RLD->MD (pdd_sglang.policy) by the
+               TTFT budget, as we recommend deploying it, with --placement (congestion-aware by
+               default); at the load point PDD runs again with the other placement
+               (setups.pdd_idle_line or pdd_congestion_aware) and once without a budget
+               (setups.pdd_no_budget: --hide-wan-below-s decides), all in the same run.
 
-TTFT budget (--ttft-slo-ms MS, or --ttft-slo-x F: F x same-DC PD's TTFT P50 at the same point,
-measured earlier in the run): every PDD setup's router places by it (P->MD only when the TTFT
-predicted through main fits it). Every setup reports the share of its requests within the budget,
-and PDD the relay's busy share (the relay's decode tokens over all decode tokens: the cost side).
+TTFT budget (default 1.15 x same-DC PD's TTFT P50 at the same point, measured earlier in the
+run; --ttft-slo-x F for another multiple, --ttft-slo-ms MS for a fixed one): every PDD setup's
+router but pdd_no_budget's places by it (P->MD only when the TTFT predicted through main fits it).
+Every setup reports the share of its requests within the budget, PDD the relay's busy share (the
+relay's decode tokens over all decode tokens: the cost side) and the WAN line's bytes by copy
+class (needed-now, cache-only, cache-only dropped past the backlog bound: the prefill's
+/pdd/line).
 --frontier runs the load point only: same-DC and naive cross-DC PD, then PDD at four budgets
 (1.0, 1.15, 1.5, 3.0 x same-DC's P50; the bar applies at 1.15), and draws frontier.png.
 
@@ -94,6 +99,7 @@ TIME_STATS = ("--enable-metrics", "--enable-request-time-stats-logging")
 METRICS = TIME_STATS
 SERVERS_AT_ONCE = 3  # PDD's prefill, relay and main: the most one setup keeps busy
 OTHER_PLACEMENT = {"congestion-aware": "idle-line", "idle-line": "congestion-aware"}
+NO_BUDGET = "pdd_no_budget"  # the load point's PDD without a TTFT budget, beside the budget run
 
 
 def _multiples(text: str) -> tuple:
@@ -122,6 +128,7 @@ def plan_setups(args, main_a, main_b, relay, other: str | None) -> list[tuple]:
             ("load", "same_dc_pd", main_a, None, args.placement, None),
             ("load", "cross_dc_pd", main_b, None, args.placement, None),
             ("load", "pdd", main_b, relay, args.placement, x),
+            ("load", NO_BUDGET, main_b, relay, args.placement, None),
             ("load", other, main_b, relay, OTHER_PLACEMENT[args.placement], x)]
 
 
@@ -154,10 +161,12 @@ def main(argv: list[str] | None = None) -> int:
                              "less 0.5 core of headroom, over the 3 servers PDD runs at once)")
     slo = parser.add_mutually_exclusive_group()
     slo.add_argument("--ttft-slo-ms", type=float, default=None, metavar="MS",
-                     help="TTFT budget of every PDD setup's router (its --ttft-slo-ms)")
+                     help="TTFT budget of every PDD setup's router but pdd_no_budget's (its "
+                          "--ttft-slo-ms)")
     slo.add_argument("--ttft-slo-x", type=float, default=None, metavar="F",
-                     help="TTFT budget of every PDD setup: F x same-DC PD's TTFT P50 at the same "
-                          "point, measured first in the same run")
+                     help="TTFT budget of every PDD setup but pdd_no_budget: F x same-DC PD's "
+                          f"TTFT P50 at the same point, measured first in the same run (default "
+                          f"{budget.BAR_X}, unless --ttft-slo-ms)")
     parser.add_argument("--prefill-tokens-per-s", type=float, default=None,
                         help="the router's prefill rate for the budget's prediction (default: "
                              "measured in this run from same-DC PD's prefill forwards)")
@@ -187,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--frontier sets each PDD setup's budget itself (--frontier-x)")
     if not args.frontier_x or not all(x > 0 for x in args.frontier_x):
         parser.error(f"--frontier-x must be positive multiples, got {args.frontier_x}")
+    if not args.frontier and args.ttft_slo_ms is None and args.ttft_slo_x is None:
+        args.ttft_slo_x = budget.BAR_X  # PDD as we recommend deploying it: by the TTFT budget
 
     reason = check_machine(args.cgroup_cpu_root, args.cpu_layout)
     if reason:
@@ -279,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
             started = time.perf_counter()
             try:
                 budget_s, rate = budget.setup_budget(
-                    args.ttft_slo_ms, slo_x, args.prefill_tokens_per_s,
+                    None if name == NO_BUDGET else args.ttft_slo_ms, slo_x,
+                    args.prefill_tokens_per_s,
                     results[point].get("same_dc_pd"), len(workloads[point][0]))
             except ValueError as err:
                 raise Aborted(f"{point}-{name}: {err}") from None
@@ -348,6 +360,7 @@ def write_and_print(args, results: dict, line: WanLine, server_cpu: float, cores
         "setups": load, "latency_setups": results["latency"], "placement": args.placement,
         "other_placement_setup": other, "bar": bar,
         "ttft_budget": {"slo_ms": args.ttft_slo_ms, "slo_x_of_same_dc_p50": args.ttft_slo_x,
+                        "budget_free_setup": None if args.frontier else NO_BUDGET,
                         "reference_budget_s": {p: None if b is None else round(b, 4)
                                                for p, b in references.items()},
                         "within_budget": "share of a setup's requests with a client TTFT <= its "
@@ -406,6 +419,7 @@ def write_and_print(args, results: dict, line: WanLine, server_cpu: float, cores
     report.print_table(load, "load point (4 conversations at a time)")
     budget.print_budget_table(load)
     report.print_intake(load)
+    report.print_line_classes(load)
     if args.frontier:
         budget.print_frontier(summary["frontier"])
     if bar_setup != "pdd":

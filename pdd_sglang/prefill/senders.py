@@ -119,6 +119,10 @@ def _send_to_main(kv_mgr: Any, work: Work, peer: Any, src: Any, dst: Any, execut
             if _send_pages(kv_mgr, work, peer, src[start:start + step], dst[start:start + step],
                            executor) != 0:
                 return False
+            if work.copy_class is not None:  # the line report's bytes by class
+                kv_mgr.pdd_fanout.wan_line.handed(
+                    work.session, work.copy_class.value,
+                    (min(start + step, len(src)) - start) * page_bytes)
             work.pages_done = min(start + step, len(src))
         return copy.finish()
 

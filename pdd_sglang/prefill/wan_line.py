@@ -32,6 +32,7 @@ class _MainLine:
     sent_bytes: int = 0
     failed_batches: int = 0
     dropped_cache_only_bytes: int = 0
+    handed_by_class: dict = field(default_factory=dict)  # class -> bytes handed to Mooncake
 
     def bytes_per_s(self) -> float | None:
         busy_s = sum(s for _, s in self.recent)
@@ -85,7 +86,8 @@ class WanLine:
 
     def snapshot(self) -> dict:
         """``{session: {queued_bytes, in_flight_bytes, bytes_ahead, needed_now_bytes_ahead,
-        cache_only_bytes_ahead, recent_bytes_per_s, ...}}``. A new needed-now copy waits behind
+        cache_only_bytes_ahead, recent_bytes_per_s, needed_now_sent_bytes, cache_only_sent_bytes,
+        dropped_cache_only_bytes, ...}}``. A new needed-now copy waits behind
         ``needed_now_bytes_ahead``: the needed-now bytes queued and whatever is in flight (a
         window of either class lands before it starts)."""
         queued = self.queue_view()  # outside this lock: the lines have their own
@@ -107,8 +109,17 @@ class WanLine:
                     "sent_bytes": line.sent_bytes,
                     "failed_batches": line.failed_batches,
                     "dropped_cache_only_bytes": line.dropped_cache_only_bytes,
+                    "needed_now_sent_bytes": line.handed_by_class.get("needed_now", 0),
+                    "cache_only_sent_bytes": line.handed_by_class.get("cache_only", 0),
                 }
             return out
+
+    def handed(self, session: str, copy_class: str, nbytes: int) -> None:
+        """A WAN sender handed ``nbytes`` of a ``copy_class`` copy (``needed_now`` or
+        ``cache_only``, its class at that slice) to the line: the report's bytes by class."""
+        with self._lock:
+            by_class = self._main(session).handed_by_class
+            by_class[copy_class] = by_class.get(copy_class, 0) + int(nbytes)
 
     def dropped(self, session: str, nbytes: int) -> None:
         """The owner dropped ``nbytes`` of cache-only copies queued for ``session``."""

@@ -45,7 +45,7 @@ def setup_of(name: str, default_placement: str) -> tuple[Setup, str] | None:
         return Setup.SAME_DC_PD, default_placement
     if name == "cross_dc_pd":        # main keeps its radix cache: only its suffix crosses
         return Setup.CROSS_DC_PD_DRC, default_placement
-    if name == "pdd":
+    if name in ("pdd", "pdd_no_budget"):   # the budget run, and the budget-free one beside it
         return Setup.PDD, default_placement
     if name.startswith("pdd_"):      # the load point's run with the other placement
         return Setup.PDD, name[4:].replace("_", "-")

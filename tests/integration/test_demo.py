@@ -70,7 +70,7 @@ def test_quick_demo_runs_both_points_and_pdd_hands_off(background):
     data = json.loads((out / "demo.json").read_text())
     other = data["other_placement_setup"]
     assert data["placement"] == "congestion-aware" and other == "pdd_idle_line"
-    for point, names in (("setups", ("same_dc_pd", "cross_dc_pd", "pdd", other)),
+    for point, names in (("setups", ("same_dc_pd", "cross_dc_pd", "pdd", "pdd_no_budget", other)),
                          ("latency_setups", ("same_dc_pd", "cross_dc_pd", "pdd"))):
         workload = data["workload"] if point == "setups" else data["workload"]["latency"]
         for name in names:
@@ -105,6 +105,12 @@ def test_quick_demo_runs_both_points_and_pdd_hands_off(background):
     handoffs = sum(setups["pdd"]["outcomes"][k] for k in ("handoff_one_shot", "handoff_catch_up"))
     assert handoffs > 0, setups["pdd"]["outcomes"]
     assert setups["pdd"]["placement"] == "congestion-aware"
+    # PDD as deployed places by the TTFT budget (1.15 x same-DC's P50); the budget-free one not.
+    assert setups["pdd"]["ttft_budget_s"] == pytest.approx(
+        1.15 * setups["same_dc_pd"]["ttft_p50_s"], abs=1e-3)
+    assert setups["pdd_no_budget"]["ttft_budget_s"] is None
+    assert set(setups["pdd"]["wan_line_by_class"]) == {
+        "needed_now_sent_bytes", "cache_only_sent_bytes", "dropped_cache_only_bytes"}
     assert setups[other]["placement"] == "idle-line"
     # The prefill is busy in every setup; main-a only in same-DC PD.
     assert setups["same_dc_pd"]["cpu"]["prefill"]["cpu_s"] > 0

@@ -170,6 +170,9 @@ def test_same_dc_runs_before_every_budgeted_setup_of_its_point(argv):
         assert seen["load"][:2] == ["same_dc_pd", "cross_dc_pd"]
     else:
         assert budgeted == ([1.15] * 3 if args.ttft_slo_x else [])
+        # The budget-free PDD runs beside the budget run at the load point, without a budget.
+        free = [(point, slo_x) for point, name, *_, slo_x in plan if name == demo.NO_BUDGET]
+        assert free == [("load", None)] and "pdd" in seen["load"]
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -88,3 +88,6 @@ def test_a_cache_only_copy_yields_to_a_needed_now_one_at_its_next_slice_and_resu
     assert senders.send_work(kv, cache_only, None, lines) == (True, None)
     assert [s for s in kv.sent_kv if s[0] == MAIN] == [
         (MAIN, 0, 4), (MAIN, 0, 4), (MAIN, 4, 4), (MAIN, 8, 2), (MAIN, 4, 4), (MAIN, 8, 2)]
+    line = fanout.wan_line.snapshot()[MAIN]  # /pdd/line's bytes by class, as handed to the line
+    assert (line["needed_now_sent_bytes"], line["cache_only_sent_bytes"]) == (
+        10 * PAGE_BYTES, 10 * PAGE_BYTES)

@@ -301,6 +301,20 @@ def print_table(setups: dict, title: str) -> None:
               f"{o['main']:>5} {o['error']:>4} {s['requests']:>5}")
 
 
+def print_line_classes(setups: dict) -> None:
+    """The new WAN line's figures (issue 34): bytes each setup's copies handed to the line by
+    class, and cache-only bytes dropped past the backlog bound (the prefill's /pdd/line)."""
+    rows = {n: s["wan_line_by_class"] for n, s in setups.items() if s.get("wan_line_by_class")}
+    if not rows:
+        return
+    mb = lambda v: f"{v / 1e6:.2f}"  # noqa: E731
+    print(f"\n{'WAN line by class (MB)':<22} {'needed-now':>10} {'cache-only':>10} "
+          f"{'dropped':>8}  (the prefill's /pdd/line: handed to the line; cache-only dropped)")
+    for name, c in rows.items():
+        print(f"{name:<22} {mb(c['needed_now_sent_bytes']):>10} "
+              f"{mb(c['cache_only_sent_bytes']):>10} {mb(c['dropped_cache_only_bytes']):>8}")
+
+
 def print_bar(bar: dict) -> None:
     c = bar["checks"]
     word = lambda ok: "met" if ok else "NOT met"  # noqa: E731

@@ -35,6 +35,17 @@ def ledger_main_bytes(prefill: NetnsServer) -> int:
     return sum(v["bytes"] + v.get("aux_bytes", 0) for role, v in by_role.items() if role != "relay")
 
 
+LINE_CLASSES = ("needed_now_sent_bytes", "cache_only_sent_bytes", "dropped_cache_only_bytes")
+
+
+def line_by_class(prefill: NetnsServer) -> dict:
+    """The prefill's WAN line figures by copy class, summed over its mains (what its
+    ``/pdd/line`` reports: bytes handed to the line per class, cache-only bytes dropped past
+    ``--pdd-wan-cache-only-backlog-s``), read live from its ``/server_info``."""
+    lines = prefill.pdd_state().get("wan_line") or {}
+    return {key: sum(int(line.get(key) or 0) for line in lines.values()) for key in LINE_CLASSES}
+
+
 def metrics_text(server: NetnsServer) -> str:
     with in_namespace(server.netns):
         with urllib.request.urlopen(server.url + "/metrics", timeout=30) as resp:
@@ -94,6 +105,7 @@ def run_setup(label: str, line: WanLine, prefill: NetnsServer, main: NetnsServer
         for server in (prefill, main, *([relay] if relay else [])):
             server.wait_idle(60)
         wan_before, kv_before = line_bytes(line), ledger_main_bytes(prefill)
+        classes_before = line_by_class(prefill)
         cpu_before = {name: group.snapshot() for name, group in groups.items()}
         host_pids = {"router": router.process.pid, "line_forwarder": line.forwarder_pid,
                      "clients": os.getpid()}
@@ -137,6 +149,7 @@ def run_setup(label: str, line: WanLine, prefill: NetnsServer, main: NetnsServer
         for server in (main, *([relay] if relay else [])):  # every decode step counted
             server.wait_idle(60)
         decode_after, verdicts_after = decode_tokens(decoders), router_verdicts(router)
+        classes_after = line_by_class(prefill)
     finally:
         router.stop()
     wan = {k: wan_after[k] - wan_before[k] for k in wan_before}
@@ -153,7 +166,8 @@ def run_setup(label: str, line: WanLine, prefill: NetnsServer, main: NetnsServer
             "router_prefill_tokens_per_s": prefill_rate if budget_s is not None else None,
             "decode_tokens": decoded,
             "relay_busy_share": budgets.busy_share(decoded["relay"], decoded["main"]),
-            "router_verdicts": budgets.counter_delta(verdicts_before, verdicts_after)}
+            "router_verdicts": budgets.counter_delta(verdicts_before, verdicts_after),
+            "wan_line_by_class": {k: classes_after[k] - classes_before[k] for k in LINE_CLASSES}}
 
 
 def _used(before: Optional[float], after: Optional[float], wall_s: float) -> Optional[dict]:
