@@ -11,7 +11,8 @@ Every main-bound :class:`~pdd_sglang.prefill.room.Work` carries a :class:`CopyCl
 Order (issue 34): work is queued per main session (one WAN line each), so a slow main's line
 holds up no other main's copies. A line is served by one WAN sender at a time, so its window
 (:meth:`~pdd_sglang.prefill.wan_engine.WanTransferEngine.copy`) is one copy's. Within a line,
-needed-now goes before cache-only, and the least remaining bytes first within a class. A
+needed-now goes before cache-only, and the copy (a room's chunks) with the least remaining
+bytes first within a class, the one queued first among equals. A
 needed-now copy overtakes a cache-only one on the line at the cache-only copy's next slice: the
 sender asks :meth:`WanLines.should_yield` between slices, puts the copy back with its progress
 (:attr:`Work.pages_done`) and takes the needed-now one once the window in flight has landed.
@@ -55,10 +56,28 @@ def remaining_bytes(work: Any) -> int:
     return work.nbytes * (work.pages - work.pages_done) // work.pages
 
 
-def _rank(work: Any) -> tuple:
-    """Cancelled work first (a sender only skips and reports it, and its room's conclusion, which
-    frees prefill's KV, waits for that report), then needed-now, then the least left."""
-    return (not work.cancelled, work.copy_class is CopyClass.CACHE_ONLY, remaining_bytes(work))
+def _ranker(line: _Line):
+    """The order of ``line``'s queued works: cancelled work first (a sender only skips and reports
+    it, and its room's conclusion, which frees prefill's KV, waits for that report), then
+    needed-now, then the copy (the room) with the least left, then the copy that came first.
+
+    A copy is a room's works (chunked prefill queues one per chunk as its forward ends), so the
+    least left is the room's, queued and being written: ranking the chunks alone would interleave
+    concurrent copies chunk by chunk, and every one of them would land as late as the last.
+    """
+    left: dict = {}
+    first_queued: dict = {}
+    for work in [*line.queued, line.holder]:
+        if work is not None and not work.cancelled:
+            left[work.room] = left.get(work.room, 0) + remaining_bytes(work)
+            first_queued[work.room] = min(first_queued.get(work.room, work.queued_at),
+                                          work.queued_at)
+
+    def rank(work: Any) -> tuple:
+        return (not work.cancelled, work.copy_class is CopyClass.CACHE_ONLY,
+                left.get(work.room, 0), first_queued.get(work.room, work.queued_at),
+                work.queued_at)
+    return rank
 
 
 class WanLines:
@@ -115,14 +134,15 @@ class WanLines:
             while True:
                 if self._stopped:
                     return None
-                best = None
+                best = None  # (rank, line, work): the lines' best works compared across lines
                 for line in self._lines.values():
                     if line.holder is None and line.queued:
-                        candidate = min(line.queued, key=_rank)
-                        if best is None or _rank(candidate) < _rank(best[1]):
-                            best = (line, candidate)
+                        rank = _ranker(line)
+                        candidate = min(line.queued, key=rank)
+                        if best is None or rank(candidate) < best[0]:
+                            best = (rank(candidate), line, candidate)
                 if best is not None:
-                    line, work = best
+                    _, line, work = best
                     line.queued.remove(work)
                     line.holder = work
                     return work

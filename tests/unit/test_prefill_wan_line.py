@@ -58,6 +58,27 @@ def test_a_line_serves_needed_now_first_then_the_least_left_and_one_sender_at_a_
     assert lines.should_yield(second) is False  # nothing needed-now waits on main-b
 
 
+def test_a_copy_is_a_rooms_chunks_served_together_the_least_left_then_the_first_queued():
+    """Chunked prefill queues a copy chunk by chunk: ranking the chunks alone interleaved two
+    copies (1a, 2a, 1b, 2b), so both landed as late as the last chunk."""
+    lines = WanLines()
+    for room, chunk in ((1, "a"), (2, "a"), (1, "b"), (2, "b")):
+        work = _work(room)
+        work.chunk = chunk
+        lines.put(work, 1000, 1, CopyClass.NEEDED_NOW)
+    order = []
+    for _ in range(4):
+        work = lines.take()
+        order.append((work.room, work.chunk))
+        lines.release(work)
+    assert order == [(1, "a"), (1, "b"), (2, "a"), (2, "b")]
+    # The copy with less left goes first, though queued later.
+    lines.put(_work(3), 3000, 3, CopyClass.NEEDED_NOW)
+    lines.put(_work(4), 1000, 1, CopyClass.NEEDED_NOW)
+    lines.put(_work(3), 1000, 1, CopyClass.NEEDED_NOW)
+    assert lines.take().room == 4
+
+
 def test_a_needed_now_copy_overtakes_a_cache_only_one_between_its_slices():
     lines = WanLines()
     lines.put(_work(1), 8000, 8, CopyClass.CACHE_ONLY)

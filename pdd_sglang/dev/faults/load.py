@@ -40,6 +40,7 @@ class Sent:
     started: float  # time.monotonic() at send
     ended: Optional[float] = None
     body: Optional[dict] = None  # what was sent (input_ids, sampling_params)
+    probe: bool = False  # sent once, right after a fault, outside the clients' closed loop
 
     @property
     def status(self) -> str:
@@ -84,6 +85,19 @@ class SteadyLoad:
         for thread in self._threads:
             thread.join(self.answer_timeout_s + 30)
 
+    def send_probe(self) -> threading.Thread:
+        """Send one request now, beside the clients: the first request after a fault, which the
+        closed loop would only send once one of its own requests ended."""
+        thread = threading.Thread(target=self._probe, daemon=True, name="fault-load-probe")
+        thread.start()
+        self._threads.append(thread)
+        return thread
+
+    def _probe(self) -> None:
+        context = self.thread_setup() if self.thread_setup else contextlib.nullcontext()
+        with context:
+            self._send(self.profile.concurrency, probe=True)
+
     def in_flight(self) -> list[Sent]:
         with self._lock:
             return [s for s in self.sent if s.ended is None]
@@ -103,18 +117,22 @@ class SteadyLoad:
         context = self.thread_setup() if self.thread_setup else contextlib.nullcontext()
         with context:
             while not self._stop.is_set():
-                number, body = self._next_body(index)
-                result = agentic.RequestResult(index, number, len(body["input_ids"]),
-                                               self.profile.unique_tokens,
-                                               body["sampling_params"]["max_new_tokens"])
-                record = Sent(result, time.monotonic(), body=body)
-                with self._lock:
-                    self.sent.append(record)
-                agentic.stream_generate(self.host, self.port, body, self.answer_timeout_s, result)
-                record.ended = time.monotonic()
+                record = self._send(index)
                 self._finished(index, record)
-                if result.error:
+                if record.result.error:
                     time.sleep(0.5)  # a client backs off after an error instead of spinning
+
+    def _send(self, index: int, probe: bool = False) -> Sent:
+        number, body = self._next_body(index)
+        result = agentic.RequestResult(index, number, len(body["input_ids"]),
+                                       self.profile.unique_tokens,
+                                       body["sampling_params"]["max_new_tokens"])
+        record = Sent(result, time.monotonic(), body=body, probe=probe)
+        with self._lock:
+            self.sent.append(record)
+        agentic.stream_generate(self.host, self.port, body, self.answer_timeout_s, result)
+        record.ended = time.monotonic()
+        return record
 
     def _finished(self, index: int, record: Sent) -> None:
         """Client ``index``'s request ended (a multi-turn load extends its history here)."""

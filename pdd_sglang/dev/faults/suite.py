@@ -5,7 +5,10 @@ Per fault: requests sent, completed, errored (with a reason the client can read)
 answer within the client's timeout: must be 0); KV slots and tree-locked tokens in use on every
 server after the load has drained, against the baseline taken before the fault (must match); and
 the recovery time, from the injection to the first completed answer of a request sent after it
-(``recovery_s``), and to the first token of one (``first_token_after_s``). Beside them,
+(``recovery_s``), and to the first token of one (``first_token_after_s``). One request (the
+*probe*) is sent right after the injection, beside the clients' closed loop, whose next request
+waits for one of theirs to end; ``first_request_after`` says what it went through and which WAN
+bytes (needed-now, cache-only) were ahead of a new copy when it was sent. Beside them,
 ``line_floor_s``: one request's uncached KV over the line alone, the least a request placed P->MD
 can take while no relay is up, whatever the router does.
 
@@ -145,6 +148,7 @@ def run_fault(cluster: FaultCluster, fault: Fault, *, warmup_s: float, after_s: 
         backlog = LineBacklog(cluster, injected)
         backlog.start()
         fault.inject(cluster)
+        load.send_probe()
         time.sleep(fault.hold_s)
         progress(f"{fault.name}: recovering")
         fault.recover(cluster)
@@ -190,22 +194,30 @@ def run_fault(cluster: FaultCluster, fault: Fault, *, warmup_s: float, after_s: 
                     "output_tokens": fault.profile.output_tokens,
                     "concurrency": fault.profile.concurrency},
         "hold_s": fault.hold_s,
-        "first_request_after": first_request_after(load.sent, injected),
+        "first_request_after": first_request_after(load.sent, injected, backlog_samples),
+        "first_load_request_after": first_request_after(
+            [s for s in load.sent if not s.probe], injected, backlog_samples),
         "wan_backlog": backlog_samples,
     }
 
 
-def first_request_after(sent: list, injected: float) -> Optional[dict]:
-    """The first request sent after the injection that completed: what it went through."""
+def first_request_after(sent: list, injected: float, backlog: Sequence[dict] = ()) -> Optional[dict]:
+    """The first request sent after the injection that completed: what it went through, and the
+    WAN bytes by class ahead of a new copy when it was sent (the backlog sample nearest after)."""
     done = sorted((s for s in sent if s.started > injected and s.status == "completed"),
                   key=lambda s: s.started)
     if not done:
         return None
     first = done[0]
-    return {"sent_after_s": round(first.started - injected, 2),
+    sent_after = first.started - injected
+    at_send = next((b for b in backlog if b.get("t_s") is not None and b["t_s"] >= sent_after
+                    and b.get("bytes_ahead") is not None), None)
+    return {"sent_after_s": round(sent_after, 2), "probe": first.probe,
             "outcome": first.result.outcome,
             "ttft_s": first.result.ttft_s and round(first.result.ttft_s, 2),
-            "answer_s": round(first.ended - first.started, 2)}
+            "answer_s": round(first.ended - first.started, 2),
+            "needed_now_bytes_ahead_at_send": at_send and at_send["needed_now_bytes_ahead"],
+            "cache_only_bytes_ahead_at_send": at_send and at_send["cache_only_bytes_ahead"]}
 
 
 class LineBacklog(threading.Thread):
@@ -227,10 +239,13 @@ class LineBacklog(threading.Thread):
             try:
                 state = self.cluster.prefill.pdd_state()
                 lines = state.get("wan_line") or {}
+                total = lambda key: sum(v.get(key, 0) for v in lines.values())  # noqa: E731
                 self.samples.append({
-                    "t_s": at,
-                    "bytes_ahead": sum(v.get("bytes_ahead", 0) for v in lines.values()),
-                    "in_flight_bytes": sum(v.get("in_flight_bytes", 0) for v in lines.values()),
+                    "t_s": at, "bytes_ahead": total("bytes_ahead"),
+                    "needed_now_bytes_ahead": total("needed_now_bytes_ahead"),
+                    "cache_only_bytes_ahead": total("cache_only_bytes_ahead"),
+                    "in_flight_bytes": total("in_flight_bytes"),
+                    "dropped_cache_only_bytes": total("dropped_cache_only_bytes"),
                     "rooms_open": (state.get("fanout") or {}).get("rooms_open")})
             except Exception:  # noqa: BLE001 - a dead prefill is a fault being measured
                 self.samples.append({"t_s": at, "bytes_ahead": None})
