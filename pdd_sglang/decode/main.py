@@ -61,8 +61,8 @@ from pdd_sglang.decode.handoff_channel import HandoffStats, main_loop
 from pdd_sglang.decode.main_extend import ExtendSteps, Held, _Parked, _RunningExtend
 from pdd_sglang.decode.route_cache import is_relay_main, route_for
 from pdd_sglang.decode.tp_sync import FollowerLoop, RankInputs
-from pdd_sglang.protocol.messages import (HandoffReady, HandoffRefused, HandoffTokens,
-                                 MessageError, check_token_ids)
+from pdd_sglang.protocol.messages import (FINISHED_AT_RELAY, HandoffReady, HandoffRefused,
+                                          HandoffTokens, MessageError, check_token_ids)
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ logger = logging.getLogger(__name__)
 # The relay refusal that means the client already has the relay's whole answer. Any other
 # (``aborted_at_relay`` included: its KV never came, or it timed out) leaves main to decode the
 # request; a client that went away has the router abort main's copy directly.
-RELAY_ANSWERED_ALONE = ("finished_at_relay",)
+RELAY_ANSWERED_ALONE = (FINISHED_AT_RELAY,)
 
 
 class MainHandoff(ExtendSteps):

@@ -52,8 +52,8 @@ from pdd_sglang.decode.finish import HandedOff
 from pdd_sglang.decode.relay_state import Handing, Active, Pending
 from pdd_sglang.decode.route_cache import is_relay_main
 from pdd_sglang.decode.tp_sync import FollowerLoop, RankInputs
-from pdd_sglang.protocol.messages import (HandoffAck, HandoffReady, HandoffRefused, HandoffTokens,
-                                 encode, pack_tokens)
+from pdd_sglang.protocol.messages import (FINISHED_AT_RELAY, HandoffAck, HandoffReady,
+                                          HandoffRefused, HandoffTokens, encode, pack_tokens)
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ class RelayHandoff:
                 # Mid Catch-Up the request is in the batch (unless an aid took it out, and then it
                 # goes back in): it just stops being handed.
                 del self.active[room]
-                why = "finished_at_relay" if active.req.finished() else "ack_timeout"
+                why = FINISHED_AT_RELAY if active.req.finished() else "ack_timeout"
                 self._refuse(active.peer, room, why)
                 logger.warning("PDD relay: room %s left mid Catch-Up (%s); decoded here", room, why)
                 if room in self.out_of_batch:
@@ -300,7 +300,7 @@ class RelayHandoff:
             # and main drops the chunks it absorbed.
             self.active.pop(room, None)
             self._refuse(active.peer, room, "aborted_at_relay" if _is_abort(req)
-                         else "finished_at_relay")
+                         else FINISHED_AT_RELAY)
             return
         chunk = policy.next_handoff_chunk(len(req.output_ids), active.handed, active.mode, self.cfg)
         if chunk.tokens == 0 and chunk.start > 0:
@@ -359,7 +359,7 @@ class RelayHandoff:
     def _note_finished(self, reqs: dict) -> None:
         for room, req in reqs.items():
             if req.finished() and not isinstance(req.finished_reason, HandedOff):
-                reason = "aborted_at_relay" if _is_abort(req) else "finished_at_relay"
+                reason = "aborted_at_relay" if _is_abort(req) else FINISHED_AT_RELAY
                 self.finished_rooms[room] = reason
                 self.finished_rooms.move_to_end(room)
         while len(self.finished_rooms) > FINISHED_ROOMS_KEPT:

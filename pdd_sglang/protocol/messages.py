@@ -15,6 +15,10 @@ import msgspec
 PROTOCOL_VERSION = 1
 # A relay's last stream chunk for a request it handed to main has this finish-reason type.
 HANDOFF_FINISH_TYPE = "pdd_handoff"
+# The reason a relay gives when it refuses main's handoff because it answered the request alone
+# (HandoffRefused.reason); main then aborts its copy with it in the message, which tells the
+# router the copy only warms main's cache (router/landing.py).
+FINISHED_AT_RELAY = "finished_at_relay"
 # Far above any real message (a handoff of 4096 token ids is ~20 KB): a bound, not a budget.
 MAX_MESSAGE_BYTES = 1 << 20
 
@@ -198,3 +202,96 @@ def check_token_ids(tokens: list[int], vocab_size: int) -> None:
     bad = [t for t in tokens if not 0 <= t < vocab_size]
     if bad:
         raise MessageError("token_out_of_vocab", f"{bad[:5]} not in [0, {vocab_size})")
+
+
+# ---- between router workers (``--workers N``, pdd_sglang/router/shared_state.py) ------------
+# One Unix stream socket per pair of a router's workers, each frame a 4-byte length then one
+# event. The bus's first frame is a :class:`WorkerHello` naming the sender's events version; a
+# worker of another version is refused by name. Array-like, so an event costs a few bytes: one
+# is sent per copy started or ended, at hundreds of requests a second.
+ROUTER_EVENTS_VERSION = 1
+# A prefix mirror's key: a text prompt's text, or its token ids (router/prompt.py).
+MirrorKey = Union[str, list[int]]
+
+
+class WorkerHello(msgspec.Struct, tag=True, frozen=True, array_like=True):
+    """A bus's first message: who sends, in which version of the events."""
+
+    version: int
+    worker: int
+
+
+class MirrorInsert(msgspec.Struct, tag=True, frozen=True, array_like=True):
+    """Main ``main`` now caches ``key`` (a finished answer's prompt and text)."""
+
+    main: str
+    key: MirrorKey
+
+
+class MirrorHit(msgspec.Struct, tag=True, frozen=True, array_like=True):
+    """Main reported how much of ``key`` it really held: ``held`` key units."""
+
+    main: str
+    key: MirrorKey
+    held: int
+
+
+class MirrorsCleared(msgspec.Struct, tag=True, frozen=True, array_like=True):
+    """Every main's cache was flushed (the router's /flush_cache)."""
+
+
+class LandingStarted(msgspec.Struct, tag=True, frozen=True, array_like=True):
+    """Main's WAN copy of a prompt the relay answered alone goes on; ``name``: worker:number."""
+
+    name: str
+    main: str
+    key: MirrorKey
+    cached_before: int
+
+
+class LandingEnded(msgspec.Struct, tag=True, frozen=True, array_like=True):
+    name: str
+    main: str
+
+
+class CopyBegun(msgspec.Struct, tag=True, frozen=True, array_like=True):
+    """A copy of ``kv_bytes`` to ``main`` joins the line (router/line_state.py)."""
+
+    name: str
+    main: str
+    kv_bytes: int
+    started: float  # time.monotonic(): one clock for every process of the host
+
+
+class CopyOnWire(msgspec.Struct, tag=True, frozen=True, array_like=True):
+    name: str
+    at: float
+
+
+class CopyCacheOnly(msgspec.Struct, tag=True, frozen=True, array_like=True):
+    name: str
+
+
+class CopyEnded(msgspec.Struct, tag=True, frozen=True, array_like=True):
+    name: str
+    landed: bool
+    at: float
+
+
+RouterEvent = Union[MirrorInsert, MirrorHit, MirrorsCleared, LandingStarted, LandingEnded,
+                    CopyBegun, CopyOnWire, CopyCacheOnly, CopyEnded]
+_ROUTER_ENCODER = msgspec.msgpack.Encoder()
+_ROUTER_DECODER = msgspec.msgpack.Decoder(Union[RouterEvent, WorkerHello])
+
+
+def encode_router_event(event) -> bytes:
+    """One event (or a :class:`WorkerHello`) of the router workers' bus, unframed."""
+    return _ROUTER_ENCODER.encode(event)
+
+
+def decode_router_event(data) -> Union[RouterEvent, WorkerHello]:
+    """One event of the bus; :class:`MessageError` ``malformed`` on any defect."""
+    try:
+        return _ROUTER_DECODER.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as err:
+        raise MessageError("malformed", str(err)) from None

@@ -12,14 +12,17 @@ import asyncio
 import gc
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 from typing import Callable, Optional, Sequence
 
 from aiohttp import web
 
 from pdd_sglang.router.app import build_app
 from pdd_sglang.router.config import parse_args
+from pdd_sglang.router.metrics import MULTIPROC_ENV
 from pdd_sglang.router.service import RouterService
 from pdd_sglang.router.shared_state import PeerBus
 from pdd_sglang.router.workers import run_workers
@@ -106,13 +109,33 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             run_event_loop(serve(build_app(service), config.host, config.port, reuse_port=True,
                                  listening=lambda: _listening(index, ready_fd)))
 
-        status = run_workers(config.workers, serve_worker, f"PDD router listening on http://"
-                             f"{config.host}:{config.port} ({config.workers} workers)")
+        metrics_dir = _metrics_dir()
+        try:
+            status = run_workers(config.workers, serve_worker, f"PDD router listening on "
+                                 f"http://{config.host}:{config.port} ({config.workers} workers)")
+        finally:
+            if metrics_dir is not None:
+                shutil.rmtree(metrics_dir, ignore_errors=True)
         logger.info("PDD router stopped")
         sys.exit(status)
     app = build_app(RouterService(config))
     run_event_loop(serve(app, config.host, config.port))
     logger.info("PDD router stopped")
+
+
+def _metrics_dir() -> Optional[str]:
+    """Where the workers keep their metrics (router/metrics.py): the operator's
+    PROMETHEUS_MULTIPROC_DIR, emptied (prometheus_client's rule: no files of an earlier run), or
+    a directory of this run's, returned to be removed at exit."""
+    given = os.environ.get(MULTIPROC_ENV)
+    if given:
+        os.makedirs(given, exist_ok=True)
+        for name in os.listdir(given):
+            if name.endswith(".db"):
+                os.remove(os.path.join(given, name))
+        return None
+    os.environ[MULTIPROC_ENV] = made = tempfile.mkdtemp(prefix="pdd-router-metrics-")
+    return made
 
 
 def _listening(index: int, ready_fd: int) -> None:

@@ -186,6 +186,10 @@ class RouterConfig:
     health_failures_to_remove: int = setting(
         2, "failed polls in a row that take a server out of rotation", at_least=1)
     connect_timeout_s: float = setting(10.0, "seconds to connect to a server", above=0)
+    # router/upstream.py: under the servers' own keep-alive by more than an RTT.
+    upstream_keepalive_s: float = setting(
+        4.0, "seconds an idle connection to a server is kept for the next request (keep it "
+        "under the servers' keep-alive, SGLang's SGLANG_TIMEOUT_KEEP_ALIVE: 5 s)", above=0)
     # A silence: a decode step, or the WAN copy before main's first token. The request is then
     # aborted everywhere.
     read_timeout_s: float = setting(

@@ -35,6 +35,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from pdd_sglang.protocol.messages import FINISHED_AT_RELAY
 from pdd_sglang.router.prompt import Key, as_key
 from pdd_sglang.router.upstream import UpstreamError
 
@@ -47,10 +48,10 @@ logger = logging.getLogger("pdd_sglang.router")
 NOTICE_INTERVAL_S = 0.01  # rooms gathered for this long go to their prefill in one notice
 MAX_NOTICE_ROOMS = 4096  # per notice (pdd_sglang/prefill/cache_only.py, MAX_ROOMS)
 
-# The reason main's relay gives when it refuses main's handoff because it answered the request
-# alone (pdd_sglang/decode/main.py, RELAY_ANSWERED_ALONE): main then aborts its copy with it in the
-# message, and keeps the prompt's landed KV in its radix cache.
-RELAY_ANSWERED_ALONE = "finished_at_relay"
+# Main's relay refused its handoff because it answered the request alone (FINISHED_AT_RELAY,
+# pdd_sglang/decode/main.py): main then aborts its copy with it in the message, and keeps the
+# prompt's landed KV in its radix cache.
+RELAY_ANSWERED_ALONE = FINISHED_AT_RELAY
 
 
 def copy_landed(end: "StreamEnd") -> bool:

@@ -5,18 +5,27 @@ bucket array (:class:`TokenGaps`, one bisect per chunk) and added to the shared 
 when the request ends; prometheus_client's ``observe`` takes a lock and walks the buckets for each
 value, which a stream of hundreds of tokens paid for every one of them. Owner of every table
 here: the router's event loop.
+
+With ``--workers N`` every worker's metrics are kept in prometheus_client's multiprocess files
+(:func:`share_between_workers`, in the directory the supervisor names in
+``PROMETHEUS_MULTIPROC_DIR``), and whichever worker answers ``/metrics`` renders all of them
+(``MultiProcessCollector``): counters and histograms summed over the workers; of the gauges,
+the requests outstanding on a server summed over the live workers, a server healthy only while
+every live worker has it in rotation, its TP size the largest reported. Each worker refreshes
+its gauges every second (:meth:`RouterMetrics.refresh`), so a scrape sees every worker's.
 """
 
 from __future__ import annotations
 
 import bisect
-import math
+import os
 import time
 from typing import Optional
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import HistogramMetricFamily
-from prometheus_client.utils import floatToGoString
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, generate_latest,
+                               multiprocess, values)
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's; set by the supervisor
 
 # Seconds. TTFT spans the brief's "seconds of tolerance"; ITL its 10-30 ms decode target and the
 # handoff stall, which can reach the WAN's RTT and more.
@@ -43,16 +52,25 @@ def placement_reason(placement) -> str:
                                                             "wan_above_hide_threshold")
 
 
+def share_between_workers() -> bool:
+    """In a worker of ``--workers N`` (``PROMETHEUS_MULTIPROC_DIR`` set by the supervisor): keep
+    this process's metrics in the directory's files from here on; whether they are."""
+    if not os.environ.get(MULTIPROC_ENV):
+        return False
+    values.ValueClass = values.MultiProcessValue()  # what each metric made from now on uses
+    return True
+
+
 class BatchedHistogram:
-    """A labelled Prometheus histogram (a registry collector, prometheus_client's custom-collector
-    API) to which a whole batch of observations is added at once (:meth:`batch`, :meth:`add`)."""
+    """A labelled Prometheus histogram to which a whole batch of observations is added at once
+    (:meth:`batch`, :meth:`put`, :meth:`add`): one ``inc`` per bucket at the end of a request,
+    not an ``observe`` per token."""
 
     def __init__(self, name: str, documentation: str, labelnames: tuple, buckets: tuple,
                  registry: CollectorRegistry):
-        self.name, self.documentation, self.labelnames = name, documentation, labelnames
         self.bounds = tuple(float(b) for b in buckets)
-        self._series: dict[tuple, list] = {}  # labels -> bucket counts (the last: +Inf), sum
-        registry.register(self)
+        self.histogram = Histogram(name, documentation, labelnames, buckets=buckets,
+                                   registry=registry)
 
     def batch(self) -> list:
         """An empty batch: a count per bucket (+Inf last), then the sum."""
@@ -64,29 +82,19 @@ class BatchedHistogram:
         batch[-1] += value * count
 
     def add(self, labels: tuple, batch: list) -> None:
-        series = self._series.get(labels)
-        if series is None:
-            self._series[labels] = list(batch)
-            return
-        for index, value in enumerate(batch):
-            series[index] += value
-
-    def collect(self):
-        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
-        for labels, series in self._series.items():
-            cumulative, buckets = 0, []
-            for bound, count in zip((*self.bounds, math.inf), series):
-                cumulative += count
-                buckets.append((floatToGoString(bound), cumulative))
-            family.add_metric(list(labels), buckets, series[-1])
-        yield family
-
-    def describe(self):
-        return [HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)]
+        # prometheus_client's Histogram keeps a count per bucket (not cumulative) and the sum,
+        # each a value of its own (a file's slot with --workers): the batch goes straight in.
+        child = self.histogram.labels(*labels)
+        for bucket, count in zip(child._buckets, batch):
+            if count:
+                bucket.inc(count)
+        child._sum.inc(batch[-1])
 
 
 class RouterMetrics:
-    def __init__(self) -> None:
+    def __init__(self, shared: bool = False) -> None:
+        """``shared``: a worker of several (:func:`share_between_workers` was called)."""
+        self.shared = shared
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("pdd_router_requests", "Requests placed, by pipeline and API",
@@ -135,12 +143,12 @@ class RouterMetrics:
             buckets=(-1024, -64, -1, 0, 1, 64, 1024, 16384), registry=r)
         self.outstanding = Gauge("pdd_router_outstanding_requests",
                                  "Requests the router holds on each server", ["role", "url"],
-                                 registry=r)
+                                 registry=r, multiprocess_mode="livesum")
         self.healthy = Gauge("pdd_router_server_healthy", "1 when in rotation", ["role", "url"],
-                             registry=r)
+                             registry=r, multiprocess_mode="livemin")
         self.tp_size = Gauge("pdd_router_server_tp_size", "The server's --tp-size (from its "
                              "/server_info); roles may differ where one size divides the other",
-                             ["role", "url"], registry=r)
+                             ["role", "url"], registry=r, multiprocess_mode="livemax")
         self.placements = Counter(
             "pdd_router_placements", "Requests placed, by pipeline and the rule that chose it "
             "(wan_below_hide_threshold: P->MD, nothing worth hiding; wan_above_hide_threshold: "
@@ -173,13 +181,22 @@ class RouterMetrics:
         if predicted_s > 0:
             self.wan_time_ratio.observe(predicted_s / actual_s)
 
-    def render(self, pool) -> bytes:
+    def refresh(self, pool) -> None:
+        """This process's gauges from the pool as it is now."""
         for upstream in pool.all():
             self.outstanding.labels(upstream.role, upstream.url).set(upstream.outstanding)
             self.healthy.labels(upstream.role, upstream.url).set(1 if upstream.healthy else 0)
             if upstream.tp_size is not None:
                 self.tp_size.labels(upstream.role, upstream.url).set(upstream.tp_size)
-        return generate_latest(self.registry)
+
+    def render(self, pool) -> bytes:
+        """The exposition text: this router's metrics, or every worker's with ``--workers``."""
+        self.refresh(pool)
+        if not self.shared:
+            return generate_latest(self.registry)
+        every_worker = CollectorRegistry()
+        multiprocess.MultiProcessCollector(every_worker)
+        return generate_latest(every_worker)
 
 
 class TokenClock:

@@ -10,7 +10,7 @@ from typing import Optional
 
 from pdd_sglang.router.config import RouterConfig
 from pdd_sglang.router.dispatch import Dispatcher
-from pdd_sglang.router.metrics import RouterMetrics
+from pdd_sglang.router.metrics import RouterMetrics, share_between_workers
 from pdd_sglang.router.model import ModelInfo, load_model_info
 from pdd_sglang.router.landing import LandingCopies
 from pdd_sglang.router.line_state import LineAccounting, poll_prefill_lines
@@ -24,6 +24,7 @@ from pdd_sglang.router.upstream import UpstreamClient
 logger = logging.getLogger("pdd_sglang.router")
 
 DEFAULT_MIRROR_TOKENS = 1_000_000  # when main does not report its KV pool size
+METRICS_REFRESH_S = 1.0  # with --workers: how stale another worker's gauges may be
 
 
 class RouterService:
@@ -34,14 +35,17 @@ class RouterService:
         self.config = config
         self.worker, self.bus = worker, bus
         self.pool = ServerPool(config.prefills, config.relays, config.mains)
-        self.client = UpstreamClient(config.connect_timeout_s, config.read_timeout_s)
-        self.metrics = RouterMetrics()
+        self.client = UpstreamClient(config.connect_timeout_s, config.read_timeout_s,
+                                     config.upstream_keepalive_s)
+        # One of several workers: every worker's metrics in the supervisor's files (metrics.py).
+        self.metrics = RouterMetrics(shared=bus is not None and share_between_workers())
         self.health = HealthMonitor(self.pool, self.client, config.health_interval_s,
                                     config.health_failures_to_remove)
         self.model: Optional[ModelInfo] = None
         self.mirrors: dict[str, PrefixMirror] = {}
         self.dispatcher: Optional[Dispatcher] = None
         self._line_poll: Optional[asyncio.Task] = None
+        self._metrics_refresh: Optional[asyncio.Task] = None
 
     async def start(self) -> None:
         await self.client.start()
@@ -76,6 +80,8 @@ class RouterService:
         if self.config.placement == "congestion-aware":
             self._line_poll = asyncio.create_task(poll_prefill_lines(
                 lines, self.pool.by_role[PREFILL], self.pool.by_role[MAIN], self.client.get_bytes))
+        if self.metrics.shared:
+            self._metrics_refresh = asyncio.create_task(self._refresh_metrics())
         logger.info("PDD router ready: model %s, context %d, %.0f KV bytes/token, %s",
                     self.model.served_model_name, self.model.context_length,
                     self.model.kv_bytes_per_token,
@@ -134,12 +140,19 @@ class RouterService:
         upstream.learn(info)
         return role_mismatch(upstream, info) or self.pool.tp_mismatch(upstream)
 
+    async def _refresh_metrics(self) -> None:
+        """With --workers: this worker's gauges, for whichever worker answers /metrics."""
+        while True:
+            self.metrics.refresh(self.pool)
+            await asyncio.sleep(METRICS_REFRESH_S)
+
     async def stop(self) -> None:
         await self.health.stop()
-        if self._line_poll is not None:
-            self._line_poll.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._line_poll
+        for task in (self._line_poll, self._metrics_refresh):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self.dispatcher is not None:
             await asyncio.wait_for(self.dispatcher.drain(), timeout=15)
         if self.bus is not None:

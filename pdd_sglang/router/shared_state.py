@@ -21,8 +21,9 @@ What is not: outstanding requests per server (each worker balances its own), hea
 How: every worker holds a whole replica of these tables. :class:`SharedState` is the one way the
 router changes them: a change is applied to this worker's replica and sent to every peer as one
 event (:class:`PeerBus`: a Unix stream socket per pair of workers, made by the supervisor before
-it forks them, router/workers.py); a peer applies it to its replica. One worker's events reach a
-peer in the order it made them. A copy or a landing copy is named by its worker and a number, so
+it forks them, router/workers.py); a peer applies it to its replica. The events are messages of
+pdd_sglang/protocol/messages.py (``RouterEvent``; the bus's first, ``WorkerHello``, names their
+version). One worker's events reach a peer in the order it made them. A copy or a landing copy is named by its worker and a number, so
 its end finds it. With one worker there is no bus and nothing is sent.
 
 Owner: each worker's event loop owns its replica; a peer's events are applied on it, between two
@@ -36,10 +37,12 @@ import itertools
 import logging
 import socket
 import struct
-from typing import Callable, Optional, Union
+from typing import Callable, Optional
 
-import msgspec
-
+from pdd_sglang.protocol.messages import (ROUTER_EVENTS_VERSION, CopyBegun, CopyCacheOnly,
+                                         CopyEnded, CopyOnWire, LandingEnded, LandingStarted,
+                                         MirrorHit, MirrorInsert, MirrorsCleared, WorkerHello,
+                                         decode_router_event, encode_router_event)
 from pdd_sglang.router.landing import Landing, LandingCopies
 from pdd_sglang.router.line_state import Copy, LineAccounting
 from pdd_sglang.router.prefix_mirror import PrefixMirror
@@ -47,75 +50,12 @@ from pdd_sglang.router.prompt import Key, as_key
 
 logger = logging.getLogger("pdd_sglang.router")
 
-EVENTS_VERSION = 1
 _FRAME = struct.Struct("!I")  # each event: its length, then its msgpack bytes
 
 
-class MirrorInsert(msgspec.Struct, tag=True, array_like=True):
-    main: str
-    key: Union[str, list[int]]
-
-
-class MirrorHit(msgspec.Struct, tag=True, array_like=True):
-    main: str
-    key: Union[str, list[int]]
-    held: int  # the key units main really holds (its cached tokens, in key units)
-
-
-class MirrorsCleared(msgspec.Struct, tag=True, array_like=True):
-    pass
-
-
-class LandingStarted(msgspec.Struct, tag=True, array_like=True):
-    name: str
-    main: str
-    key: Union[str, list[int]]
-    cached_before: int
-
-
-class LandingEnded(msgspec.Struct, tag=True, array_like=True):
-    name: str
-    main: str
-
-
-class CopyBegun(msgspec.Struct, tag=True, array_like=True):
-    name: str
-    main: str
-    kv_bytes: int
-    started: float  # time.monotonic(): one clock for every process of the host
-
-
-class CopyOnWire(msgspec.Struct, tag=True, array_like=True):
-    name: str
-    at: float
-
-
-class CopyCacheOnly(msgspec.Struct, tag=True, array_like=True):
-    name: str
-
-
-class CopyEnded(msgspec.Struct, tag=True, array_like=True):
-    name: str
-    landed: bool
-    at: float
-
-
-Event = Union[MirrorInsert, MirrorHit, MirrorsCleared, LandingStarted, LandingEnded, CopyBegun,
-              CopyOnWire, CopyCacheOnly, CopyEnded]
-
-
-class Hello(msgspec.Struct, tag=True, array_like=True):
-    """A bus's first message: who sends, in which version of the events."""
-    version: int
-    worker: int
-
-
-_ENCODER = msgspec.msgpack.Encoder()
-_DECODER = msgspec.msgpack.Decoder(Union[Event, Hello])
-
-
 def encode(event) -> bytes:
-    payload = _ENCODER.encode(event)
+    """One frame of the bus: ``event``'s length, then its bytes (protocol/messages.py)."""
+    payload = encode_router_event(event)
     return _FRAME.pack(len(payload)) + payload
 
 
@@ -249,7 +189,7 @@ class PeerBus:
         for sock in self._sockets:
             transport, _ = await loop.create_unix_connection(
                 lambda: _PeerProtocol(state, self), sock=sock)
-            transport.write(encode(Hello(EVENTS_VERSION, self.worker)))
+            transport.write(encode(WorkerHello(ROUTER_EVENTS_VERSION, self.worker)))
             self._transports.append(transport)
         self._sockets = []
 
@@ -279,15 +219,15 @@ class _PeerProtocol(asyncio.Protocol):
             end = start + _FRAME.size + length
             if len(buffer) < end:
                 break
-            self._take(_DECODER.decode(buffer[start + _FRAME.size:end]))
+            self._take(decode_router_event(buffer[start + _FRAME.size:end]))
             start = end
         del buffer[:start]
 
     def _take(self, message) -> None:
-        if isinstance(message, Hello):
-            if message.version != EVENTS_VERSION:
+        if isinstance(message, WorkerHello):
+            if message.version != ROUTER_EVENTS_VERSION:
                 raise RuntimeError(f"router worker {message.worker} speaks events version "
-                                   f"{message.version}, this one {EVENTS_VERSION}")
+                                   f"{message.version}, this one {ROUTER_EVENTS_VERSION}")
             self.peer = message.worker
             return
         self.state.apply(message)

@@ -30,7 +30,6 @@ class UpstreamError(RuntimeError):
         self.refused = refused
 
 
-UPSTREAM_KEEPALIVE_S = 2.0
 MAX_EVENT_BYTES = 64 << 20  # one SSE event of a cumulative stream holds the whole answer
 # Bodies are encoded with orjson: aiohttp's json= runs the standard library's encoder, about
 # half a millisecond for a 2K-token prompt's input_ids, three times a request (router bench).
@@ -83,9 +82,10 @@ class SilenceWatch:
 
 
 class UpstreamClient:
-    def __init__(self, connect_timeout_s: float, read_timeout_s: float):
+    def __init__(self, connect_timeout_s: float, read_timeout_s: float, keepalive_s: float):
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
+        self.keepalive_s = keepalive_s
         self._session: Optional[aiohttp.ClientSession] = None
         self._timeouts: dict[Optional[float], aiohttp.ClientTimeout] = {}
         # A stream's silence is the watch's (aiohttp's per-chunk read timer is off for it).
@@ -94,12 +94,15 @@ class UpstreamClient:
 
     async def start(self) -> None:
         # No pool limit: each in-flight request holds one stream per server. Idle pooled
-        # connections are dropped before the servers' own keep-alive (uvicorn: 5 s) closes them:
-        # reusing one the server has just closed fails the request with "Server disconnected"
-        # (seen across the emulated WAN, where the race window is an RTT wide).
+        # connections are dropped before the servers' own keep-alive (SGLang's uvicorn: 5 s,
+        # SGLANG_TIMEOUT_KEEP_ALIVE) closes them: reusing one the server has just closed fails
+        # the request with "Server disconnected" (seen across the emulated WAN, where the race
+        # window is an RTT wide). Kept as long as that allows (--upstream-keepalive-s): a burst
+        # of requests that finds the pool emptied opens a connection per request and server
+        # (0.2-0.5 ms of the router's CPU each, router bench).
         # No cookies and no decompression: SGLang sets neither, and both cost per response.
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(
-            limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S),
+            limit=0, keepalive_timeout=self.keepalive_s),
             cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False)
         self.silences.start()
 

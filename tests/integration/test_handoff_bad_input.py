@@ -13,8 +13,9 @@ import msgspec
 import pytest
 import zmq
 
-from pdd_sglang.protocol.messages import (MAX_MESSAGE_BYTES, Envelope, HandoffAck, HandoffReady,
-                                 HandoffRefused, HandoffTokens, decode, encode, pack_tokens)
+from pdd_sglang.protocol.messages import (FINISHED_AT_RELAY, MAX_MESSAGE_BYTES, Envelope,
+                                          HandoffAck, HandoffReady, HandoffRefused, HandoffTokens,
+                                          decode, encode, pack_tokens)
 from pdd_sglang.dev.testing.pd_client import generate_fanout, generate_pdd, relay_control_address
 from pdd_sglang.dev.testing.conversation import FIRST_WORD_ID, WORDS
 
@@ -283,7 +284,7 @@ def test_main_refusing_the_last_chunk_leaves_the_relay_to_answer_whole(cluster):
         assert relay.pdd_state()["handoff"]["events"]["resumed"] == resumed_before + 1
     finally:
         if room is not None:  # main lets its copy go
-            fake_relay.send(HandoffRefused(room=room, reason="finished_at_relay"))
+            fake_relay.send(HandoffRefused(room=room, reason=FINISHED_AT_RELAY))
         thread.join(120)
         fake_main.close(linger=0)
         context.term()

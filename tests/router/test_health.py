@@ -132,7 +132,7 @@ def test_the_client_tells_a_closed_port_from_a_dropped_connection():
         dropping = await asyncio.start_server(drop, "127.0.0.1", 0)
         dropping_port = dropping.sockets[0].getsockname()[1]
         closed = free_port()  # nothing listens there
-        client = UpstreamClient(connect_timeout_s=5.0, read_timeout_s=5.0)
+        client = UpstreamClient(connect_timeout_s=5.0, read_timeout_s=5.0, keepalive_s=4.0)
         await client.start()
         try:
             gone = Upstream(RELAY, f"http://127.0.0.1:{closed}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from pdd_sglang.protocol.messages import FINISHED_AT_RELAY
 from pdd_sglang.router.config import LinkParams, PrefillEndpoint, RouterConfig
 from pdd_sglang.router.dispatch import Dispatcher
 from pdd_sglang.router.metrics import RouterMetrics
@@ -420,7 +421,7 @@ def test_kept_copies_forget_a_copy_that_ends_by_itself():
 
 # Main's abort once the relay refused its handoff because it had answered alone
 # (pdd_sglang/decode/main.py): the copy landed and main caches the prompt.
-CACHED_AT_MAIN = "PDD relay finished the request itself (finished_at_relay)"
+CACHED_AT_MAIN = f"PDD relay finished the request itself ({FINISHED_AT_RELAY})"
 
 
 def _relay_answers_alone_while_main(main_stream):

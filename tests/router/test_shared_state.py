@@ -7,22 +7,23 @@ import asyncio
 
 import pytest
 
+from pdd_sglang.protocol import messages as msg
 from pdd_sglang.router import shared_state as ss
 from pdd_sglang.router.landing import LandingCopies
 from pdd_sglang.router.line_state import MIN_SAMPLE_BYTES, LineAccounting
 from pdd_sglang.router.prefix_mirror import PrefixMirror
 
-EVENTS = [ss.MirrorInsert("m", "hello"), ss.MirrorInsert("m", [1, 2, 3]),
-          ss.MirrorHit("m", "hello", 2), ss.MirrorsCleared(),
-          ss.LandingStarted("0:1", "m", [1, 2], 1), ss.LandingEnded("0:1", "m"),
-          ss.CopyBegun("0:2", "m", 5000, 12.5), ss.CopyOnWire("0:2", 13.0),
-          ss.CopyCacheOnly("0:2"), ss.CopyEnded("0:2", True, 14.0), ss.Hello(1, 3)]
+EVENTS = [msg.MirrorInsert("m", "hello"), msg.MirrorInsert("m", [1, 2, 3]),
+          msg.MirrorHit("m", "hello", 2), msg.MirrorsCleared(),
+          msg.LandingStarted("0:1", "m", [1, 2], 1), msg.LandingEnded("0:1", "m"),
+          msg.CopyBegun("0:2", "m", 5000, 12.5), msg.CopyOnWire("0:2", 13.0),
+          msg.CopyCacheOnly("0:2"), msg.CopyEnded("0:2", True, 14.0), msg.WorkerHello(1, 3)]
 
 
 @pytest.mark.parametrize("event", EVENTS, ids=lambda e: type(e).__name__)
 def test_every_event_survives_the_wire(event):
     frame = ss.encode(event)
-    assert ss._DECODER.decode(frame[ss._FRAME.size:]) == event
+    assert msg.decode_router_event(frame[ss._FRAME.size:]) == event
     assert ss._FRAME.unpack_from(frame)[0] == len(frame) - ss._FRAME.size
 
 
@@ -33,7 +34,7 @@ class Wire:
         self.peer: ss.SharedState | None = None
 
     def send(self, event) -> None:
-        self.peer.apply(ss._DECODER.decode(ss.encode(event)[ss._FRAME.size:]))
+        self.peer.apply(msg.decode_router_event(ss.encode(event)[ss._FRAME.size:]))
 
 
 def replica(worker: int, wire: Wire | None = None) -> ss.SharedState:

@@ -43,7 +43,7 @@ def test_a_silent_stream_times_out_and_a_talking_one_does_not(monkeypatch, pause
 
     async def scenario():
         runner, upstream = await _serve(pause_after=2, pause_s=pause_s)
-        client = UpstreamClient(connect_timeout_s=5.0, read_timeout_s=0.4)
+        client = UpstreamClient(connect_timeout_s=5.0, read_timeout_s=0.4, keepalive_s=4.0)
         await client.start()
         try:
             chunks = [c async for c in client.generate_stream(upstream, {"rid": "r"})]

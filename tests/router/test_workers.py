@@ -1,7 +1,7 @@
 """``--workers 2`` under load, through the real router process (#35 item 4): a conversation keeps
 its main whichever worker takes each turn, every worker sees the line's bytes ahead once each
-and at once, and each server's health and role are checked once per worker per interval at
-most. Fake servers in this process (tests/router/test_router_app.py's kind); seconds."""
+and at once, each server's health and role are checked once per worker per interval at
+most, and /metrics counts every worker's requests whichever worker answers. Fake servers in this process (tests/router/test_router_app.py's kind); seconds."""
 
 from __future__ import annotations
 
@@ -203,3 +203,26 @@ def test_two_workers_share_affinity_and_the_line_and_poll_each_server_once_per_w
         for path in ("/health", "/server_info"):
             polls = backends.polls[(server, path)] - polls_before[(server, path)]
             assert 1 <= polls <= 2 * (elapsed / HEALTH_INTERVAL_S + 2), (server, path, polls)
+
+    # /metrics: whichever worker answers, every worker's counts, each once.
+    for _ in range(6):  # a connection each: both workers answer some
+        text = loop.run_until_complete(scrape(router.url))
+        assert metric_sum(text, "pdd_router_requests_total") == 24 * 3 + 8, text
+        assert metric_sum(text, "pdd_router_inter_token_latency_seconds_count") == \
+            (24 * 3 + 8) * (len(ANSWER) - 1)
+        servers = [line for line in text.splitlines()
+                   if line.startswith("pdd_router_server_healthy{")]
+        assert len(servers) == 3 and all(line.endswith(" 1.0") for line in servers), servers
+
+
+async def scrape(url: str) -> str:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
+        async with s.get(url + "/metrics") as resp:
+            assert resp.status == 200
+            return await resp.text()
+
+
+def metric_sum(text: str, name: str) -> float:
+    """The sum of every series of ``name`` in an exposition text."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))

@@ -106,3 +106,31 @@ def test_a_tp_1_hello_encodes_as_before_tp_size_existed():
     assert b"tp_size" not in encode(hello)
     assert decode(encode(DestinationHello(room=5, role="relay", destinations=2, prefix_tokens=16,
                                           tp_size=2))).tp_size == 2
+
+
+# ---- the router workers' bus (--workers N) -------------------------------------------------
+ROUTER_EVENTS = [
+    messages.MirrorInsert("http://main:1", "a text prompt"), messages.MirrorInsert("m", [1, 2, 3]),
+    messages.MirrorHit("m", "hello", 2), messages.MirrorsCleared(),
+    messages.LandingStarted("0:1", "m", [1, 2], 1), messages.LandingEnded("0:1", "m"),
+    messages.CopyBegun("0:2", "m", 5000, 12.5), messages.CopyOnWire("0:2", 13.0),
+    messages.CopyCacheOnly("0:2"), messages.CopyEnded("0:2", True, 14.0),
+    messages.WorkerHello(messages.ROUTER_EVENTS_VERSION, 3),
+]
+
+
+@pytest.mark.parametrize("event", ROUTER_EVENTS, ids=lambda e: type(e).__name__)
+def test_router_event_round_trip(event):
+    assert messages.decode_router_event(messages.encode_router_event(event)) == event
+
+
+def test_every_router_event_type_has_a_round_trip_case():
+    types = set(typing.get_args(messages.RouterEvent)) | {messages.WorkerHello}
+    assert types == {type(e) for e in ROUTER_EVENTS}
+
+
+@pytest.mark.parametrize("data", [b"", b"\xc1", msgspec.msgpack.encode(["NoSuchEvent", 1])])
+def test_a_malformed_router_event_is_refused(data):
+    with pytest.raises(MessageError) as err:
+        messages.decode_router_event(data)
+    assert err.value.reason == "malformed"

@@ -39,6 +39,8 @@ import time
 import orjson
 from aiohttp import web
 
+from pdd_sglang.protocol.messages import FINISHED_AT_RELAY
+
 DONE = b"data: [DONE]\n\n"
 
 
@@ -94,7 +96,7 @@ def server_info(role: str, args, port: int) -> dict:
 
 
 RELAY_ANSWERED_ALONE = {"type": "abort", "status_code": 503,
-                       "message": "PDD relay finished the request itself (finished_at_relay)"}
+                       "message": f"PDD relay finished the request itself ({FINISHED_AT_RELAY})"}
 
 
 def build_app(role: str, args, shared: Shared, port: int) -> web.Application:
