@@ -317,6 +317,11 @@ def calibrate_and_predict(measured: dict, measured_path: Path, profiles: Measure
                 print(f"  {name} stages {pct.upper()} (measured / simulated, s): " + ", ".join(
                     f"{s} {_fmt(v[f'measured_{pct}_s'])}/{_fmt(v[f'simulated_{pct}_s'])}"
                     for s, v in result["stages"].items()))
+            line = result.get("line_by_class") or {}
+            if line.get("simulated") and line.get("measured"):
+                print(f"  {name} line by class (measured / simulated, MB): " + ", ".join(
+                    f"{k.replace('_bytes', '')} {line['measured'].get(k, 0) / 1e6:.2f}/"
+                    f"{v / 1e6:.2f}" for k, v in line["simulated"].items()))
             for quantity, why in result["misses"].items():
                 print(f"  MISS {name} {quantity}: {why}")
     out = measured_path.with_name("validation.json")

@@ -15,6 +15,8 @@ from .config import PLACEMENTS, SETUP_LABELS, ClusterConfig, Setup  # noqa: F401
 from .engine import Callback, Event, Simulator
 from .handoff import HandoffProtocol
 from .link import FairShareLink, make_link
+from .wan_lines import ClassedLink
+from ..prefill.wan_engine import window_for_line
 from ..policy.wan_codec import RAW, CodecCost, choose_wan_codec, coded_copy_seconds
 from .profiles import InstanceCost, load_codec, load_hardware, load_link, load_model
 from .records import Job, summarise
@@ -57,7 +59,7 @@ class Cluster:
             wan_profile = wan_profile.with_window(cfg.wan_window_bytes)
         if cfg.wan_transfer_fixed_s is not None:
             wan_profile = replace(wan_profile, per_transfer_fixed_s=cfg.wan_transfer_fixed_s)
-        self.wan = make_link(self.sim, wan_profile, "wan")
+        self.wan = self._make_wan(wan_profile)
         self.wan_codec = load_codec(cfg.wan_codec).cost if cfg.wan_codec else None
         rdma_profile = load_link(cfg.rdma_link)
         prefill_hardware = load_hardware(cfg.prefill_hardware)
@@ -100,6 +102,26 @@ class Cluster:
         self.relay_busy_request_s = 0.0
         self.unfinished = 0
         self.last_arrival_s = 0.0
+        # The router's view for TTFT-budget placement (router/placement.py): requests it holds
+        # at each prefill and on the relay (a request holds its servers until its answer is
+        # complete: router/dispatch.py), and its running mean uncached prompt.
+        self._at_prefill = [0] * len(self.prefills)
+        self._on_relay: set = set()
+        self._mean_uncached = 0.0
+
+    def _make_wan(self, profile) -> FairShareLink | ClassedLink:
+        """The WAN as its profile shares it, or issue 34's classed line, whose slice the
+        prefill sizes from the line it is told (window_for_line), as the demo's router is."""
+        cfg = self.cfg
+        if cfg.wan_line != "classed":
+            return make_link(self.sim, profile, "wan")
+        slice_bytes = cfg.wan_slice_bytes
+        if slice_bytes is None:
+            rate = cfg.router_wan_bytes_per_s or min(profile.bytes_per_s,
+                                                     profile.per_flow_bytes_per_s)
+            rtt = cfg.router_wan_rtt_s or profile.rtt_s
+            slice_bytes = window_for_line(rate * 8 / 1e9, rtt * 1e3).slice_bytes
+        return ClassedLink(self.sim, profile, slice_bytes, cfg.wan_cache_only_backlog_s)
 
     # --- running -------------------------------------------------------------------------
     def run(self, requests, warmup=(), traced_ids=(), progress=None, follows=None):
@@ -159,6 +181,8 @@ class Cluster:
     # --- request lifecycle ---------------------------------------------------------------
     def _on_arrival(self, job: Job) -> None:
         job.router_to_prefill_s = self.cfg.router_to_prefill_s
+        if self.cfg.setup.has_relay and self.cfg.policy.ttft_slo_s is not None:
+            self._place_by_budget(job)      # the router places before it posts to prefill
         if self.dispatch_latency_s > 0:
             self.schedule(self.dispatch_latency_s, self._dispatch, job)
         else:
@@ -176,7 +200,38 @@ class Cluster:
                 return
         job.dispatched_s = self.sim.now
         candidates = [p.candidate(job.request) for p in self.prefills]
-        self.prefills[policy.choose_main(candidates, self.cfg.policy)].submit(job)
+        index = policy.choose_main(candidates, self.cfg.policy)
+        self._at_prefill[index] += 1
+        job.at_prefill = index
+        self.prefills[index].submit(job)
+
+    def _place_by_budget(self, job: Job) -> None:
+        """The router's placement by a TTFT budget (router/placement.py): the TTFT predicted
+        through main (queue at the least loaded prefill, the prefill over main's uncached
+        prompt, the WAN copy behind the line) against the budget, with the relay's headroom;
+        the decision is policy.place_by_ttft_budget's."""
+        request, cfg = job.request, self.cfg.policy
+        main = self._pick_main(job)
+        uncached = request.input_tokens - main.candidate(request).cached_prefix_tokens
+        rate, rtt = self.router_line()
+        wan_s = policy.predict_wan_seconds_on_line(uncached, self.wan_bytes_per_token(uncached),
+                                                   rate, rtt, self.line_state(main))
+        queued = min(self._at_prefill) * self._mean_uncached
+        main_ttft = policy.MainTtft(policy.prefill_seconds(queued, cfg.prefill_tokens_per_s),
+                                    policy.prefill_seconds(uncached, cfg.prefill_tokens_per_s),
+                                    wan_s)
+        relay_load = (policy.RelayLoad(len(self._on_relay), self.cfg.relay_max_running, 0,
+                                       1).utilisation if self.relays else None)
+        decision = policy.place_by_ttft_budget(main_ttft, cfg.ttft_slo_s, relay_load, cfg)
+        pipeline = decision.pipeline
+        if (pipeline is Pipeline.PREFILL_RELAY_MAIN and cfg.singular_predictive
+                and uncached >= cfg.singular_min_uncached_tokens
+                and request.output_tokens <= cfg.singular_max_new_tokens):
+            pipeline = Pipeline.RELAY_SINGULAR
+        self._mean_uncached += (uncached - self._mean_uncached) / 16   # the router's EWMA
+        job.budget_pipeline, job.budget_verdict = pipeline, decision.verdict
+        if pipeline is not Pipeline.PREFILL_MAIN:
+            self._on_relay.add(job)
 
     def _on_prefill_done(self, job: Job) -> None:
         setup = self.cfg.setup
@@ -189,9 +244,12 @@ class Cluster:
         uncached = request.input_tokens - (main.candidate(request).cached_prefix_tokens)
         job.main_uncached_tokens = uncached      # the router's prediction, kept for the filter
         rate, rtt = self.router_line()
-        job.pipeline = policy.choose_pipeline(
-            uncached, request.output_tokens, self.wan_bytes_per_token(uncached), rate, rtt,
-            self.cfg.policy, line=self.line_state(main))
+        if job.budget_pipeline is not None:
+            job.pipeline = job.budget_pipeline
+        else:
+            job.pipeline = policy.choose_pipeline(
+                uncached, request.output_tokens, self.wan_bytes_per_token(uncached), rate, rtt,
+                self.cfg.policy, line=self.line_state(main))
         if job.pipeline is Pipeline.PREFILL_MAIN:
             self._send_to_main(job, main)
         elif setup is Setup.RELAY_ONLY or job.pipeline is Pipeline.RELAY_SINGULAR:
@@ -218,7 +276,10 @@ class Cluster:
         placement): bytes of its copies not yet sent, and its recent copies' throughput."""
         if self.cfg.placement == "idle-line":
             return policy.IDLE_LINE
-        ahead = sum(self.wan.remaining_bytes(flow) for flow in main.copies_in_flight)
+        if isinstance(self.wan, ClassedLink):     # a new copy waits behind its class only
+            ahead = self.wan.needed_now_bytes_ahead(main.index)
+        else:
+            ahead = sum(self.wan.remaining_bytes(flow) for flow in main.copies_in_flight)
         recent = main.recent_copies
         seconds = sum(s for _, s in recent)
         measured = sum(b for b, _ in recent) / seconds if recent and seconds > 0 else None
@@ -253,8 +314,12 @@ class Cluster:
             return
         codec = self.wan_codec_for(raw_bytes)
         job.wan_bytes = raw_bytes / codec.ratio      # the line carries wire bytes
-        job.wan_flow = link.start_flow(job.wan_bytes,
-                                       lambda: self._wan_copy_sent(job, raw_bytes, codec))
+        sent = lambda: self._wan_copy_sent(job, raw_bytes, codec)  # noqa: E731
+        if isinstance(link, ClassedLink):
+            job.wan_flow = link.start_flow(job.wan_bytes, sent, dest=main.index,
+                                           on_dropped=lambda: self._copy_dropped(job))
+        else:
+            job.wan_flow = link.start_flow(job.wan_bytes, sent)
         job.wan_started_s = self.sim.now
         main.copies_in_flight.add(job.wan_flow)
 
@@ -307,6 +372,20 @@ class Cluster:
             self.handoff.main_ready(job)
             return
         self._main_decodes_from_start(job)
+
+    def copy_turns_cache_only(self, job: Job) -> None:
+        """The relay answered alone while main's copy is queued or on the line: on the classed
+        line it goes behind every needed-now copy (and may be dropped)."""
+        if isinstance(self.wan, ClassedLink) and job.wan_flow is not None:
+            self.wan.set_cache_only(job.wan_flow)
+
+    def _copy_dropped(self, job: Job) -> None:
+        """A cache-only copy dropped past the line's backlog: main frees the request's slots
+        and never caches its prompt (the router's mirror forgets it)."""
+        job.main.copies_in_flight.discard(job.wan_flow)
+        job.wan_flow = None
+        job.copy_dropped = True
+        job.main.release(job)
 
     def main_keeps_prompt(self, job: Job) -> None:
         """A copy landed without a handoff: main caches the prompt (the relay's output never
@@ -380,6 +459,8 @@ class Cluster:
         job.finished_at = where
         job.user_done = True
         self.unfinished -= 1
+        self._at_prefill[job.at_prefill] -= 1      # the router lets go of its servers
+        self._on_relay.discard(job)
         follower = self._next_turn.get(job.request.request_id)
         if follower is not None:           # the closed-loop client sends the next turn
             later, gap = follower

@@ -59,6 +59,11 @@ SETUP_LABELS = {
 
 
 PLACEMENTS = ("idle-line", "congestion-aware")
+# "profile": main-bound copies share the WAN as its profile's copy_order says (fair, or in the
+# order they started: the raw Mooncake sender before issue 34); "classed": issue 34's sender,
+# one line per main, needed-now first, preemption at a slice boundary, cache-only copies
+# dropped past a backlog (sim/wan_lines.py).
+WAN_LINES = ("profile", "classed")
 
 
 @dataclass(frozen=True)
@@ -117,10 +122,20 @@ class ClusterConfig:
     # the demo's router is; None: what it would configure from the line's own profile.
     router_wan_bytes_per_s: float | None = None
     router_wan_rtt_s: float | None = None
+    # How main-bound copies share the WAN (WAN_LINES). With "classed": the sender's slice
+    # (None: prefill.wan_engine.window_for_line of the router's line, as the prefill sizes it
+    # from its declared --pdd-wan-bandwidth-gbps / --pdd-wan-rtt-ms) and the backlog past which
+    # queued cache-only copies are dropped (--pdd-wan-cache-only-backlog-s; None: never). The
+    # sender's window is the line's per-flow window (wan_window_bytes or the profile's).
+    wan_line: str = "profile"
+    wan_slice_bytes: float | None = None
+    wan_cache_only_backlog_s: float | None = 10.0
 
     def __post_init__(self):
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        if self.wan_line not in WAN_LINES:
+            raise ValueError(f"wan_line must be one of {WAN_LINES}, got {self.wan_line!r}")
 
     @property
     def decode_hardware(self) -> str:

@@ -136,8 +136,10 @@ class HandoffProtocol:
             self._cancel_copy(job)
         elif job.main_ready:
             cluster.main_keeps_prompt(job)
-        # else the copy is still queued or in flight: cluster._main_has_kv caches the prompt
-        # when it lands and frees main's reservation.
+        else:
+            # The copy is still queued or in flight: cluster._main_has_kv caches the prompt
+            # when it lands and frees main's reservation; it only warms main's cache now.
+            cluster.copy_turns_cache_only(job)
 
     def _cancel_copy(self, job) -> None:
         """Singular traffic: stop main's WAN copy (the bytes not yet sent are saved)."""

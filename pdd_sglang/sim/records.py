@@ -24,7 +24,8 @@ class Job:
                  "main_uncached_tokens", "relay_abandoned",
                  "main_reserved", "prefill_index", "prefill_lane", "relay_hold_since_s",
                  "wan_started_s", "main_reserved_s", "dispatched_s", "router_to_prefill_s",
-                 "first_token_router_s", "registered")
+                 "first_token_router_s", "registered", "at_prefill", "budget_pipeline",
+                 "budget_verdict", "copy_dropped")
 
     def __init__(self, request):
         self.request = request
@@ -54,6 +55,10 @@ class Job:
         self.handoff_cancelled = False      # the relay answered alone; no handoff
         self.main_uncached_tokens = 0
         self.relay_abandoned = False
+        self.at_prefill = 0                 # the prefill it was sent to (router's count)
+        self.budget_pipeline = None         # placed by the TTFT budget at arrival (or None)
+        self.budget_verdict = None
+        self.copy_dropped = False           # main's cache-only copy was dropped (classed line)
         self.main_reserved = False
         self.prefill_index = 0
         self.prefill_lane = 0

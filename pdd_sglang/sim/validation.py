@@ -7,13 +7,21 @@ Life cycle (scripts/validate_sim.py drives it):
 2. ``calibrate`` fits what no microbenchmark measures, on the demo's latency point only
    (``latency_setups``: one conversation at a time): the hops that occupy no server
    (client -> router, router -> prefill registration with a local or a remote main, router ->
-   client) from the medians of the demo's own stage split, then the per-transfer fixed cost of
-   each link (loopback: same-DC, WAN: cross-DC) from the median kv_and_first_token left over
-   after the measured copy and decode step, and the line's A->B bytes per KV byte (its
-   counters over the prefill's ledger).
+   client) from the medians of the demo's own stage split; one compute-scale factor per role
+   (the profile was measured on one machine, the demo runs on another): prefill's from the
+   median prefill_forward, main's from the ITL P50 of the setups where main decodes every token
+   (the relay, the same server under the same quota, whose tokens the demo's ITL does not tell
+   apart from main's, takes main's); then the per-transfer fixed cost of each link (loopback:
+   same-DC, WAN: cross-DC) from the median kv_and_first_token left over after the copy and
+   decode step, and the line's A->B bytes per KV byte (its counters over the prefill's ledger).
 3. ``run_point`` replays a point's measured requests (prompt and output lengths, closed-loop
    per conversation as the demo's client sends them) through each setup with the calibrated
-   configuration, unchanged between points.
+   configuration, unchanged between points: the WAN as issue 34's sender drives it
+   (``wan_line="classed"``: needed-now first, preemption at a slice boundary, cache-only copies
+   dropped past the prefill's default backlog, each copy at most its window per RTT, the window
+   the prefill sizes from the line the demo declares to it), and each PDD setup's router with
+   the TTFT budget and prefill rate the demo gave it (its ``ttft_budget_s``,
+   ``router_prefill_tokens_per_s``; none for ``pdd_no_budget``).
 4. ``run_point`` compares: simulated / measured per quantity (``validation_json``), and per
    stage (P50, ``stage_table``) with the stage that differs most named where a quantity misses
    its band (``misses``); ``report_section`` renders it for report.md.
@@ -28,6 +36,8 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..policy import PolicyConfig
+from ..prefill.wan_engine import window_for_line
 from .cluster import ClusterConfig, Setup, simulate
 from .profiles import CONFIG_ROOT
 from .records import STAGES
@@ -37,6 +47,12 @@ QUANTITIES = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "itl_p50_ms", "wan_bytes
 BANDS = {"ttft_p50_s": (0.75, 1.33), "ttft_p90_s": (0.75, 1.33), "itl_p50_ms": (0.75, 1.33),
          "wan_bytes": (0.9, 1.1)}          # ttft_p99_s: reported, not bound
 REMOTE_MAIN = ("cross_dc_pd", "pdd")
+# The prefill's --pdd-wan-cache-only-backlog-s default (the demo leaves it): seconds of line.
+CACHE_ONLY_BACKLOG_S = 10.0
+# A server's time coefficients (profile_cpu.py's fit), which a role's compute scale multiplies.
+TIME_COEFFICIENTS = ("prefill_fixed_s", "prefill_s_per_token", "prefill_s_per_token_pair",
+                     "prefill_s_per_cached_token", "prefill_overhead_s", "decode_fixed_s",
+                     "decode_s_per_request", "decode_s_per_context_token", "step_overhead_s")
 
 
 def setup_of(name: str, default_placement: str) -> tuple[Setup, str] | None:
@@ -80,6 +96,10 @@ class Calibration:
     # A->B line bytes per KV byte sent (headers and retransmissions): measured A->B bytes over
     # the prefill ledger's KV bytes at the latency point (the profile's Mooncake figure if absent)
     wire_a_to_b_per_kv_byte: float = 0.0
+    # FITTED at the latency point: each role's server time over the profile's (1: as measured).
+    prefill_compute_scale: float = 1.0
+    relay_compute_scale: float = 1.0
+    main_compute_scale: float = 1.0
     notes: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
@@ -143,13 +163,30 @@ class Validator:
         with open(path, "rb") as handle:
             return float(tomllib.load(handle).get("per_transfer_fixed_s", 0.0))
 
-    def config(self, name: str) -> ClusterConfig:
+    def _hardware(self, role: str, scale: float) -> str:
+        """The measured server profile with its time coefficients times ``scale``."""
+        with open(self.profiles.hardware, "rb") as handle:
+            data = {k: v for k, v in tomllib.load(handle).items() if not isinstance(v, dict)}
+        for key in TIME_COEFFICIENTS:
+            if isinstance(data.get(key), (int, float)):
+                data[key] *= scale
+        out = self.tmp / f"hardware_{role}.toml"
+        out.write_text(_toml(data))
+        return str(out)
+
+    def config(self, name: str, entry: dict | None = None) -> ClusterConfig:
+        """The simulated cluster of a demo setup; ``entry`` (the setup's measured figures)
+        gives the TTFT budget and prefill rate its router was given, if any."""
         setup, placement = setup_of(name, self.placement)
         c = self.calibration
         registration = c.registration_remote_s if setup.behind_wan else c.registration_local_s
+        budget = (entry or {}).get("ttft_budget_s") if setup.has_relay else None
+        rate = (entry or {}).get("router_prefill_tokens_per_s") if budget else None
         return ClusterConfig(
-            setup=setup, model=str(self.model_path), prefill_hardware=str(self.profiles.hardware),
-            relay_hardware=str(self.profiles.hardware), main_hardware=str(self.profiles.hardware),
+            setup=setup, model=str(self.model_path),
+            prefill_hardware=self._hardware("prefill", c.prefill_compute_scale),
+            relay_hardware=self._hardware("relay", c.relay_compute_scale),
+            main_hardware=self._hardware("main", c.main_compute_scale),
             wan_link=self._link(self.profiles.wan, c.wan_fixed_s, "wan"),
             rdma_link=self._link(self.profiles.loopback, c.loopback_fixed_s, "loopback"),
             prefill_instances=1, relay_instances=1, main_instances=1,
@@ -158,7 +195,21 @@ class Validator:
             block_tokens=1, placement=placement,
             dispatch_latency_s=c.router_to_prefill_s + registration,
             router_to_prefill_s=c.router_to_prefill_s, router_to_client_s=c.router_to_client_s,
-            register_at_step_boundary=True, shared_host=True, **self.router_line())
+            register_at_step_boundary=True, shared_host=True,
+            policy=PolicyConfig(ttft_slo_s=budget or None, prefill_tokens_per_s=rate or None),
+            wan_line="classed", wan_cache_only_backlog_s=CACHE_ONLY_BACKLOG_S,
+            wan_window_bytes=self.sender_window_bytes(), **self.router_line())
+
+    def sender_window_bytes(self) -> float | None:
+        """The prefill's window for the line the demo declares to it (line.prefill_flags():
+        the line's rate and RTT), DECLARED by prefill.wan_engine.window_for_line; each copy
+        moves at most that window per measured RTT. None without the line's figures."""
+        line = self.measured.get("line") or {}
+        rate, rtt = line.get("rate_mbit"), line.get("rtt_ms")
+        if not (isinstance(rate, (int, float)) and rate > 0
+                and isinstance(rtt, (int, float)) and rtt > 0):
+            return None
+        return float(window_for_line(rate / 1e3, rtt).window_bytes)
 
     def router_line(self) -> dict:
         """The demo gives its router the emulated line's rate and RTT (--wan-gbps,
@@ -173,7 +224,7 @@ class Validator:
     def simulate(self, name: str, entry: dict):
         rows = sorted(_rows(entry), key=lambda r: (r["sent_at"], r["conversation"], r["turn"]))
         requests, warmup = replay_rows(rows, self.system, block_tokens=1)
-        summary, cluster = simulate(self.config(name), requests, warmup,
+        summary, cluster = simulate(self.config(name, entry), requests, warmup,
                                     follows=closed_loop(rows, requests))
         return summary, cluster
 
@@ -239,6 +290,7 @@ class Validator:
             loopback_fixed_s=self.measured_fixed(self.profiles.loopback),
             wan_fixed_s=self.measured_fixed(self.profiles.wan))
         self.calibration = c
+        self.fit_compute_scales(latency)
         # The line's A->B overhead on the KV: the latency point's line counters over its ledger.
         wire, kv = [], []
         for name in REMOTE_MAIN:
@@ -270,6 +322,36 @@ class Validator:
                                   f"kv_and_first_token {measured:.3f} s at the latency point)")
         return c
 
+    def fit_compute_scales(self, latency: dict) -> None:
+        """One compute-scale factor per role, FITTED at the latency point with the profile's
+        coefficients (scale 1): prefill's, the geometric mean over the latency setups of the
+        measured median prefill_forward over the simulated; main's, of the measured ITL P50 over
+        the simulated where main decodes every token (same-DC and naive cross-DC PD); the
+        relay's is main's (the demo's ITL does not tell their tokens apart)."""
+        c = self.calibration
+        prefill, main = [], []
+        for name, entry in latency.items():
+            summary, _ = self.simulate(name, entry)
+            measured = _median(_stage_values([entry], "prefill_forward"))
+            simulated = summary.stages_s["prefill_forward"]["p50"]
+            if measured > 0 and simulated > 0:
+                prefill.append((name, measured / simulated))
+            itl = entry.get("itl_p50_ms")
+            if (name in ("same_dc_pd", "cross_dc_pd") and isinstance(itl, (int, float))
+                    and itl > 0 and summary.itl_p50_ms > 0):
+                main.append((name, itl / summary.itl_p50_ms))
+        for attribute, ratios, what in (
+                ("prefill_compute_scale", prefill, "median prefill_forward"),
+                ("main_compute_scale", main, "ITL P50")):
+            if ratios:
+                setattr(c, attribute, math.exp(statistics.fmean(math.log(r) for _, r in ratios)))
+                c.notes[attribute] = (f"FITTED at the latency point: geometric mean of measured "
+                                      f"/ simulated {what} at the profile's coefficients ("
+                                      + ", ".join(f"{n} {r:.3f}" for n, r in ratios) + ")")
+        c.relay_compute_scale = c.main_compute_scale
+        c.notes["relay_compute_scale"] = ("DECLARED = main_compute_scale: the same server under "
+                                          "the same quota; the demo's ITL mixes both")
+
     # --- comparing -----------------------------------------------------------------------
     def run_point(self, setups: dict) -> dict:
         """{setup: {"ratios": .., "simulated": .., "measured": .., "stages": ..}}."""
@@ -290,6 +372,7 @@ class Validator:
                          "measured_kv_bytes_over_wan": entry.get("kv_bytes_over_wan"),
                          "simulated_main_hit": summary.main_hit,
                          "measured_main_hit": entry.get("main_token_hit"),
+                         "line_by_class": line_by_class(cluster, entry),
                          "stages": stages, "misses": misses(ratios, stages, summary, entry)}
         return out
 
@@ -309,6 +392,18 @@ def closed_loop(rows: list, requests: list) -> dict:
                 follows[request.request_id] = (prev_request.request_id, gap)
         last[key] = (row, request)
     return follows
+
+
+def line_by_class(cluster, entry: dict) -> dict:
+    """Main-bound KV bytes by copy class and cache-only bytes dropped: simulated (the classed
+    line) and measured (the prefill's /pdd/line over the setup, demo.json's
+    wan_line_by_class), payload bytes both."""
+    wan = cluster.wan
+    simulated = ({"needed_now_sent_bytes": wan.sent_by_class["needed_now"],
+                  "cache_only_sent_bytes": wan.sent_by_class["cache_only"],
+                  "dropped_cache_only_bytes": wan.dropped_cache_only_bytes}
+                 if hasattr(wan, "sent_by_class") else None)
+    return {"simulated": simulated, "measured": entry.get("wan_line_by_class")}
 
 
 def stage_table(entry: dict, simulated: dict) -> dict:

@@ -155,3 +155,40 @@ def test_the_simulated_router_is_told_the_demos_line(tmp_path):
     assert config.router_wan_bytes_per_s == pytest.approx(line["rate_mbit"] * 1e6 / 8)
     assert config.router_wan_rtt_s == pytest.approx(line["rtt_ms"] / 1e3)
     assert config.placement == "idle-line"
+
+
+def test_each_role_gets_a_compute_scale_fitted_at_the_latency_point(tmp_path):
+    """Issue 34 item 4: the profile is measured on one machine and the demo runs on another; a
+    profile twice as slow as the first is fitted a prefill and a main scale half as large."""
+    measured = json.loads(DEMO.read_text())
+    fitted = []
+    for slow in (1.0, 2.0):
+        profiles = _write_profile(tmp_path / f"profile{slow}")
+        text = profiles.hardware.read_text()
+        for key, value in (("prefill_fixed_s", 0.05), ("prefill_s_per_token", 0.0005),
+                           ("decode_fixed_s", 0.04), ("decode_s_per_request", 0.01)):
+            text = text.replace(f"{key} = {value}\n", f"{key} = {value * slow}\n")
+        profiles.hardware.write_text(text)
+        (tmp_path / f"v{slow}").mkdir()
+        validator = Validator(measured, profiles, "tiny_cpu", tmp_path / f"v{slow}")
+        fitted.append(validator.calibrate())
+    fast, slow = fitted
+    assert slow.prefill_compute_scale == pytest.approx(fast.prefill_compute_scale / 2, rel=0.05)
+    assert slow.main_compute_scale == pytest.approx(fast.main_compute_scale / 2, rel=0.1)
+    assert fast.relay_compute_scale == fast.main_compute_scale
+    assert "FITTED" in fast.notes["prefill_compute_scale"]
+
+
+def test_the_simulated_pdd_setups_get_their_routers_budget_and_the_classed_line(tmp_path):
+    from pdd_sglang.prefill.wan_engine import window_for_line
+    measured = json.loads(DEMO.read_text())
+    validator = Validator(measured, _write_profile(tmp_path / "profile"), "tiny_cpu", tmp_path)
+    entry = {"ttft_budget_s": 1.2, "router_prefill_tokens_per_s": 900.0}
+    pdd = validator.config("pdd", entry)
+    assert (pdd.policy.ttft_slo_s, pdd.policy.prefill_tokens_per_s) == (1.2, 900.0)
+    assert validator.config("pdd_no_budget", {"ttft_budget_s": None}).policy.ttft_slo_s is None
+    assert validator.config("cross_dc_pd", entry).policy.ttft_slo_s is None   # no relay
+    line = measured["line"]
+    assert pdd.wan_line == "classed" and pdd.wan_cache_only_backlog_s == 10.0
+    assert pdd.wan_window_bytes == window_for_line(line["rate_mbit"] / 1e3,
+                                                   line["rtt_ms"]).window_bytes

@@ -1,0 +1,275 @@
+"""The WAN line as prefill's sender drives it since issue 34 (pdd_sglang/prefill/wan_lines.py and
+wan_engine.py), for ``ClusterConfig(wan_line="classed")``.
+
+What the sender does, and how it is modelled here:
+
+1. **One line per main, one copy on it at a time.** Main-bound copies queue per destination (a
+   main); one sender writes one copy of a line at a time (the line's *holder*). Lines to several
+   mains share the physical line fairly.
+2. **The copy's rate** is min(its line's share, window / RTT): the sender keeps ``window_bytes``
+   in flight (``prefill.wan_engine.window_for_line``: two bandwidth-delay products of the
+   declared line plus a slice), the line's profile gives the RTT.
+3. **Order**: needed-now before cache-only, and within a class the least remaining bytes first
+   (ties: the earlier copy). Every copy starts needed-now; :meth:`ClassedLink.set_cache_only`
+   turns one cache-only (its relay answered alone).
+4. **Preemption at a slice boundary.** A needed-now copy queued behind a cache-only holder takes
+   the line once the holder reaches its next slice boundary after the bytes it already handed to
+   the transport (the window): bytes ``ceil((sent + window) / slice) x slice``, at most its size.
+   The yielded copy goes back to its line with its progress.
+5. **Dropping.** When the bytes ahead on a line (queued and the holder's remaining) exceed
+   ``backlog_s`` seconds of the line alone (min(rate, window / RTT), what the sender measures
+   when nothing else shares the line), its queued cache-only copies are dropped, newest first,
+   down to that bound (the holder is never dropped). A dropped copy calls its ``on_dropped``:
+   main frees the request's slots, and main's cache does not get the prompt.
+
+Events: a copy's last byte then reaches the far end after the one-way delay, jitter and the
+transfer's fixed cost (link.FlowDelivered), as on the other lines. Deterministic: ties break by
+arrival order, jitter comes from the simulator's seeded generator.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .engine import Callback, Simulator
+from .link import TIME_STEPS_TOLERANCE, FairShareLink, FlowDelivered, LinkCheck
+from .profiles import LinkProfile
+
+NEEDED_NOW = "needed_now"
+CACHE_ONLY = "cache_only"
+
+
+class Copy:
+    """One main-bound copy on a classed line (the link's flow)."""
+
+    __slots__ = ("flow_id", "size_bytes", "sent", "copy_class", "dest", "on_delivered",
+                 "on_dropped", "active", "delivered_bytes", "yield_at", "dropped")
+
+    def __init__(self, flow_id, size_bytes, dest, on_delivered, on_dropped):
+        self.flow_id = flow_id
+        self.size_bytes = float(size_bytes)
+        self.sent = 0.0
+        self.copy_class = NEEDED_NOW
+        self.dest = dest
+        self.on_delivered = on_delivered
+        self.on_dropped = on_dropped
+        self.active = True            # queued or being sent
+        self.delivered_bytes = 0.0
+        self.yield_at = None          # bytes at which it leaves the line for a needed-now copy
+        self.dropped = False
+
+    @property
+    def remaining(self) -> float:
+        return self.size_bytes - self.sent
+
+    def rank(self) -> tuple:
+        return (self.copy_class == CACHE_ONLY, self.remaining, self.flow_id)
+
+
+class _Line:
+    __slots__ = ("queued", "holder")
+
+    def __init__(self):
+        self.queued: list = []        # arrival order (a yielded copy goes to the back)
+        self.holder: Copy | None = None
+
+
+class ClassedLink(FairShareLink):
+    """The WAN line of issue 34's sender (see the module docstring). The interface of
+    link.FairShareLink (start_flow, remaining_bytes, cancel_flow, message_delay, byte counters),
+    plus a copy's destination and class, dropping, and the bytes ahead per class."""
+
+    def __init__(self, sim: Simulator, profile: LinkProfile, slice_bytes: float,
+                 backlog_s: float | None, name: str = "wan"):
+        super().__init__(sim, profile, name)
+        if not slice_bytes > 0:
+            raise ValueError(f"{name}: slice_bytes must be > 0, got {slice_bytes!r}")
+        if backlog_s is not None and not backlog_s > 0:
+            raise ValueError(f"{name}: backlog_s must be > 0 or None, got {backlog_s!r}")
+        self.window_bytes = profile.window_bytes
+        self.slice_bytes = float(slice_bytes)
+        self.backlog_s = backlog_s
+        self._lines: dict = {}
+        self._last = 0.0
+        self.sent_by_class = {NEEDED_NOW: 0.0, CACHE_ONLY: 0.0}
+        self.dropped_cache_only_bytes = 0.0
+        self.dropped_copies = 0
+
+    # --- what the rest of the simulator asks -------------------------------------------
+    @property
+    def active_flows(self) -> int:
+        return sum(len(line.queued) + (line.holder is not None) for line in self._lines.values())
+
+    def alone_rate(self) -> float:
+        return self.flow_rate(1)
+
+    def message_delay(self, size_bytes: float) -> float:
+        """A small control message on an open connection (as link.FairShareLink)."""
+        self.messages_sent += 1
+        self.bytes_sent += size_bytes
+        self.bytes_received += size_bytes
+        return self.one_way_s + self.jitter() + size_bytes / self.flow_rate(self._holders() + 1)
+
+    def remaining_bytes(self, flow: Copy) -> float:
+        if not flow.active:
+            return 0.0
+        self._advance()
+        return max(flow.remaining, 0.0)
+
+    def needed_now_bytes_ahead(self, dest) -> float:
+        """What a new needed-now copy to `dest` waits behind (the prefill's
+        ``needed_now_bytes_ahead``): the needed-now bytes queued or being written, and a
+        cache-only holder's window in flight."""
+        line = self._lines.get(dest)
+        if line is None:
+            return 0.0
+        self._advance()
+        ahead = sum(c.remaining for c in line.queued if c.copy_class == NEEDED_NOW)
+        holder = line.holder
+        if holder is not None:
+            ahead += (holder.remaining if holder.copy_class == NEEDED_NOW
+                      else min(holder.remaining, self.window_bytes or self.slice_bytes))
+        return ahead
+
+    # --- copies --------------------------------------------------------------------------
+    def start_flow(self, size_bytes: float, on_delivered, dest=0, on_dropped=None) -> Copy:
+        """Queue a needed-now copy of size_bytes to `dest`; on_delivered() once its last byte
+        arrived, on_dropped() if it is dropped while cache-only."""
+        if size_bytes < 0:
+            raise ValueError("flow size must be >= 0")
+        self._advance()
+        self._next_id += 1
+        copy = Copy(self._next_id, size_bytes, dest, on_delivered, on_dropped)
+        line = self._lines.setdefault(dest, _Line())
+        line.queued.append(copy)
+        self._preempt(line)
+        self._serve(line)
+        self._drop_past_backlog(line)
+        self._reschedule()
+        return copy
+
+    def set_cache_only(self, copy: Copy) -> None:
+        """The copy's relay answered alone: it only warms main's cache now."""
+        if not copy.active or copy.copy_class == CACHE_ONLY:
+            return
+        self._advance()
+        copy.copy_class = CACHE_ONLY
+        line = self._lines[copy.dest]
+        self._preempt(line)
+        self._drop_past_backlog(line)
+        self._reschedule()
+
+    def cancel_flow(self, copy: Copy) -> float:
+        """Stop a copy; returns the bytes it had pushed (they still arrive, unused)."""
+        if not copy.active:
+            return 0.0
+        self._advance()
+        pushed = self._leave(copy)
+        self._serve(self._lines[copy.dest])
+        self._reschedule()
+        return pushed
+
+    # --- the line's clock ----------------------------------------------------------------
+    def _holders(self) -> int:
+        return sum(1 for line in self._lines.values() if line.holder is not None)
+
+    def _advance(self) -> None:
+        now = self.sim.now
+        holders = [line.holder for line in self._lines.values() if line.holder is not None]
+        if holders and now > self._last:
+            moved = (now - self._last) * self.flow_rate(len(holders))
+            for holder in holders:
+                step = min(moved, holder.remaining)
+                holder.sent += step
+                self.sent_by_class[holder.copy_class] += step
+        self._last = now
+
+    def _target(self, holder: Copy) -> float:
+        return holder.size_bytes if holder.yield_at is None else holder.yield_at
+
+    def _reschedule(self) -> None:
+        self.version += 1
+        holders = [line.holder for line in self._lines.values() if line.holder is not None]
+        if not holders:
+            return
+        rate = self.flow_rate(len(holders))
+        delay = min((self._target(h) - h.sent) / rate for h in holders)
+        tolerance = TIME_STEPS_TOLERANCE * math.ulp(max(self.sim.now, 1.0))
+        self.sim.schedule(max(delay, tolerance), LinkCheck(self, self.version))
+
+    def _complete_due_flows(self) -> None:
+        """A holder may have reached its target (sent whole, or its yield boundary)."""
+        self._advance()
+        holders = [line.holder for line in self._lines.values() if line.holder is not None]
+        slack = (TIME_STEPS_TOLERANCE * math.ulp(max(self.sim.now, 1.0))
+                 * self.flow_rate(len(holders)))
+        for line in list(self._lines.values()):
+            holder = line.holder
+            if holder is None or holder.sent + slack < self._target(holder):
+                continue
+            holder.sent = self._target(holder)
+            line.holder = None
+            if holder.sent >= holder.size_bytes:      # sent whole: it lands after the delay
+                holder.active = False
+                self.bytes_sent += holder.size_bytes
+                self.sim.schedule(self.one_way_s + self.jitter() + self.transfer_fixed_s,
+                                  FlowDelivered(self, holder))
+            else:                                      # yields to a needed-now copy
+                holder.yield_at = None
+                line.queued.append(holder)
+            self._serve(line)
+        self._reschedule()
+
+    # --- order, preemption, dropping -----------------------------------------------------
+    def _serve(self, line: _Line) -> None:
+        if line.holder is None and line.queued:
+            best = min(line.queued, key=Copy.rank)
+            line.queued.remove(best)
+            line.holder = best
+        if line.holder is None and not line.queued:
+            for dest, other in list(self._lines.items()):
+                if other is line:
+                    del self._lines[dest]
+
+    def _preempt(self, line: _Line) -> None:
+        """A cache-only holder with a needed-now copy waiting leaves at its next slice boundary
+        after its window in flight."""
+        holder = line.holder
+        if (holder is None or holder.copy_class != CACHE_ONLY or holder.yield_at is not None
+                or not any(c.copy_class == NEEDED_NOW for c in line.queued)):
+            return
+        handed = holder.sent + self.window_bytes
+        boundary = math.ceil(handed / self.slice_bytes) * self.slice_bytes
+        holder.yield_at = min(max(boundary, holder.sent), holder.size_bytes)
+
+    def _drop_past_backlog(self, line: _Line) -> None:
+        if self.backlog_s is None:
+            return
+        keep = self.backlog_s * self.alone_rate()
+        ahead = sum(c.remaining for c in line.queued)
+        if line.holder is not None:
+            ahead += line.holder.remaining
+        for copy in reversed(list(line.queued)):
+            if ahead <= keep:
+                break
+            if copy.copy_class == CACHE_ONLY:
+                ahead -= copy.remaining
+                self.dropped_cache_only_bytes += copy.remaining
+                self.dropped_copies += 1
+                copy.dropped = True
+                self._leave(copy)
+                if copy.on_dropped is not None:
+                    self.sim.schedule(0.0, Callback(copy.on_dropped))
+
+    def _leave(self, copy: Copy) -> float:
+        """Take a copy off its line (cancelled or dropped); the bytes it pushed still arrive."""
+        line = self._lines[copy.dest]
+        if line.holder is copy:
+            line.holder = None
+        else:
+            line.queued.remove(copy)
+        copy.active = False
+        self.bytes_sent += copy.sent
+        self.bytes_received += copy.sent
+        copy.delivered_bytes = copy.sent
+        return copy.sent

@@ -1,0 +1,172 @@
+"""Issue 34 item 4: the simulator's WAN line as prefill's sender drives it (sim/wan_lines.py):
+needed-now first, shortest remaining first within a class, preemption at a slice boundary after
+the window in flight, cache-only copies dropped past the backlog, each copy at most its window
+per RTT; and TTFT-budget placement taken from pdd_sglang.policy."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from pdd_sglang import policy
+from pdd_sglang.policy import Pipeline, PolicyConfig
+from pdd_sglang.sim import cluster as cluster_module
+from pdd_sglang.sim.cluster import ClusterConfig, Setup, simulate
+from pdd_sglang.sim.engine import Callback, Simulator
+from pdd_sglang.sim.profiles import LinkProfile
+from pdd_sglang.sim.wan_lines import CACHE_ONLY, NEEDED_NOW, ClassedLink
+from pdd_sglang.sim.workload import Request
+
+
+def _line(rate=1000.0, rtt=0.0, window=0.0, slice_bytes=1000.0, backlog_s=None):
+    sim = Simulator(0)
+    profile = LinkProfile("test line", "test", bytes_per_s=rate, rtt_s=rtt, jitter_s=0.0,
+                          cost_per_hour=0.0, window_bytes=window)
+    return sim, ClassedLink(sim, profile, slice_bytes, backlog_s)
+
+
+def _copy(sim, line, size, name, done, dest=0, dropped=None):
+    return line.start_flow(size, lambda: done.append((name, round(sim.now, 6))), dest=dest,
+                           on_dropped=(lambda: dropped.append(name)) if dropped is not None
+                           else None)
+
+
+def test_needed_now_goes_first_then_the_least_remaining_within_a_class():
+    sim, line = _line()
+    done = []
+    _copy(sim, line, 5000, "holder", done)
+    big, small = _copy(sim, line, 3000, "big", done), _copy(sim, line, 1000, "small", done)
+    cache = _copy(sim, line, 500, "cache-only", done)
+    line.set_cache_only(cache)
+    assert (big.copy_class, cache.copy_class) == (NEEDED_NOW, CACHE_ONLY)
+    sim.run()
+    # The holder is not preempted by needed-now copies; then small, big, and cache-only last
+    # though it is the shortest.
+    assert done == [("holder", 5.0), ("small", 6.0), ("big", 9.0), ("cache-only", 9.5)]
+    assert line.sent_by_class == {NEEDED_NOW: 9000.0, CACHE_ONLY: 500.0}
+
+
+@pytest.mark.parametrize("window, yield_at_s", [(0.0, 3.0), (1500.0, 4.0)])
+def test_a_needed_now_copy_overtakes_a_cache_only_one_at_its_next_slice_after_the_window(
+        window, yield_at_s):
+    # An RTT of ~0: the window never caps the rate, it only sets how far the holder has run
+    # ahead of the wire.
+    sim, line = _line(rtt=1e-9, window=window)
+    done = []
+    warm = _copy(sim, line, 10_000, "cache-only", done)
+    line.set_cache_only(warm)
+    sim.at(2.5, Callback(_copy, sim, line, 500, "needed-now", done))
+    sim.run()
+    # Yields at the first 1000-byte slice boundary past 2500 bytes sent plus the window, then
+    # resumes where it left off.
+    assert done == [("needed-now", yield_at_s + 0.5), ("cache-only", 10.5)]
+
+
+def test_queued_cache_only_copies_past_the_backlog_are_dropped_newest_first_never_needed_now():
+    sim, line = _line(backlog_s=2.0)          # 2 s of a 1000 B/s line: 2000 bytes ahead
+    done, dropped = [], []
+    _copy(sim, line, 1500, "holder", done, dropped=dropped)
+    first = _copy(sim, line, 300, "older", done, dropped=dropped)
+    second = _copy(sim, line, 400, "newer", done, dropped=dropped)
+    _copy(sim, line, 900, "needed-now", done, dropped=dropped)   # 3100 ahead: none cache-only
+    line.set_cache_only(first)                                   # still 3100: drop older
+    assert first.dropped and not second.dropped
+    line.set_cache_only(second)                                  # 2800: drop newer too
+    sim.run()
+    assert dropped == ["older", "newer"]
+    assert [name for name, _ in done] == ["holder", "needed-now"]
+    assert line.dropped_cache_only_bytes == 700 and line.dropped_copies == 2
+    assert line.bytes_received == 2400
+
+
+def test_a_copy_moves_at_most_its_window_per_rtt_and_lines_to_two_mains_share_the_wire():
+    sim, line = _line(rate=1000.0, rtt=1.0, window=400.0)   # 400 B/s per copy: window-bound
+    done = []
+    _copy(sim, line, 800, "alone", done)
+    sim.run()
+    assert done == [("alone", 2.5)]                          # 2 s on the wire + one way
+    sim, line = _line(rate=1000.0, rtt=0.0)
+    done = []
+    _copy(sim, line, 1000, "main-a", done, dest="a")
+    _copy(sim, line, 1000, "main-b", done, dest="b")
+    _copy(sim, line, 1000, "main-a again", done, dest="a")   # waits for its own line
+    sim.run()
+    assert done == [("main-a", 2.0), ("main-b", 2.0), ("main-a again", 3.0)]
+
+
+def test_a_new_needed_now_copy_waits_behind_its_class_and_a_cache_only_holders_window():
+    sim, line = _line(rtt=1e-9, window=300.0)
+    done = []
+    warm = _copy(sim, line, 10_000, "cache-only", done)
+    line.set_cache_only(warm)
+    line.set_cache_only(_copy(sim, line, 5000, "queued cache-only", done))
+    assert line.needed_now_bytes_ahead(0) == 300             # the holder's window only
+    _copy(sim, line, 700, "needed-now", done)
+    assert line.needed_now_bytes_ahead(0) == 1000
+    cancelled = _copy(sim, line, 200, "cancelled", done)
+    assert line.needed_now_bytes_ahead(0) == 1200
+    assert line.cancel_flow(cancelled) == 0.0 and not cancelled.active
+    assert line.needed_now_bytes_ahead(0) == 1000
+
+
+# --- the cluster on the classed line, placing by the TTFT budget -------------------------------
+
+def _request(i, arrival_s, tokens, output_tokens=64):
+    blocks = tuple(range(i * 1000, i * 1000 + -(-tokens // 512)))
+    return Request(request_id=i, arrival_s=arrival_s, input_tokens=tokens,
+                   output_tokens=output_tokens, prompt_blocks=blocks, context_blocks=blocks,
+                   conversation_id=i)
+
+
+def _requests(count=6, gap_s=0.5, tokens=4000):
+    return [_request(i, i * gap_s, tokens) for i in range(count)]
+
+
+def _pipelines(cluster) -> dict:
+    return dict(Counter(job.pipeline.value for job in cluster.jobs))
+
+
+def _budget_cluster(budget_s, relay_max_running=32):
+    return ClusterConfig(setup=Setup.PDD, wan_link="wan_10g", wan_line="classed",
+                         placement="congestion-aware", relay_max_running=relay_max_running,
+                         policy=PolicyConfig(ttft_slo_s=budget_s, prefill_tokens_per_s=50_000.0))
+
+
+def test_budget_placement_is_the_policys_and_follows_the_budget(monkeypatch):
+    calls = []
+    real = policy.place_by_ttft_budget
+
+    def spy(main, budget_s, relay_utilisation, cfg):
+        calls.append((main, budget_s, relay_utilisation))
+        return real(main, budget_s, relay_utilisation, cfg)
+
+    monkeypatch.setattr(cluster_module.policy, "place_by_ttft_budget", spy)
+    requests = _requests()
+    _, cluster = simulate(_budget_cluster(60.0), requests)
+    assert len(calls) == len(requests) and all(b == 60.0 for _, b, _ in calls)
+    assert _pipelines(cluster) == {Pipeline.PREFILL_MAIN.value: len(requests)}
+    calls.clear()
+    _, cluster = simulate(_budget_cluster(0.001), requests)
+    assert _pipelines(cluster) == {Pipeline.PREFILL_RELAY_MAIN.value: len(requests)}
+    assert all(0 <= u < 1 for _, _, u in calls)              # the relay had headroom
+    assert {job.budget_verdict for job in cluster.jobs} == {policy.BudgetVerdict.OVER}
+
+
+def test_a_full_relay_sends_requests_through_main_over_budget():
+    summary, cluster = simulate(_budget_cluster(0.001, relay_max_running=1), _requests(gap_s=0.0))
+    pipelines = [job.pipeline for job in cluster.jobs]
+    assert pipelines[0] is Pipeline.PREFILL_RELAY_MAIN
+    assert pipelines.count(Pipeline.PREFILL_MAIN) == len(pipelines) - 1   # the relay is full
+
+
+def test_a_relay_that_answers_alone_makes_main_copy_cache_only_on_the_classed_line():
+    # A long prompt over a slow line: the relay's 4 tokens finish long before main's copy.
+    # (Under the singular filter's 32768 tokens: its copy goes on, only cache-only.)
+    requests = [_request(0, 0.0, 20_000, output_tokens=4)]
+    cfg = ClusterConfig(setup=Setup.PDD, wan_link="wan_10g", wan_line="classed",
+                        wan_bandwidth_scale=0.01)
+    summary, cluster = simulate(cfg, requests)
+    assert cluster.jobs[0].finished_at == "relay"
+    assert cluster.wan.sent_by_class[CACHE_ONLY] > 0
+    assert cluster.wan.sent_by_class[NEEDED_NOW] > 0
