@@ -15,9 +15,10 @@ The hooks hold no state: per-server state lives on the object SGLang hands in (t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 if TYPE_CHECKING:
+    from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.common.conn import AbortNotification, CommonKVReceiver
     from sglang.srt.disaggregation.common.utils import TransferKVChunk
     from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
@@ -118,13 +119,26 @@ def attach_route(receiver: CommonKVReceiver, req: Req) -> None:
     attach(receiver, req)
 
 
-def receiver_metadata(receiver: CommonKVReceiver, decode_prefix_len: Optional[int]) -> tuple:
-    """``(required_dst_info_num, extra_frames)`` for a receiver's transfer metadata."""
+def receiver_metadata(receiver: CommonKVReceiver, decode_prefix_len: Optional[int],
+                      kv_indices: Any = None) -> tuple:
+    """``(required_dst_info_num, extra_frames)`` for a receiver's transfer metadata; a main's
+    hello may offer a staging range for coded KV of the pages ``kv_indices`` (patch 0020)."""
     if pdd_role() is None:
         return receiver.required_dst_info_num, []
     from pdd_sglang.decode.destination import receiver_metadata as metadata
 
-    return metadata(receiver, decode_prefix_len)
+    return metadata(receiver, decode_prefix_len, kv_indices)
+
+
+# ---- main: coded WAN KV decoded before the room lands: patch 0020 -----------------------------
+def receiver_concluding(receiver: CommonKVReceiver, status: KVPoll) -> KVPoll:
+    """A receiver's poll first sees its room Success or Failed (scheduler thread): main decodes
+    a coded copy into its pages first; Failed when it does not decode."""
+    if pdd_role() != "main":
+        return status
+    from pdd_sglang.decode.destination import concluding
+
+    return concluding(receiver, status)
 
 
 # ---- prefill side: patches 0006 (the fan-out owns its rooms), 0007 (WAN path) -----------------

@@ -34,6 +34,10 @@ The points:
 ``main_wan_kv_landed(main, req, start)``
     Main, scheduler thread: ``req``'s KV from position ``start`` crossed the WAN and is about to
     be hashed for ``--pdd-enable-kv-digest`` (it may be changed in place, as damage would).
+``main_staged_kv(req, view)``
+    Main, scheduler thread: ``req``'s coded WAN copy (``view``, its staging range: the end
+    record, then the records, :mod:`pdd_sglang.kv_codec.wire`) has landed and is about to be
+    checked and decoded into its pages (it may be changed in place, as damage would).
 ``before_send(work)``
     Prefill, a sender thread, before it writes one :class:`~pdd_sglang.prefill.room.Work` (one
     chunk to one destination; ``work.role`` says which). May sleep: it holds that sender only.
@@ -63,6 +67,9 @@ class Aids:
         return running_batch
 
     def main_wan_kv_landed(self, main: Any, req: Any, start: int) -> None:
+        return None
+
+    def main_staged_kv(self, req: Any, view: Any) -> None:
         return None
 
     def before_send(self, work: Any) -> None:

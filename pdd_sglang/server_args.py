@@ -88,6 +88,21 @@ class PddArgs(msgspec.Struct):
         "cache) are dropped; prefill frees their KV and main is told, not taken out. 0: never "
         "drop. Default: 10.",
     ] = 10.0
+    pdd_wan_kv_codec: A[
+        Literal["auto", "raw", "lossless", "fp8"],
+        "PDD prefill: how KV crosses the WAN to a main that offers a staging range. 'auto' codes "
+        "a copy losslessly (byte planes + zstd, bit-exact) where that shortens it on the line "
+        "--pdd-wan-bandwidth-gbps declares (pdd_sglang.policy.wan_codec), else raw; 'raw' and "
+        "'lossless' force one; 'fp8' (e4m3, a scale per row) is lossy: not token-exact, and "
+        "refused with --pdd-enable-kv-digest. Main decodes a coded copy into its pages before "
+        "the request counts as landed. Default: auto.",
+    ] = "auto"
+    pdd_wan_staging_mb: A[
+        float,
+        "PDD main: MiB of host memory registered with its Mooncake engine that prefill writes "
+        "coded KV into (one range per room, freed once it has landed or failed); a room that "
+        "does not fit is sent raw. 0: no staging, every copy raw. Default: 64.",
+    ] = 64.0
     pdd_relay_bootstrap_timeout: A[
         float,
         "PDD prefill: seconds to wait, after a main registers for a P->RLD->MD request, for its "
@@ -375,6 +390,13 @@ def _check_handoff_flags(cfg: Any) -> None:
                              f"{cfg.pdd_wan_cache_only_backlog_s}")
     if cfg.pdd_wan_window_mb < 0:
         raise PddConfigError(f"--pdd-wan-window-mb must be >= 0, got {cfg.pdd_wan_window_mb}")
+    if cfg.pdd_wan_staging_mb < 0:
+        raise PddConfigError(f"--pdd-wan-staging-mb must be >= 0, got {cfg.pdd_wan_staging_mb}")
+    if cfg.pdd_wan_kv_codec == "fp8" and cfg.pdd_enable_kv_digest:
+        raise PddConfigError(
+            "--pdd-wan-kv-codec fp8 with --pdd-enable-kv-digest: FP8 is lossy, so main's copy "
+            "would never match the relay's and every handoff would fail its digest; use "
+            "--pdd-wan-kv-codec lossless (bit-exact) or drop the digest")
     for flag in ("pdd_relay_bootstrap_timeout", "pdd_main_bootstrap_timeout"):
         if getattr(cfg, flag) <= 0:
             raise PddConfigError(

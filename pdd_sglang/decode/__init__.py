@@ -55,3 +55,11 @@ def _handoff_state(scheduler: Any, kv_mgr: Any) -> Any:
 
 
 register_state("handoff", _handoff_state)
+
+
+def _staging_state(scheduler: Any, kv_mgr: Any) -> Any:
+    staging = getattr(kv_mgr, "pdd_staging", None)
+    return OMIT if staging is None else staging.state()
+
+
+register_state("wan_staging", _staging_state)

@@ -19,6 +19,7 @@ Life cycle of a request on a PDD decode server (relay or main), up to its KV arr
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any
 
 from pdd_sglang.protocol.messages import DestinationHello, encode, tp_refusal
@@ -34,6 +35,7 @@ def this_server_role() -> str | None:
 
 
 def attach_route(receiver: Any, req: Any) -> None:
+    receiver.pdd_request = weakref.ref(req)  # its staged copy's request (seam.main_staged_kv)
     try:
         receiver.pdd_route = route_of(getattr(req, "kv_hints", None))
     except RouteError as err:
@@ -43,7 +45,8 @@ def attach_route(receiver: Any, req: Any) -> None:
         req.set_finish_with_abort(f"PDD route refused: {err}")
 
 
-def receiver_metadata(receiver: Any, decode_prefix_len: int | None) -> tuple[int, list]:
+def receiver_metadata(receiver: Any, decode_prefix_len: int | None,
+                      kv_indices: Any = None) -> tuple[int, list]:
     """``(required_dst_info_num, extra_frames)`` for this receiver's metadata message."""
     route = getattr(receiver, "pdd_route", None)
     role = this_server_role()
@@ -54,11 +57,65 @@ def receiver_metadata(receiver: Any, decode_prefix_len: int | None) -> tuple[int
     refusal = None if prefill_tp is None else tp_refusal(role, tp_size, int(prefill_tp))
     if refusal is not None:  # prefill refuses the hello
         logger.error("PDD: room %s will fail: %s", receiver.bootstrap_room, refusal)
+    staging_addr = staging_bytes = 0
+    if role == "main" and kv_indices is not None and prefill_tp == tp_size:
+        # Coded KV (issue 36) only where one prefill rank writes this rank's whole pages.
+        staging = staging_for(receiver.kv_mgr)
+        if staging is not None:
+            staging_addr, staging_bytes = staging.offer(receiver, int(receiver.bootstrap_room),
+                                                        kv_indices)
     hello = DestinationHello(
         room=int(receiver.bootstrap_room),
         role=role,
         destinations=route.destinations,
         prefix_tokens=int(decode_prefix_len or 0),
         tp_size=tp_size,
+        staging_addr=staging_addr,
+        staging_bytes=staging_bytes,
     )
     return receiver.required_dst_info_num * route.destinations, [encode(hello)]
+
+
+_NO_STAGING = object()
+
+
+def staging_for(kv_mgr: Any) -> Any:
+    """The main's staging region (:mod:`pdd_sglang.decode.wan_staging`), made and registered
+    with its Mooncake engine on first use (``--pdd-wan-staging-mb``); None at 0 MiB or when it
+    cannot be made (then every copy to this main goes raw)."""
+    staging = getattr(kv_mgr, "pdd_staging", _NO_STAGING)
+    if staging is _NO_STAGING:
+        from sglang.srt.runtime_context import get_server_args
+
+        from pdd_sglang.decode.wan_staging import MainStaging
+
+        args = get_server_args()
+        size = int(float(getattr(args, "pdd_wan_staging_mb", 0) or 0) * (1 << 20))
+        staging = None
+        if size > 0:
+            try:
+                staging = MainStaging(kv_mgr, size, str(getattr(args, "device", "cpu")))
+                logger.info("PDD: main's staging region for coded WAN KV: %.1f MiB at %#x",
+                            size / (1 << 20), staging.addr)
+            except Exception:  # a main that cannot stage still serves raw copies
+                logger.exception("PDD: main's staging region could not be made; every WAN "
+                                 "copy to this main goes raw")
+        kv_mgr.pdd_staging = staging
+    return staging
+
+
+def concluding(receiver: Any, status: Any) -> Any:
+    """The receiver's room concluded (``status`` Success or Failed), first seen on the
+    scheduler thread: a coded copy is decoded into its pages now, or the room fails."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    staging = getattr(receiver.kv_mgr, "pdd_staging", None)
+    if staging is None or staging is _NO_STAGING:
+        return status
+    room = int(receiver.bootstrap_room)
+    reason = staging.land(receiver, room, status == KVPoll.Success)
+    if reason is None:
+        return status
+    receiver.kv_mgr.record_failure(room, reason)
+    receiver.kv_mgr.update_status(room, KVPoll.Failed)
+    return KVPoll.Failed

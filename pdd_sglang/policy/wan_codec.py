@@ -1,5 +1,6 @@
 """Whether coding a WAN copy shortens it (issue 36): the rule the codec's ``auto`` setting is to
-follow per copy (the WAN path does not code copies yet), and the simulator's. Pure and
+follow per copy (``--pdd-wan-kv-codec auto``, :mod:`pdd_sglang.prefill.wan_coded`), and the
+simulator's. Pure and
 deterministic, as the rest of :mod:`pdd_sglang.policy`.
 
 A codec is known by its cost (:class:`CodecCost`): its ratio, and how fast one core encodes at the
@@ -37,6 +38,10 @@ class CodecCost:
 
 
 RAW = CodecCost("raw", 1.0, math.inf, math.inf)
+# The lossless codec as measured (scripts/bench_wan_codec.py, docs/results/wan_codec_bench.json:
+# the tiny model's float32 KV, one core): auto's prior at a prefill, which then folds in what it
+# measures on the copies it codes.
+LOSSLESS_MEASURED = CodecCost("lossless", 1.22, 411e6, 396e6)
 
 
 def coded_copy_seconds(raw_bytes: float, line_bytes_per_s: float, cost: CodecCost,

@@ -71,6 +71,7 @@ from pdd_sglang.prefill.events import (AbortNotified, CacheOnly, ChunkReady, Chu
 from pdd_sglang.prefill.ledger import LEDGER
 from pdd_sglang.prefill.room import Destination, DestinationState, Room, RoomPhase, Work
 from pdd_sglang.prefill.tp_slices import page_bytes_to
+from pdd_sglang.prefill.wan_coded import StagedCopy
 from pdd_sglang.prefill.wan_line import WanLine
 from pdd_sglang.prefill.wan_lines import CopyClass, WanLines, remaining_bytes
 from pdd_sglang.protocol.messages import (DestinationHello, MessageError, decode,
@@ -219,6 +220,8 @@ class PrefillFanout(FanoutDeadlines, FanoutAborts):
             self._tell([ev.info], ev.room, "Failed", "PDD: a second destination of one role")
             return
         dest = room.destinations[ev.session] = Destination(role, ev.info, ev.hello.prefix_tokens)
+        if role == "main" and ev.hello.staging_bytes:  # main takes coded KV (issue 36)
+            dest.staged = StagedCopy(ev.hello.staging_addr, ev.hello.staging_bytes)
         if role == "main":
             self.main_sessions.add(ev.session)  # before any chunk picks its engine
         LEDGER.set_role(ev.session, role)  # labels the figures only
@@ -293,7 +296,10 @@ class PrefillFanout(FanoutDeadlines, FanoutAborts):
             return  # all of it under this destination's prefix
         dest.routed += 1
         dest.last_routed = dest.last_routed or chunk.is_last_chunk
-        work = Work(room.room, dest.info.mooncake_session_id, dest.role, dest.info, view)
+        if dest.staged is not None and chunk.is_last_chunk:
+            dest.staged.total = dest.routed  # before its work is queued: senders read it
+        work = Work(room.room, dest.info.mooncake_session_id, dest.role, dest.info, view,
+                    staged=dest.staged)
         room.in_flight.append(work)
         if dest.role == "main":
             pages = len(view.prefill_kv_indices)  # charged by the heads this main rank gets

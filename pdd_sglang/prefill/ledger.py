@@ -26,12 +26,14 @@ class TransferCount:
     pages: int = 0
     batches: int = 0
     aux_bytes: int = 0  # SGLang's per-request metadata (first token, logprobs)
+    wire_bytes: int = 0  # what the KV pages took on the wire: fewer when coded (issue 36)
 
-    def charge(self, kind: str, nbytes: int) -> None:
+    def charge(self, kind: str, nbytes: int, wire: int | None = None) -> None:
         if kind == "aux":
             self.aux_bytes += nbytes
         else:
             self.bytes += nbytes
+            self.wire_bytes += nbytes if wire is None else wire
             self.batches += 1
 
 
@@ -105,14 +107,17 @@ class TransferLedger:
         self._scope.key = (int(room), str(destination))
         self._scope.kind = "aux"
 
-    def record_batch(self, destination: str, lengths) -> None:
+    def record_batch(self, destination: str, lengths, wire_bytes: int | None = None) -> None:
+        """A batch of KV ``lengths`` (or aux) handed to Mooncake; ``wire_bytes``: what it took
+        on the wire when coded (issue 36), else its KV bytes."""
         nbytes = int(sum(lengths))
+        wire = nbytes if wire_bytes is None else int(wire_bytes)
         key = getattr(self._scope, "key", None)
         kind = getattr(self._scope, "kind", "kv")
         with self._lock:
-            self._destination(str(destination)).charge(kind, nbytes)
+            self._destination(str(destination)).charge(kind, nbytes, wire)
             if key is not None and key[1] == str(destination):
-                self._request(key).charge(kind, nbytes)
+                self._request(key).charge(kind, nbytes, wire)
             role = self._roles.get(str(destination), "decode")
             metrics = self._metrics()
         if metrics is not None:
@@ -136,6 +141,7 @@ class TransferLedger:
                 total.pages += count.pages
                 total.batches += count.batches
                 total.aux_bytes += count.aux_bytes
+                total.wire_bytes += count.wire_bytes
             return {
                 "by_destination": {
                     k: {"role": self._roles.get(k, "decode"), **asdict(v)}

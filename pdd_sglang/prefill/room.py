@@ -61,6 +61,9 @@ class Work:
     nbytes: int = 0
     pages: int = 0
     pages_done: int = 0
+    # Its destination's staging range at main, when main offered one (a coded copy's records go
+    # there: prefill/wan_coded.py); shared by the destination's works.
+    staged: Any = None
 
 
 @dataclasses.dataclass
@@ -76,6 +79,7 @@ class Destination:
     last_routed: bool = False  # the room's last chunk is among them
     told: Optional[str] = None  # the status it was told ("Success" / "Failed"), once
     abort_acks: list = dataclasses.field(default_factory=list)  # SGLang AckTargets, not sent yet
+    staged: Any = None  # wan_coded.StagedCopy: main's staging range, when its hello offered one
 
     @property
     def target(self) -> tuple:

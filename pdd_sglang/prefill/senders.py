@@ -23,6 +23,7 @@ from pdd_sglang import seam
 from pdd_sglang.prefill.ledger import LEDGER
 from pdd_sglang.prefill.room import Work
 from pdd_sglang.prefill.tp_slices import SAME_THREAD, LedgerScoped, is_sliced, page_bytes_to
+from pdd_sglang.prefill.wan_coded import codec_for, finish_staged, send_coded
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +109,9 @@ def _send_to_main(kv_mgr: Any, work: Work, peer: Any, src: Any, dst: Any, execut
     not be called back."""
     wan = kv_mgr.pdd_fanout.wan_engine
     page_bytes = page_bytes_to(kv_mgr, peer) or 1  # a head slice's, between TP sizes
+    codec = codec_for(kv_mgr, work, is_sliced(kv_mgr, peer), len(src) * page_bytes)
+    if codec is not None:  # into main's staging range, decoded there (prefill/wan_coded.py)
+        return send_coded(kv_mgr, work, src, dst, codec, lines, _let_go, YIELDED)
     step = max(wan.slice_bytes // page_bytes, 1)
     with wan.copy(work.session) as copy:
         for start in range(work.pages_done, len(src), step):
@@ -161,6 +165,8 @@ def send_work(kv_mgr: Any, work: Work, executor: Any, lines: Any = None) -> tupl
         if not sent:
             return False, (f"PDD: a KV chunk of room {work.room} to {work.role} "
                            f"{work.session} failed")
+    if work.role == "main" and not finish_staged(kv_mgr, work):
+        return False, f"PDD: the end record of room {work.room}'s coded copy to {work.session} failed"
     if chunk.is_last_chunk:
         if kv_mgr.send_aux(info, chunk.prefill_aux_index, peer.dst_aux_ptrs) != 0:
             return False, f"PDD: the aux data of room {work.room} to {work.role} {work.session} failed"

@@ -283,6 +283,13 @@ class WanCopy:
             self.in_flight_bytes += length
         return True
 
+    def land_oldest(self) -> bool:
+        """Wait for the oldest block in flight (a coded copy reuses its ring place); False once
+        the copy failed."""
+        if self.in_flight and not self.failed:
+            self._land_oldest()
+        return not self.failed
+
     def finish(self) -> bool:
         """Wait until every block has landed; True when all did."""
         while self.in_flight and not self.failed:

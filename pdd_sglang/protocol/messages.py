@@ -12,7 +12,9 @@ from typing import Literal, Optional, Union
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+# 2: a main's hello may offer a staging range for coded KV (issue 36); a peer of version 1
+# cannot read coded copies, so it is refused by name (``unknown_version``).
+PROTOCOL_VERSION = 2
 # A relay's last stream chunk for a request it handed to main has this finish-reason type.
 HANDOFF_FINISH_TYPE = "pdd_handoff"
 # The reason a relay gives when it refuses main's handoff because it answered the request alone
@@ -43,6 +45,10 @@ class DestinationHello(msgspec.Struct, tag=True, frozen=True, forbid_unknown_fie
     destination register with each prefill rank (:func:`sessions_per_prefill_rank`), and prefill
     refuses a size its own cannot pair with (:func:`tp_refusal`). At 1 it is left out of the
     encoding, which is then the same as before the field existed.
+
+    ``staging_addr`` / ``staging_bytes``: a main's range of its staging region, registered with
+    its Mooncake engine, that prefill may write coded KV into for this room
+    (:mod:`pdd_sglang.kv_codec.wire`); 0 bytes: every copy to it goes raw into its pages.
     """
 
     room: int
@@ -50,6 +56,8 @@ class DestinationHello(msgspec.Struct, tag=True, frozen=True, forbid_unknown_fie
     destinations: int
     prefix_tokens: int
     tp_size: int = 1
+    staging_addr: int = 0
+    staging_bytes: int = 0
 
 
 def sessions_per_prefill_rank(decode_tp: int, prefill_tp: int) -> int:
@@ -182,6 +190,10 @@ def _validate(body) -> None:
             raise MessageError("out_of_range", f"destinations={body.destinations}")
         if body.prefix_tokens < 0:
             raise MessageError("out_of_range", f"prefix_tokens={body.prefix_tokens}")
+        if body.staging_addr < 0 or body.staging_bytes < 0 or (
+                body.staging_bytes and (body.role != "main" or not body.staging_addr)):
+            raise MessageError("out_of_range", f"a staging range of {body.staging_bytes} bytes "
+                                               f"at {body.staging_addr} from a {body.role}")
     elif isinstance(body, HandoffTokens):
         if body.seq < 0 or body.start < 0:
             raise MessageError("out_of_range", f"seq={body.seq} start={body.start}")

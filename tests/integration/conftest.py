@@ -45,6 +45,7 @@ from pdd_sglang.dev.testing.mixed_tp import (TpSizes, mixed_tp_cluster, start_ro
 from pdd_sglang.dev.testing.pristine import pristine_env, pristine_sglang
 from pdd_sglang.dev.testing.tiny_model import TinyModelSpec, ensure_tiny_model
 
+KV_CODEC_BY_PAGE_SIZE = {1: "auto", 16: "lossless"}
 # Every KV chunk to main waits this long (a test-only WAN delay), so the relay runs ahead.
 WAN_DELAY_MS = 300
 CATCH_UP_CHUNK = 64
@@ -71,6 +72,9 @@ def _pdd_cluster(page_size: int, model_path, log_dir) -> Cluster:
     common = ("--disaggregation-transfer-backend", "mooncake_tcp", "--page-size", str(page_size),
               "--pdd-debug-kv-digest")
     chunking = ("--chunked-prefill-size", "64") if page_size > 1 else ()
+    # Issue 36: page 16 forces the lossless WAN codec (its handoff, dual-path and digest tests
+    # run on coded copies, decoded at main); page 1 keeps auto, raw on the declared 10 Gb/s.
+    codec = KV_CODEC_BY_PAGE_SIZE[page_size]
     forked = dict(fork_children=True)  # see the module docstring
     main_args = ("--pdd-role", "main", "--enable-metrics", "--pdd-enable-kv-digest",
                  "--pdd-debug-corrupt-wan-kv", *common)
@@ -78,7 +82,8 @@ def _pdd_cluster(page_size: int, model_path, log_dir) -> Cluster:
         SGLangServer("prefill", model_path, log_dir, extra_args=(
             "--pdd-role", "prefill", "--disaggregation-bootstrap-port", str(bootstrap_port),
             "--enable-metrics",
-            "--pdd-debug-wan-delay-ms", str(WAN_DELAY_MS), *common, *chunking), **forked),
+            "--pdd-debug-wan-delay-ms", str(WAN_DELAY_MS), "--pdd-wan-kv-codec", codec, *common,
+            *chunking), **forked),
         SGLangServer("relay", model_path, log_dir, extra_args=(
             "--pdd-role", "relay", "--pdd-control-port", "0",  # two clusters may overlap
             "--pdd-debug-handoff-hold", "--pdd-catch-up-chunk",
@@ -93,6 +98,7 @@ def _pdd_cluster(page_size: int, model_path, log_dir) -> Cluster:
     cluster.bootstrap_port = bootstrap_port
     cluster.log_dir = log_dir
     cluster.page_size = page_size
+    cluster.kv_codec = codec
     cluster.main2_handoff_timeout_s = MAIN2_HANDOFF_TIMEOUT_S
     cluster.model_path = model_path
     return cluster

@@ -66,7 +66,7 @@ def test_relay_gets_full_prompt_main_gets_uncached_suffix(three_roles, tiny_mode
     requests = agentic_session(three_roles, conversations=3, turns=6, system_len=600, user_len=30)
 
     state = three_roles["prefill"].pdd_state()
-    relay_total = main_total = 0
+    relay_total = main_total = main_wire = 0
     for prompt, answers in requests:
         main = answers["main"]
         # The relay's tokens then main's, spliced, are the plain server's, token for token.
@@ -85,6 +85,7 @@ def test_relay_gets_full_prompt_main_gets_uncached_suffix(three_roles, tiny_mode
         assert rows["main"]["bytes"] == uncached_pages * page * bytes_per_token
         relay_total += rows["relay"]["bytes"]
         main_total += rows["main"]["bytes"]
+        main_wire += rows["main"]["wire_bytes"]
 
     # The KV each decode server holds for each prompt is prefill's, read from the pools. The
     # relay's and whatever the main received for this request are bit-identical to prefill's
@@ -116,6 +117,17 @@ def test_relay_gets_full_prompt_main_gets_uncached_suffix(three_roles, tiny_mode
           f"{relay_total}: ratio {main_total / relay_total:.3f} at {hit:.1%} token-weighted hit")
     # The relay path is exactly what a cache-less main would receive: the same run measures both.
     assert main_total / relay_total <= 0.12
+    # Issue 36: at page 16 every copy to main is coded losslessly (the digests above: bit-exact
+    # once decoded) and takes fewer bytes on the wire than its KV; at page 1 (auto, raw on the
+    # declared 10 Gb/s line) the wire carries the KV as it is.
+    if three_roles.kv_codec == "lossless":
+        assert main_wire < main_total, (main_wire, main_total)
+        staging = three_roles["main"].pdd_state()["wan_staging"]
+        assert staging["landed_coded"] >= len(requests) and staging["corrupt"] == 0, staging
+        print(f"lossless on the WAN: {main_total} B of KV in {main_wire} B "
+              f"(x{main_total / main_wire:.3f})")
+    else:  # auto: coded only where policy.wan_codec says it shortens the copy
+        assert main_wire <= main_total + 1024 * len(requests), (main_wire, main_total)
 
     for server in servers:
         after = server.wait_idle()
@@ -167,3 +179,34 @@ def test_request_completes_via_main_when_the_relay_never_registers(three_roles):
     for server in (three_roles["prefill"], three_roles["relay"], three_roles["main"]):
         after = server.wait_idle()
         assert after["in_use_tokens"] == 0 and after["locked_tokens"] == 0, (server.name, after)
+
+
+def test_a_damaged_coded_copy_fails_its_room_cleanly(page16_cluster):
+    """Issue 36: a coded copy whose frame was damaged before main decoded it (the seam's
+    ``main_staged_kv`` point, asked by the request) fails the room with a clear error; no page
+    it names was written, and every pool, lock and staging byte is back at its baseline. The
+    next request is served."""
+    three_roles = page16_cluster  # the cluster whose prefill codes every copy losslessly
+    assert three_roles.kv_codec == "lossless"
+    servers = [three_roles[n] for n in ("prefill", "main")]
+    before = {s.name: s.wait_idle() for s in servers}
+    staging_before = three_roles["main"].pdd_state()["wan_staging"]
+    body = {"input_ids": words(4242, 150),
+            "sampling_params": {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0.0}}
+    with pytest.raises(RuntimeError, match="failed on main"):
+        generate_fanout(three_roles["prefill"], [three_roles["main"]], body,
+                        three_roles.bootstrap_port, "prefill_main",
+                        route={"debug_corrupt_wan_frame": True})
+    staging = three_roles["main"].pdd_state()["wan_staging"]
+    assert staging["corrupt"] == staging_before["corrupt"] + 1, staging
+    assert "failed to decode" in three_roles["main"].log_path.read_text()
+    for server in servers:
+        after = server.wait_idle()
+        assert after["in_use_tokens"] == 0 and after["locked_tokens"] == 0, (server.name, after)
+        assert after["free_request_slots"] == before[server.name]["free_request_slots"]
+    assert three_roles["main"].pdd_state()["wan_staging"]["in_use_bytes"] == 0
+    # The same prompt again, undamaged: served, coded, decoded.
+    answers = generate_fanout(three_roles["prefill"], [three_roles["main"]], body,
+                              three_roles.bootstrap_port, "prefill_main")
+    assert len(answers["main"]["output_ids"]) == MAX_NEW_TOKENS
+    assert three_roles["main"].pdd_state()["wan_staging"]["in_use_bytes"] == 0

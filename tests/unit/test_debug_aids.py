@@ -33,6 +33,7 @@ def test_no_aid_leaves_every_point_as_it_was():
     assert aids.relay_may_hand_off(None, req) is True
     assert aids.relay_handoff_mode(None, req) is None
     assert aids.main_wan_kv_landed(None, req, 0) is None
+    assert aids.main_staged_kv(req, bytearray(64)) is None
     assert aids.before_send(req) is None and aids.wan_engine_opened(req) is None
     assert type(seam.aids) is seam.Aids  # what serving code finds unless something installed aids
 
@@ -167,3 +168,25 @@ def test_main_damages_only_a_copy_whose_request_asks(monkeypatch):
     aids.main_wan_kv_landed(main, req("all cached", True), 10)  # nothing crossed the WAN
     aids.main_wan_kv_landed(main, req("asked", True), 4)
     assert damaged == [("asked", 4)]
+
+
+def test_main_damages_a_coded_copy_only_where_its_request_asks():
+    from pdd_sglang.kv_codec.wire import END_BYTES, pack_end
+
+    def staged(wire: int) -> memoryview:
+        return memoryview(bytearray(pack_end(7, 1 if wire else 0, wire, 99) + bytes(wire)))
+
+    def req(corrupt: bool):
+        hints = request_kv_hints("prefill_main", debug_corrupt_wan_frame=corrupt or None)
+        return SimpleNamespace(kv_hints=envelope(hints))
+
+    view = staged(10)
+    DebugAids().main_staged_kv(req(True), view)  # the flag off
+    DebugAids(corrupt_wan_kv=True).main_staged_kv(req(False), view)  # not asked
+    DebugAids(corrupt_wan_kv=True).main_staged_kv(None, view)  # no request known
+    assert bytes(view[END_BYTES:]) == bytes(10)
+    DebugAids(corrupt_wan_kv=True).main_staged_kv(req(True), view)
+    assert bytes(view[END_BYTES:]) == bytes(9) + b"\xff"  # the last record's last byte
+    raw_copy = staged(0)
+    DebugAids(corrupt_wan_kv=True).main_staged_kv(req(True), raw_copy)  # no record to damage
+    assert bytes(raw_copy) == bytes(staged(0))

@@ -13,8 +13,19 @@ def test_batches_are_charged_to_the_open_scope_kv_and_aux_apart():
     snap = ledger.snapshot()
     (row,) = snap["by_request"]
     assert row == {"room": 7, "destination": "main:1", "role": "decode", "bytes": 350, "pages": 3, "batches": 2,
-                   "aux_bytes": 16}
+                   "aux_bytes": 16, "wire_bytes": 350}
     assert snap["by_destination"]["main:1"]["bytes"] == 350
+
+
+def test_a_coded_batch_counts_its_kv_and_its_wire_bytes_apart():
+    """Issue 36: a coded record carries ``bytes`` of KV in ``wire_bytes`` on the wire."""
+    ledger = TransferLedger()
+    ledger.begin(room=8, destination="main:1", pages=4)
+    ledger.record_batch("main:1", [4096], wire_bytes=3000)
+    ledger.record_batch("main:1", [100])
+    (row,) = ledger.snapshot()["by_request"]
+    assert (row["bytes"], row["wire_bytes"], row["batches"]) == (4196, 3100, 2)
+    assert ledger.snapshot()["by_role"]["decode"]["wire_bytes"] == 3100
 
 
 def test_two_destinations_of_one_room_are_counted_apart():

@@ -11,6 +11,8 @@ from pdd_sglang.protocol.messages import (
 
 ALL_MESSAGES = [
     DestinationHello(room=12345678901234, role="main", destinations=2, prefix_tokens=4096),
+    DestinationHello(room=9, role="main", destinations=1, prefix_tokens=0,
+                     staging_addr=0x7F0000001000, staging_bytes=1 << 20),
     HandoffReady(room=7),
     HandoffReady(room=7, kv_digest=bytes(range(16)), kv_digest_start=4096),
     HandoffTokens(room=7, seq=3, start=65, token_ids=pack_tokens(range(100)), is_last=False),
@@ -106,6 +108,29 @@ def test_a_tp_1_hello_encodes_as_before_tp_size_existed():
     assert b"tp_size" not in encode(hello)
     assert decode(encode(DestinationHello(room=5, role="relay", destinations=2, prefix_tokens=16,
                                           tp_size=2))).tp_size == 2
+
+
+def test_a_version_1_peer_is_refused_by_name():
+    """Version 2 (issue 36: a main may offer a staging range for coded KV): a peer of version 1
+    cannot read coded copies; its messages are refused naming both versions."""
+    old = msgspec.msgpack.encode({"version": 1, "body": {
+        "type": "DestinationHello", "room": 1, "role": "main", "destinations": 1,
+        "prefix_tokens": 0}})
+    with pytest.raises(MessageError) as err:
+        decode(old)
+    assert err.value.reason == "unknown_version" and "version 1" in str(err.value)
+    assert f"speaks {messages.PROTOCOL_VERSION}" in str(err.value)
+
+
+@pytest.mark.parametrize("fields", [
+    dict(role="relay", staging_addr=4096, staging_bytes=64),  # only a main takes coded KV
+    dict(role="main", staging_addr=0, staging_bytes=64),
+    dict(role="main", staging_addr=4096, staging_bytes=-1),
+])
+def test_a_bad_staging_range_is_refused(fields):
+    with pytest.raises(MessageError) as err:
+        decode(encode(DestinationHello(room=1, destinations=1, prefix_tokens=0, **fields)))
+    assert err.value.reason == "out_of_range"
 
 
 # ---- the router workers' bus (--workers N) -------------------------------------------------

@@ -108,7 +108,8 @@ def handoff_flags(**overrides):
                   pdd_control_authorized_keys=None, pdd_control_relay_key=None,
                   pdd_relay_bootstrap_timeout=5.0, pdd_main_bootstrap_timeout=30.0,
                   pdd_wan_bandwidth_gbps=10.0, pdd_wan_rtt_ms=20.0, pdd_wan_window_mb=0.0,
-                  pdd_wan_cache_only_backlog_s=10.0)
+                  pdd_wan_cache_only_backlog_s=10.0, pdd_wan_staging_mb=64.0,
+                  pdd_wan_kv_codec="auto", pdd_enable_kv_digest=False)
     values.update(overrides)
     return SimpleNamespace(**values)
 
@@ -125,6 +126,9 @@ def handoff_flags(**overrides):
     ({"pdd_wan_rtt_ms": -1}, "--pdd-wan-rtt-ms"),
     ({"pdd_wan_window_mb": -1}, "--pdd-wan-window-mb"),
     ({"pdd_wan_cache_only_backlog_s": -1}, "--pdd-wan-cache-only-backlog-s"),
+    ({"pdd_wan_staging_mb": -1}, "--pdd-wan-staging-mb"),
+    ({"pdd_wan_kv_codec": "fp8", "pdd_enable_kv_digest": True},
+     "--pdd-wan-kv-codec fp8 with --pdd-enable-kv-digest: FP8 is lossy"),
     ({"pdd_control_keypair": "/k/relay.key_secret"}, "--pdd-control-authorized-keys"),
     ({"pdd_role": "main", "pdd_control_keypair": "/k/main.key_secret"}, "--pdd-control-relay-key"),
 ])
@@ -139,6 +143,9 @@ def test_default_handoff_flags_pass():
     from pdd_sglang.server_args import _check_handoff_flags
 
     _check_handoff_flags(handoff_flags())
+    # lossless is bit-exact: the digest holds with it; fp8 alone is the operator's choice
+    _check_handoff_flags(handoff_flags(pdd_wan_kv_codec="lossless", pdd_enable_kv_digest=True))
+    _check_handoff_flags(handoff_flags(pdd_wan_kv_codec="fp8"))
 
 
 @pytest.mark.parametrize("setting, message", [

@@ -97,6 +97,17 @@ HOOKED_SYMBOLS = [
     ("disaggregation/mooncake/conn.py", "MooncakeKVManager._await_transfer_futures"),
     ("disaggregation/common/staging_buffer.py", "compute_head_slice_params"),
     ("disaggregation/common/conn.py", "CommonKVManager._resolve_rank_mapping"),
+    # 0020: a main decodes a coded WAN copy when its receiver's poll first sees the room concluded;
+    # its staging region is registered with SGLang's Mooncake engine
+    ("disaggregation/common/conn.py", "CommonKVReceiver._poll"),
+    ("disaggregation/common/conn.py", "CommonKVReceiver.send_metadata"),
+    ("disaggregation/common/conn.py", "CommonKVManager.record_failure"),
+    ("disaggregation/common/conn.py", "CommonKVManager.update_status"),
+    ("distributed/device_communicators/mooncake_transfer_engine.py",
+     "MooncakeTransferEngine.register"),
+    ("distributed/device_communicators/mooncake_transfer_engine.py",
+     "MooncakeTransferEngine.deregister"),
+    ("configs/model_config.py", "ModelConfig.from_server_args"),
     # debug/0002: the debug flags' namespace; each scheduler process installs the test aids once
     # its server args are published
     ("managers/scheduler.py", "publish"),

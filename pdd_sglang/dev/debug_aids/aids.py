@@ -64,6 +64,10 @@ class DebugAids(seam.Aids):
                 and start < len(req.origin_input_ids)):
             corrupt_one_value(main.scheduler, req, start)
 
+    def main_staged_kv(self, req: Any, view: Any) -> None:
+        if self.corrupt_wan_kv and req is not None and controls_for(req).corrupt_wan_frame:
+            corrupt_last_record(view)
+
     # ---- prefill: a slow WAN path, Mooncake's own wait ---------------------------------------
     def before_send(self, work: Any) -> None:
         # Every chunk to a main waits, so the relay reliably runs ahead of main (forced handoff
@@ -84,6 +88,16 @@ def corrupt_one_value(scheduler: Any, req: Any, position: int) -> None:
     slot = int(scheduler.req_to_token_pool.req_to_token[req.kv.req_pool_idx, position])
     pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
     pool.get_key_buffer(pool.start_layer)[slot].view(-1)[0] += 1.0
+
+
+def corrupt_last_record(view: Any) -> None:
+    """Flip the last byte of the records in a staging range (a frame's payload, a flipped WAN
+    bit); nothing when the copy went raw (no record)."""
+    from pdd_sglang.kv_codec.wire import END, END_BYTES
+
+    wire = END.unpack_from(view)[3]
+    if wire:
+        view[END_BYTES + wire - 1] ^= 0xFF
 
 
 def wait_inside_mooncake(engine: Any) -> None:

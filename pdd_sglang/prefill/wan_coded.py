@@ -1,0 +1,304 @@
+"""Coded copies to main (issue 36): a window's pages encoded into records in main's staging range.
+
+Life cycle of a main-bound copy that is coded:
+
+1. Main's hello offers a staging range for the room (``DestinationHello.staging_addr`` /
+   ``staging_bytes``); the owner keeps it as the destination's :class:`StagedCopy`, shared by
+   every :class:`~pdd_sglang.prefill.room.Work` of that destination, and records how many there
+   are once the room's last chunk is routed (:attr:`StagedCopy.total`).
+2. The first work of the destination that a sender takes decides the codec for all of them
+   (:meth:`CodecChoice.pick`: ``--pdd-wan-kv-codec``; ``auto`` asks
+   :func:`pdd_sglang.policy.wan_codec.choose_wan_codec` whether coding losslessly shortens the
+   copy on the line as measured, else as declared); raw, and every copy that cannot be coded
+   (no staging range, head slices between TP sizes, a pool dtype no frame carries), goes as
+   before, one-sided into main's pages.
+3. Coded: :func:`send_coded` reads each slice's pages from prefill's pool, encodes them into one
+   frame (the raw codec's where coding would grow it), wraps it in a record (the room, the
+   destination pages, a CRC) in this sender's registered ring, and writes it to the next free
+   place in main's range inside the windowed copy, so cancelling and yielding still act within one
+   window. A ring place is reused only once the block written from it has landed.
+4. The destination's last work to finish writes the end record (how many records, their bytes)
+   to the range's start; main decodes every record into its pages when it sees the room landed
+   (:mod:`pdd_sglang.decode.wan_staging`).
+
+Threads: a :class:`StagedCopy` is written by the WAN sender holding its line (a line is one main
+session, served by one sender at a time, so a destination's works never run at once), its
+``total`` once by the owner; each sender thread has its own ring (thread-local).
+:class:`CodecChoice` is shared by the senders, its running figures under its lock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections import deque
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from pdd_sglang.kv_codec import CODECS, HEADER as FRAME_HEADER, RawCodec
+from pdd_sglang.kv_codec.pool import CODABLE_DTYPES, PoolPages
+from pdd_sglang.kv_codec.wire import END_BYTES, pack_end, pack_record
+from pdd_sglang.policy.wan_codec import LOSSLESS_MEASURED, CodecCost, choose_wan_codec
+from pdd_sglang.prefill.ledger import LEDGER
+
+logger = logging.getLogger(__name__)
+
+# Raw bytes a coded slice holds at most: the codec's work per slice stays short, and a ring of
+# RING_BYTES keeps a few slices in flight.
+CODED_SLICE_BYTES = 8 << 20
+RING_BYTES = 40 << 20
+_RAW = RawCodec()
+
+
+@dataclasses.dataclass(eq=False)
+class StagedCopy:
+    """One destination's staging range at main, and what this prefill has written into it."""
+
+    addr: int
+    nbytes: int
+    offset: int = END_BYTES  # the next record's place
+    records: int = 0
+    wire_bytes: int = 0
+    raw_bytes: int = 0
+    codec: Optional[str] = None  # decided by the first work a sender takes
+    done: int = 0  # works of this destination finished
+    total: Optional[int] = None  # works of this destination in all, once its last is routed
+    end_written: bool = False
+
+    def last_work(self) -> bool:
+        return self.total is not None and self.done + 1 == self.total
+
+
+class CodecChoice:
+    """``--pdd-wan-kv-codec`` per copy, with the lossless codec's running figures."""
+
+    def __init__(self, mode: str, declared_line_bytes_per_s: float,
+                 lossless: CodecCost = LOSSLESS_MEASURED):
+        self.mode = mode
+        self.declared_line_bytes_per_s = float(declared_line_bytes_per_s)
+        self._lock = threading.Lock()
+        self._lossless = lossless
+        self.counters = {"coded_copies": 0, "raw_copies": 0, "coded_raw_bytes": 0,
+                         "coded_wire_bytes": 0}
+
+    def pick(self, raw_bytes: int, line_bytes_per_s: Optional[float], window_bytes: int) -> str:
+        if self.mode != "auto":
+            return self.mode
+        with self._lock:
+            cost = self._lossless
+        line = line_bytes_per_s or self.declared_line_bytes_per_s
+        return choose_wan_codec(raw_bytes, line, [cost], window_bytes).name
+
+    def observe(self, codec: str, raw_bytes: int, wire_bytes: int, encode_s: float) -> None:
+        """A slice coded: fold its ratio and encode rate into the lossless codec's figures."""
+        with self._lock:
+            self.counters["coded_raw_bytes"] += raw_bytes
+            self.counters["coded_wire_bytes"] += wire_bytes
+            if codec != "lossless" or raw_bytes < (1 << 16) or encode_s <= 0:
+                return
+            old, weight = self._lossless, 0.2
+            self._lossless = dataclasses.replace(
+                old, ratio=(1 - weight) * old.ratio + weight * raw_bytes / max(wire_bytes, 1),
+                encode_bytes_per_s=(1 - weight) * old.encode_bytes_per_s
+                + weight * raw_bytes / encode_s)
+
+    def count(self, key: str) -> None:
+        with self._lock:
+            self.counters[key] += 1
+
+    def state(self) -> dict:
+        with self._lock:
+            cost = self._lossless
+            return {"mode": self.mode, "lossless_ratio": round(cost.ratio, 4),
+                    "lossless_encode_mb_s": round(cost.encode_bytes_per_s / 1e6, 1),
+                    **self.counters}
+
+
+class _Ring:
+    """A sender thread's registered bytes that records are written from; a place is reused only
+    once the block written from it has landed (the copy's oldest blocks land first)."""
+
+    def __init__(self, wan: Any, size: int = RING_BYTES):
+        self.buffer = torch.empty(size, dtype=torch.uint8)
+        self.array = self.buffer.numpy()
+        self.addr, self.size = self.buffer.data_ptr(), size
+        with _REGISTER_LOCK:
+            wan.register_regions([(self.addr, size)])
+        self.pos = 0
+        self.spans: deque = deque()  # (start, end) of each record written, newest last
+
+    def reset(self) -> None:
+        self.pos = 0
+        self.spans.clear()
+
+    def place(self, data: bytes, copy: Any) -> Optional[int]:
+        """Copy ``data`` into the ring once its place is free; its offset, or None when the copy
+        failed while waiting."""
+        n = len(data)
+        start = self.pos if self.pos + n <= self.size else 0
+        while True:
+            live = list(self.spans)[len(self.spans) - len(copy.in_flight):] if copy.in_flight \
+                else []
+            if not any(s < start + n and start < e for s, e in live):
+                break
+            if not copy.land_oldest():
+                return None
+        self.array[start:start + n] = np.frombuffer(data, np.uint8)
+        self.spans.append((start, start + n))
+        while len(self.spans) > len(copy.in_flight) + 1:
+            self.spans.popleft()
+        self.pos = start + n
+        return start
+
+
+_REGISTER_LOCK = threading.Lock()
+_THREAD = threading.local()  # .ring: this sender thread's _Ring
+
+
+def _ring(wan: Any) -> _Ring:
+    ring = getattr(_THREAD, "ring", None)
+    if ring is None:
+        ring = _THREAD.ring = _Ring(wan)
+    return ring
+
+
+def pool_pages(kv_mgr: Any) -> Optional[PoolPages]:
+    """Prefill's pool as coded copies read it, made once; None when a frame cannot carry it."""
+    pool = getattr(kv_mgr, "pdd_coded_pool", False)
+    if pool is not False:
+        return pool
+    pool = None
+    try:
+        args = kv_mgr.kv_args
+        dtype = _pool_dtype(str(getattr(args, "kv_cache_dtype_str", "auto") or "auto"))
+        if dtype is not None:
+            size = torch.empty((), dtype=dtype).element_size()
+            row = args.kv_item_lens[0] // (args.page_size * max(int(args.kv_head_num), 1) * size)
+            pool = PoolPages(args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens, dtype,
+                             max(row, 1), _device())
+    except Exception as err:
+        logger.warning("PDD: main-bound copies go raw: this pool cannot be coded (%s)", err)
+    kv_mgr.pdd_coded_pool = pool
+    return pool
+
+
+def _device() -> str:
+    from sglang.srt.runtime_context import get_server_args
+
+    return str(getattr(get_server_args(), "device", "cpu") or "cpu")
+
+
+def _pool_dtype(name: str) -> Optional[torch.dtype]:
+    if name in CODABLE_DTYPES:
+        return CODABLE_DTYPES[name]
+    if name != "auto":
+        return None  # an fp8 pool: nothing left to gain
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.runtime_context import get_server_args
+
+    return ModelConfig.from_server_args(get_server_args()).dtype
+
+
+def codec_for(kv_mgr: Any, work: Any, sliced: bool, raw_bytes: int) -> Optional[str]:
+    """The codec of this work's copy, None for raw; the first work of a destination decides."""
+    staged = getattr(work, "staged", None)
+    fanout = kv_mgr.pdd_fanout
+    choice = getattr(fanout, "codec_choice", None)
+    if staged is None or choice is None:
+        return None
+    if staged.codec is None:
+        codec = "raw"
+        if not sliced and pool_pages(kv_mgr) is not None:
+            line = fanout.wan_line.snapshot().get(work.session, {}).get("recent_bytes_per_s")
+            codec = choice.pick(raw_bytes, line, fanout.wan_engine.window_bytes)
+        staged.codec = codec
+        choice.count("coded_copies" if codec != "raw" else "raw_copies")
+    return None if staged.codec == "raw" else staged.codec
+
+
+def send_coded(kv_mgr: Any, work: Any, src: Any, dst: Any, codec_name: str, lines: Any,
+               let_go: Any, yielded: Any) -> Any:
+    """The coded twin of ``senders._send_to_main``: True once every record landed, False on a
+    failure, None when cancelled, ``yielded`` when a needed-now copy waits behind this one."""
+    fanout = kv_mgr.pdd_fanout
+    wan, pool, staged = fanout.wan_engine, pool_pages(kv_mgr), work.staged
+    codec = CODECS[codec_name]
+    step = max(min(wan.slice_bytes, CODED_SLICE_BYTES) // pool.page_bytes, 1)
+    ring = _ring(wan)
+    with wan.copy(work.session) as copy:
+        ring.reset()
+        for start in range(work.pages_done, len(src), step):
+            if start:
+                if let_go(kv_mgr, work):
+                    return None
+                if lines is not None and lines.should_yield(work):
+                    return yielded if copy.finish() else False
+            pages = np.asarray(src[start:start + step])
+            if not _write_record(kv_mgr, work, copy, ring, codec, pages,
+                                 np.asarray(dst[start:start + step])):
+                return False
+            work.pages_done = min(start + step, len(src))
+        if staged.last_work() and not _write_end(work, copy, ring):
+            return False
+        return copy.finish()
+
+
+def _write_record(kv_mgr: Any, work: Any, copy: Any, ring: _Ring, codec: Any, pages: Any,
+                  dst: Any) -> bool:
+    fanout, staged = kv_mgr.pdd_fanout, work.staged
+    began = time.perf_counter()
+    kv = pool_pages(kv_mgr).gather(pages)
+    frame = codec.encode(kv)
+    raw_bytes = kv.numel() * kv.element_size()
+    if len(frame) > raw_bytes + FRAME_HEADER.size:  # coding would grow it: the raw frame
+        frame = _RAW.encode(kv)
+    record = pack_record(work.room, dst, frame)
+    fanout.codec_choice.observe(codec.name, raw_bytes, len(record), time.perf_counter() - began)
+    if staged.offset + len(record) > staged.nbytes:
+        logger.error("PDD: room %s's coded copy outgrows main %s's staging range (%d bytes)",
+                     work.room, work.session, staged.nbytes)
+        return False
+    place = ring.place(record, copy)
+    if place is None or not copy.submit([ring.addr + place], [staged.addr + staged.offset],
+                                        [len(record)]):
+        return False
+    LEDGER.record_batch(work.session, [raw_bytes], wire_bytes=len(record))
+    if getattr(work, "copy_class", None) is not None:  # the line report's bytes by class
+        fanout.wan_line.handed(work.session, work.copy_class.value, len(record))
+    staged.offset += len(record)
+    staged.records += 1
+    staged.wire_bytes += len(record)
+    staged.raw_bytes += raw_bytes
+    return True
+
+
+def _write_end(work: Any, copy: Any, ring: _Ring) -> bool:
+    staged = work.staged
+    end = pack_end(work.room, staged.records, staged.wire_bytes, staged.raw_bytes)
+    place = ring.place(end, copy)
+    if place is None or not copy.submit([ring.addr + place], [staged.addr], [len(end)]):
+        return False
+    staged.end_written = True
+    return True
+
+
+def finish_staged(kv_mgr: Any, work: Any) -> bool:
+    """A work of a destination with a staging range sent its KV: count it; the destination's last
+    writes the end record if its records have none yet (a last work with no page of its own).
+    False when that write failed."""
+    staged = getattr(work, "staged", None)
+    if staged is None:
+        return True
+    last = staged.last_work()
+    staged.done += 1
+    if not last or staged.end_written or not staged.records:
+        return True
+    wan = kv_mgr.pdd_fanout.wan_engine
+    with wan.copy(work.session) as copy:
+        ring = _ring(wan)
+        ring.reset()
+        return _write_end(work, copy, ring) and copy.finish()
