@@ -29,6 +29,7 @@ series                                                 role    source
 ``sglang:pdd_wan_queued_bytes{main}``                  prefill bytes waiting for a WAN worker
 ``sglang:pdd_wan_in_flight_bytes{main}``               prefill bytes handed to Mooncake, not done
 ``sglang:pdd_wan_rate_bytes_per_second{main}``         prefill measured over recent copies
+``sglang:pdd_wan_kv_codec_ratio{main}``                prefill KV bytes per wire byte, coded copies
 ``sglang:pdd_kv_transfer_bytes_total{role}``           prefill KV bytes per destination role
 =====================================================  ======  =====================================
 
@@ -128,6 +129,8 @@ class ServerMetrics:
                                    "on the WAN path, not yet done", ["main"])
         self.wan_rate = gauge("wan_rate_bytes_per_second", "PDD prefill: WAN throughput "
                               "measured over the recent copies to each main", ["main"])
+        self.wan_codec_ratio = gauge("wan_kv_codec_ratio", "PDD prefill: KV bytes per wire byte "
+                                     "of the coded copies to each main (1: none coded)", ["main"])
 
     # ---- relay and main (HandoffStats) ------------------------------------------------------
     def handoff_event(self, role: str, event: str, count: int = 1) -> None:
@@ -164,6 +167,7 @@ class ServerMetrics:
             self.wan_queued.labels(main).set(row.get("queued_bytes", 0))
             self.wan_in_flight.labels(main).set(row.get("in_flight_bytes", 0))
             self.wan_rate.labels(main).set(row.get("recent_bytes_per_s") or 0)
+            self.wan_codec_ratio.labels(main).set(row.get("kv_codec_ratio") or 1.0)
         for main, delta in sent_deltas.items():
             if delta > 0:
                 self.wan_sent.labels(main).inc(delta)

@@ -54,13 +54,19 @@ class LineState:
         copy lands after them: the line is one FIFO per destination).
     measured_bytes_per_s: throughput over recent copies to that main; None when nothing was
         measured yet (the nominal line rate stands).
+    wire_ratio: KV bytes per wire byte on that line (its prefill's WAN codec, issue 36): a new
+        copy of N KV bytes takes N / wire_ratio on the wire. ``bytes_ahead`` and the rates are
+        wire bytes already.
     """
 
     bytes_ahead: int = 0
     measured_bytes_per_s: float | None = None
+    wire_ratio: float = 1.0
 
     def __post_init__(self) -> None:
         _require_non_negative("bytes_ahead", self.bytes_ahead)
+        if not self.wire_ratio > 0:
+            raise ValueError(f"wire_ratio must be > 0, got {self.wire_ratio}")
         if self.measured_bytes_per_s is not None and not self.measured_bytes_per_s > 0:
             raise ValueError(f"measured_bytes_per_s must be > 0, got {self.measured_bytes_per_s}")
 
@@ -73,14 +79,16 @@ def predict_wan_seconds_on_line(uncached_tokens: int, kv_bytes_per_token: float,
     """Time to ship main's uncached suffix behind what the line already carries.
 
     The copy waits for ``line.bytes_ahead`` to drain, at the slower of the nominal rate and the
-    measured one (a measured rate above nominal is a measurement artefact, not a faster line).
+    measured one (a measured rate above nominal is a measurement artefact, not a faster line);
+    its own KV counts in wire bytes (``line.wire_ratio``).
     With IDLE_LINE this is predict_wan_seconds.
     """
     predict_wan_seconds(uncached_tokens, kv_bytes_per_token, wan_bytes_per_s, rtt_s)  # validates
     rate = wan_bytes_per_s
     if line.measured_bytes_per_s is not None:
         rate = min(rate, line.measured_bytes_per_s)
-    return rtt_s + (line.bytes_ahead + uncached_tokens * kv_bytes_per_token) / rate
+    wire_bytes = uncached_tokens * kv_bytes_per_token / line.wire_ratio
+    return rtt_s + (line.bytes_ahead + wire_bytes) / rate
 
 
 

@@ -267,6 +267,7 @@ def _write_record(kv_mgr: Any, work: Any, copy: Any, ring: _Ring, codec: Any, pa
                                         [len(record)]):
         return False
     LEDGER.record_batch(work.session, [raw_bytes], wire_bytes=len(record))
+    fanout.wan_line.coded(work.session, raw_bytes, len(record))
     if getattr(work, "copy_class", None) is not None:  # the line report's bytes by class
         fanout.wan_line.handed(work.session, work.copy_class.value, len(record))
     staged.offset += len(record)

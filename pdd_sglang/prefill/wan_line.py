@@ -33,6 +33,14 @@ class _MainLine:
     failed_batches: int = 0
     dropped_cache_only_bytes: int = 0
     handed_by_class: dict = field(default_factory=dict)  # class -> bytes handed to Mooncake
+    coded_raw_bytes: int = 0  # KV bytes of coded copies (issue 36) ...
+    coded_wire_bytes: int = 0  # ... and the bytes they took on the wire
+
+    def codec_ratio(self) -> float:
+        """KV bytes per wire byte over the coded copies so far (1.0 before any)."""
+        if not self.coded_wire_bytes:
+            return 1.0
+        return self.coded_raw_bytes / self.coded_wire_bytes
 
     def bytes_per_s(self) -> float | None:
         busy_s = sum(s for _, s in self.recent)
@@ -87,7 +95,8 @@ class WanLine:
     def snapshot(self) -> dict:
         """``{session: {queued_bytes, in_flight_bytes, bytes_ahead, needed_now_bytes_ahead,
         cache_only_bytes_ahead, recent_bytes_per_s, needed_now_sent_bytes, cache_only_sent_bytes,
-        dropped_cache_only_bytes, ...}}``. A new needed-now copy waits behind
+        dropped_cache_only_bytes, kv_codec_ratio, ...}}``, every byte a wire byte: queued KV
+        over the line's codec ratio (KV bytes per wire byte of its coded copies, issue 36). A new needed-now copy waits behind
         ``needed_now_bytes_ahead``: the needed-now bytes queued and whatever is in flight (a
         window of either class lands before it starts)."""
         queued = self.queue_view()  # outside this lock: the lines have their own
@@ -97,8 +106,10 @@ class WanLine:
             out = {}
             for session, line in self._mains.items():
                 classes = queued.get(session, {})
-                needed_now = int(classes.get("needed_now", 0))
-                cache_only = int(classes.get("cache_only", 0))
+                # Queued work is counted in KV bytes; on the wire it takes 1/ratio of them.
+                ratio = line.codec_ratio()
+                needed_now = int(classes.get("needed_now", 0) / ratio)
+                cache_only = int(classes.get("cache_only", 0) / ratio)
                 out[session] = {
                     "queued_bytes": needed_now + cache_only,
                     "in_flight_bytes": line.in_flight_bytes,
@@ -111,6 +122,9 @@ class WanLine:
                     "dropped_cache_only_bytes": line.dropped_cache_only_bytes,
                     "needed_now_sent_bytes": line.handed_by_class.get("needed_now", 0),
                     "cache_only_sent_bytes": line.handed_by_class.get("cache_only", 0),
+                    "kv_codec_ratio": round(ratio, 4),
+                    "coded_kv_bytes": line.coded_raw_bytes,
+                    "coded_wire_bytes": line.coded_wire_bytes,
                 }
             return out
 
@@ -120,6 +134,14 @@ class WanLine:
         with self._lock:
             by_class = self._main(session).handed_by_class
             by_class[copy_class] = by_class.get(copy_class, 0) + int(nbytes)
+
+    def coded(self, session: str, raw_bytes: int, wire_bytes: int) -> None:
+        """A coded record of ``raw_bytes`` of KV took ``wire_bytes`` on the line (its wire bytes
+        are counted in flight and sent as any block's): the line's codec ratio."""
+        with self._lock:
+            line = self._main(session)
+            line.coded_raw_bytes += int(raw_bytes)
+            line.coded_wire_bytes += int(wire_bytes)
 
     def dropped(self, session: str, nbytes: int) -> None:
         """The owner dropped ``nbytes`` of cache-only copies queued for ``session``."""

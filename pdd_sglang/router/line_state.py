@@ -83,9 +83,11 @@ class LineAccounting:
         self._recent: dict[str, deque] = {}
         # url -> (at, bytes beyond the router's own open copies, rate)
         self._reported: dict[str, tuple[float, int, float | None]] = {}
+        # url -> KV bytes per wire byte the prefills' WAN codec reports (issue 36)
+        self._wire_ratio: dict[str, float] = {}
 
     def report(self, main_url: str, bytes_ahead: int, bytes_per_s: float | None,
-               own_bytes_at_poll: int | None = None) -> None:
+               own_bytes_at_poll: int | None = None, wire_ratio: float = 1.0) -> None:
         """What the prefills' WAN paths said about the line to ``main_url`` when polled:
         ``bytes_ahead`` a new copy would wait behind there (needed-now).
 
@@ -95,6 +97,7 @@ class LineAccounting:
         rate = bytes_per_s if bytes_per_s and bytes_per_s > 0 else None
         own = self.bytes_ahead(main_url) if own_bytes_at_poll is None else own_bytes_at_poll
         self._reported[main_url] = (self._clock(), max(0, int(bytes_ahead) - own), rate)
+        self._wire_ratio[main_url] = wire_ratio if wire_ratio and wire_ratio > 0 else 1.0
 
     def now(self) -> float:
         return self._clock()
@@ -153,9 +156,11 @@ class LineAccounting:
     def state(self, main_url: str) -> policy.LineState:
         ahead, rate = self.bytes_ahead(main_url), self.measured_bytes_per_s(main_url)
         at, foreign_ahead, reported_rate = self._reported.get(main_url, (None, 0, None))
+        ratio = 1.0
         if at is not None and self._clock() - at <= REPORT_FRESH_S:
             ahead, rate = ahead + foreign_ahead, reported_rate or rate
-        return policy.LineState(bytes_ahead=ahead, measured_bytes_per_s=rate)
+            ratio = self._wire_ratio.get(main_url, 1.0)
+        return policy.LineState(bytes_ahead=ahead, measured_bytes_per_s=rate, wire_ratio=ratio)
 
 
 _WAN_LINE_KEY = b'"wan_line"'
@@ -225,12 +230,15 @@ async def poll_prefill_lines(lines: LineAccounting, prefills, mains, get_json,
             for main in mains:
                 entry = wan_line.get(main.mooncake_session) if main.mooncake_session else None
                 if entry is not None:
-                    total = totals.setdefault(main.url, [0, []])
+                    total = totals.setdefault(main.url, [0, [], []])
                     total[0] += needed_now_bytes(entry)
                     if entry.get("recent_bytes_per_s"):
                         total[1].append(entry["recent_bytes_per_s"])
-        for url, (ahead, rates) in totals.items():
-            lines.report(url, ahead, min(rates) if rates else None, own_at_poll[url])
+                    total[2].append(float(entry.get("kv_codec_ratio") or 1.0))
+        for url, (ahead, rates, ratios) in totals.items():
+            # the copy is predicted in wire bytes: at the lowest ratio any prefill reports
+            lines.report(url, ahead, min(rates) if rates else None, own_at_poll[url],
+                         wire_ratio=min(ratios))
         mark_mains_out(mains, out)
         await asyncio.sleep(interval_s)
 

@@ -232,3 +232,19 @@ def test_a_new_copy_waits_only_behind_needed_now_bytes_when_the_prefill_reports_
     assert lines.state("http://m").bytes_ahead == 1_500_000
     lines.land(mine)
     assert lines.state("http://m").bytes_ahead == 1_500_000
+
+
+def test_a_coded_line_predicts_a_new_copy_in_wire_bytes():
+    """Issue 36: the prefill reports its line's codec ratio (KV bytes per wire byte); the
+    router predicts a new copy's time from its wire bytes while the report is fresh."""
+    clock = FakeClock()
+    lines = LineAccounting(clock)
+    lines.report("m", 0, 1e6, wire_ratio=2.0)
+    line = lines.state("m")
+    assert line.wire_ratio == 2.0
+    seconds = policy.predict_wan_seconds_on_line(10_000, 100.0, 1e6, 0.0, line)
+    assert seconds == pytest.approx(0.5)  # 1 MB of KV, 0.5 MB on the wire
+    clock.now = 10.0  # stale: the KV's own bytes again
+    assert lines.state("m").wire_ratio == 1.0
+    with pytest.raises(ValueError, match="wire_ratio"):
+        policy.LineState(wire_ratio=0.0)

@@ -91,6 +91,7 @@ def test_server_metrics_in_sglangs_multiprocess_registry(tmp_path):
         'sglang:pdd_wan_queued_bytes{main="10.0.0.2:15000"}': 0,
         'sglang:pdd_wan_in_flight_bytes{main="10.0.0.2:15000"}': 20,
         'sglang:pdd_wan_rate_bytes_per_second{main="10.0.0.2:15000"}': 1e6,
+        'sglang:pdd_wan_kv_codec_ratio{main="10.0.0.2:15000"}': 1.0,  # nothing coded
     }
     for series, value in expected.items():
         assert _value(out, series) == value, series

@@ -388,3 +388,18 @@ def test_a_batch_of_thousands_of_blocks_lands_with_the_prefills_mooncake_queue(m
         f"127.0.0.1:{receiver.get_rpc_port()}", [src.ctypes.data + o for o in offsets],
         [dst.ctypes.data + o for o in offsets], [size] * blocks) == 0
     assert np.array_equal(src, dst)
+
+
+def test_a_coded_line_reports_its_ratio_and_its_queue_in_wire_bytes():
+    """Issue 36: coded records count their wire bytes in flight and sent (the engine's blocks);
+    the line reports KV bytes per wire byte, and queued KV at that ratio."""
+    line = WanLine()
+    assert WanLine().snapshot() == {}
+    line.queue_view = lambda: {"m": {"needed_now": 1200, "cache_only": 0}}
+    assert line.snapshot()["m"]["kv_codec_ratio"] == 1.0
+    assert line.snapshot()["m"]["needed_now_bytes_ahead"] == 1200
+    line.coded("m", 3000, 2500)
+    row = line.snapshot()["m"]
+    assert row["kv_codec_ratio"] == pytest.approx(1.2)
+    assert (row["coded_kv_bytes"], row["coded_wire_bytes"]) == (3000, 2500)
+    assert row["needed_now_bytes_ahead"] == 1000  # 1200 B of KV, 1000 on the wire
