@@ -63,7 +63,8 @@ def close_scheduler(scheduler: Any) -> list[str]:
     owners = [getattr(kv_mgr, "pdd_wan_path", None),
               getattr(kv_mgr, "pdd_metrics_exporter", None),  # after the path: its last figures
               getattr(kv_mgr, "pdd_line_report", None),
-              getattr(scheduler, "_pdd_handoff", None)]  # built by decode.handoff_for, if ever
+              getattr(scheduler, "_pdd_handoff", None),  # built by decode.handoff_for, if ever
+              getattr(kv_mgr, "pdd_staging", None)]  # a main's staging region, if ever made
     for owner in owners:
         if owner is None:
             continue

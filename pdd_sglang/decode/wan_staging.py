@@ -149,7 +149,11 @@ class MainStaging:
                 "rooms": self.allocator.ranges, **self.counters}
 
     def close(self) -> None:
+        """Scheduler exit (``lifecycle.close_scheduler``): the region leaves Mooncake; safe twice."""
+        engine, self._engine = self._engine, None
+        if engine is None:
+            return
         try:
-            self._engine.deregister(self.addr)
+            engine.deregister(self.addr)
         except Exception as err:  # shutting down: log, never raise
             logger.warning("PDD: deregistering main's staging region failed: %s", err)

@@ -214,7 +214,9 @@ def codec_for(kv_mgr: Any, work: Any, sliced: bool, raw_bytes: int) -> Optional[
         codec = "raw"
         if not sliced and pool_pages(kv_mgr) is not None:
             line = fanout.wan_line.snapshot().get(work.session, {}).get("recent_bytes_per_s")
-            codec = choice.pick(raw_bytes, line, fanout.wan_engine.window_bytes)
+            # coded per slice: encoding, the line and decoding overlap slice by slice
+            codec = choice.pick(raw_bytes, line,
+                                min(fanout.wan_engine.slice_bytes, CODED_SLICE_BYTES))
         staged.codec = codec
         choice.count("coded_copies" if codec != "raw" else "raw_copies")
     return None if staged.codec == "raw" else staged.codec

@@ -117,6 +117,7 @@ def main_with_staging(buffers, size=1 << 20):
                                                                           if r[0] == p)))
     staging = MainStaging(SimpleNamespace(kv_args=kv_args(buffers), engine=engine), size)
     assert registered == [(staging.addr, size)]
+    staging.registered = registered
     return staging
 
 
@@ -204,6 +205,9 @@ def test_a_room_that_fails_or_is_dropped_gives_its_range_back():
     big = np.arange(PAGES * 100)  # more than the region: this room goes raw
     assert staging.offer(Receiver(), 3, big) == (0, 0)
     assert staging.counters["no_room"] == 1
+    staging.close()
+    staging.close()  # the scheduler's exit path may run twice
+    assert staging.registered == []
 
 
 def test_a_room_sent_raw_lands_as_before():
@@ -215,3 +219,18 @@ def test_a_room_sent_raw_lands_as_before():
     assert staged.codec == "raw" and staged.records == 0 and not staged.end_written
     assert staging.land(receiver, 9, landed=True) is None  # a clear end record: nothing coded
     assert staging.counters["landed_raw"] == 1 and staging.state()["in_use_bytes"] == 0
+
+
+@pytest.mark.parametrize("line_bytes_per_s, expected", [(1e6, "lossless"), (1.25e9, "raw")])
+def test_auto_codes_a_copy_only_where_it_shortens_it_on_the_line(line_bytes_per_s, expected):
+    """``--pdd-wan-kv-codec auto``: on a slow line (8 Mbit/s) the lossless codec's 1.22x pays for
+    its CPU; at 10 Gbit/s one core's ~400 MB/s would lengthen the copy, so it goes raw. One
+    choice per destination, taken by its first work."""
+    kv = prefill(pool(1), mode="auto")
+    kv.pdd_fanout.codec_choice.declared_line_bytes_per_s = line_bytes_per_s
+    staged = wan_coded.StagedCopy(4096, 1 << 20)
+    work = SimpleNamespace(room=1, session="main-1", staged=staged)
+    got = wan_coded.codec_for(kv, work, False, 64 << 20)
+    assert (got or "raw") == expected and staged.codec == expected
+    kv.pdd_fanout.codec_choice.declared_line_bytes_per_s = 1e6 if expected == "raw" else 1e12
+    assert (wan_coded.codec_for(kv, work, False, 64 << 20) or "raw") == expected  # kept
