@@ -100,7 +100,8 @@ def test_the_soak_loses_nothing_and_every_answer_is_the_plain_servers(soak):
     mismatch, no KV slot, tree lock or PDD room left over, no dead thread in any log."""
     assert set(soak) == {"requests", "completed", "lost", "errored", "errors",
                          "token_mismatches", "digest_mismatches", "leaked_slots", "leaked_locks",
-                         "leaked_rooms", "dead_threads", "faults", "recovery_s", "minutes", "seed"}
+                         "leaked_rooms", "dead_threads", "faults", "recovery_s", "minutes", "seed",
+                         "completed_by_outcome", "handoff_share", "line"}
     assert soak["requests"] == soak["completed"] + soak["errored"] + soak["lost"], soak
     assert sum(soak["faults"].values()) >= 1, soak  # a fault struck under the load
     assert all(error["reason"].strip() for error in soak["errors"])  # every failure said why

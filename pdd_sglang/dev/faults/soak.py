@@ -54,6 +54,10 @@ from pdd_sglang.dev.faults.load import LoadProfile, Sent, SteadyLoad, tally
 from pdd_sglang.dev.faults.suite import FaultCluster
 
 CHUNK_TOKENS = 512
+# Every request placed P->RLD->MD while the relay is up (the router's P->MD shortcut for copies
+# predicted under --hide-wan-below-s is off), so the handoff, the path a fault can catch half-way,
+# is in play on every turn whose answer outlasts main's copy (issue 34: a quarter at least).
+ROUTER_ARGS = ("--hide-wan-below-s", "0")
 SERVER_ARGS = {"prefill": ("--chunked-prefill-size", str(CHUNK_TOKENS)),
                "relay": ("--pdd-enable-kv-digest",), "main": ("--pdd-enable-kv-digest",)}
 PROFILE = LoadProfile(shared_tokens=512, unique_tokens=0, output_tokens=0, concurrency=3)
@@ -300,7 +304,8 @@ def run_soak(log_dir: Path, *, minutes: float, seed: int, rate_mbit: float, rtt_
     the tokens: (``soak.json``'s report, the details behind it)."""
     progress(f"soak: starting the line ({rate_mbit:g} Mbit/s, RTT {rtt_ms:g} ms) and P, RLD, MD, "
              f"router (logs: {log_dir})")
-    cluster = FaultCluster.start(log_dir, rate_mbit, rtt_ms, seed, extra_args=SERVER_ARGS)
+    cluster = FaultCluster.start(log_dir, rate_mbit, rtt_ms, seed, extra_args=SERVER_ARGS,
+                                 router_args=ROUTER_ARGS)
     try:
         if before is not None:
             before(cluster)
@@ -327,6 +332,9 @@ def run_soak(log_dir: Path, *, minutes: float, seed: int, rate_mbit: float, rtt_
         "leaked_rooms": measured["rooms"], "dead_threads": measured["dead_threads"],
         "faults": {name: len(times) for name, times in recovery.items()},
         "recovery_s": recovery, "minutes": minutes, "seed": seed,
+        "completed_by_outcome": _by_outcome(records),
+        "handoff_share": _handoff_share(records),
+        "line": {"rate_mbit": rate_mbit, "rtt_ms": rtt_ms},
     }
     detail = {
         "logs": str(log_dir), "load_s": round(soak.ended - soak.started, 1),
@@ -342,8 +350,17 @@ def run_soak(log_dir: Path, *, minutes: float, seed: int, rate_mbit: float, rtt_
         "logged_tracebacks_not_counted": measured["handled"],
         "prefill_wan_line_and_fanout_after": measured["prefill_after"],
         "server_args": {k: list(v) for k, v in SERVER_ARGS.items()},
+        "router_args": list(ROUTER_ARGS),
     }
     return report, detail
+
+
+def _handoff_share(records: list[Sent]) -> Optional[float]:
+    """Completed requests that handed off from the relay to main, over all completed."""
+    outcomes = _by_outcome(records)
+    completed = sum(outcomes.values())
+    handoffs = sum(n for outcome, n in outcomes.items() if outcome.startswith("handoff"))
+    return round(handoffs / completed, 3) if completed else None
 
 
 def _by_outcome(records: list[Sent]) -> dict:

@@ -68,8 +68,10 @@ class FaultCluster:
 
     @classmethod
     def start(cls, log_dir: Path, rate_mbit: float, rtt_ms: float, seed: int = 0,
-              extra_args: Optional[dict] = None) -> "FaultCluster":
-        """``extra_args``: more flags per role (``{"relay": (...)}``), e.g. the soak's."""
+              extra_args: Optional[dict] = None,
+              router_args: Sequence[str] = ()) -> "FaultCluster":
+        """``extra_args``: more flags per role (``{"relay": (...)}``), e.g. the soak's;
+        ``router_args``: more router flags."""
         extra = extra_args or {}
         line = WanLine(rate_mbit, rtt_ms, 0.0, seed=seed)
         line.start(log_path=str(log_dir / "wan.log"))
@@ -101,7 +103,7 @@ class FaultCluster:
                 "--main", self.main.url, "--wan-gbps", repr(rate_mbit / 1e3),
                 "--wan-rtt-ms", repr(rtt_ms), "--health-interval-s", "1",
                 "--health-failures-to-remove", "1", "--read-timeout-s", "60",
-                "--retry-after-first-token"],
+                "--retry-after-first-token", *router_args],
                 exec_prefix=line.exec_prefix("a"), netns_name=line.namespace("a"))
             self.router.start()
         except BaseException:
