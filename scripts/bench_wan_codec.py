@@ -28,6 +28,7 @@ may compress unlike a trained bf16 model's KV**: read the ratios as this model's
   figures are optimistic.
 
     sudo .venv/bin/python scripts/bench_wan_codec.py       # out/wan_codec/wan_codec_bench.json
+    sudo .venv/bin/python scripts/bench_wan_codec.py --demo  # and the demo, codec on and off
     .venv/bin/python scripts/bench_wan_codec.py --no-line  # codecs only (no root needed)
 """
 
@@ -218,8 +219,8 @@ def bench(args) -> dict:
         "kv_bytes_per_token": WAN_DEMO_MODEL.kv_bytes_per_token,
         "new_tokens": args.new_tokens, "codecs": codecs, "codecs_bf16_cast": as_bf16,
         "demo": None,
-        "demo_not_run": "the wire path (issue 36 items 2-3) is not wired yet: the demo cannot "
-                        "run with a codec on",
+        "demo_not_run": "run with --demo (root, the emulated WAN): the quick demo with the "
+                        "codec on (--wan-kv-codec auto) and off (raw)",
     }
     if not args.no_line:
         copy_raw = args.copy_tokens * WAN_DEMO_MODEL.kv_bytes_per_token
@@ -229,7 +230,41 @@ def bench(args) -> dict:
                                   "(measured above), which did not run inside the copy; the codec "
                                   "shares 2 cores with the forwarder and both engines")
     result["document_tokens"] = document_tokens
+    if args.demo:
+        result["demo"] = demo_on_off(Path(args.out), args.demo_args)
+        result.pop("demo_not_run")
     return result
+
+
+DEMO_FIELDS = ("wan_bytes", "ttft_p50_s", "ttft_p99_s", "relay_busy_share")
+
+
+def demo_on_off(out: Path, extra: list[str]) -> dict:
+    """``scripts/demo.py`` twice, the same workload and line: the prefill's WAN codec on
+    (``auto``, its default: lossless where it shortens the copy on the demo's line) and off
+    (``raw``); PDD's setup's figures from each run's demo.json."""
+    import subprocess
+
+    demo = {"note": "scripts/demo.py " + " ".join(extra) + " with --wan-kv-codec auto (on) and "
+                    "raw (off), one after the other; PDD's setup (its TTFT budget) in each"}
+    for side, codec in (("on", "auto"), ("off", "raw")):
+        run_dir = out / f"demo_{side}"
+        started = time.perf_counter()
+        proc = subprocess.run([sys.executable, str(Path(__file__).with_name("demo.py")), *extra,
+                               "--wan-kv-codec", codec, "--out", str(run_dir)])
+        summary = json.loads((run_dir / "demo.json").read_text()) if proc.returncode == 0 \
+            else None
+        if summary is None:
+            demo[side] = {"codec": codec, "failed": f"demo.py exited {proc.returncode}"}
+            continue
+        pdd = summary["setups"]["pdd"]
+        demo[side] = {"codec": codec, **{k: pdd.get(k) for k in DEMO_FIELDS},
+                      "handoff_share": summary["bar"]["pdd_handoff_share"],
+                      "kv_bytes_to_main": pdd.get("kv_bytes_to_main"),
+                      "errors": summary["bar"]["errors"], "leaks": summary["leaks"],
+                      "wan_kv_codec": summary.get("wan_kv_codec"),
+                      "run_s": round(time.perf_counter() - started, 1)}
+    return demo
 
 
 def print_table(result: dict) -> None:
@@ -258,6 +293,10 @@ def main() -> int:
     parser.add_argument("--rtt-ms", type=float, default=40.0, help="the demo's line: 40 ms")
     parser.add_argument("--no-line", action="store_true", help="skip the copies (no root needed)")
     parser.add_argument("--out", default="out/wan_codec")
+    parser.add_argument("--demo", action="store_true",
+                        help="also run the demo with the codec on and off (root, as make demo)")
+    parser.add_argument("--demo-args", nargs="*", default=["--quick"],
+                        help="scripts/demo.py's arguments for both runs (default: --quick)")
     args = parser.parse_args()
     if args.new_tokens < 1 or args.copy_tokens < 1 or args.rtt_ms <= 0:
         parser.error("--new-tokens, --copy-tokens and --rtt-ms must be positive")

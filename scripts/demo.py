@@ -153,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--placement", choices=sorted(OTHER_PLACEMENT),
                         default="congestion-aware", help="the router's placement for `pdd`")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--wan-kv-codec", choices=("auto", "raw", "lossless", "fp8"),
+                        default="auto", help="the prefill's --pdd-wan-kv-codec (issue 36): auto "
+                        "codes main-bound KV losslessly where it shortens the copy on the line")
     parser.add_argument("--rate-mbit", type=float, default=RATE_MBIT)
     parser.add_argument("--rtt-ms", type=float, default=RTT_MS)
     parser.add_argument("--jitter-ms", type=float, default=JITTER_MS)
@@ -255,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
                               netns=ns_a, extra_args=(
                                   "--pdd-role", "prefill", "--disaggregation-bootstrap-port",
                                   str(bootstrap_port), *TRANSPORT, *TIME_STATS,
-                                  *NON_OVERLAP_LOOP_ARGS, *line.prefill_flags()), **common)
+                                  *NON_OVERLAP_LOOP_ARGS, *line.prefill_flags(),
+                                  "--pdd-wan-kv-codec", args.wan_kv_codec), **common)
         main_a = NetnsServer("main-a", host="127.0.0.1", exec_prefix=where("a", "main-a"),
                              netns=ns_a, extra_args=("--pdd-role", "main", *TRANSPORT, *METRICS),
                              **common)
@@ -304,6 +308,11 @@ def main(argv: list[str] | None = None) -> int:
         if dead:
             raise Aborted(f"{', '.join(dead)} died during the run")
         pools = {s.name: s.wait_idle(60) for s in servers}
+        # what --pdd-wan-kv-codec did over the run (copies coded and raw, KV and wire bytes)
+        try:
+            args.wan_codec_state = prefill.pdd_state().get("wan_codec")
+        except Exception as err:  # a figure, never the run's outcome
+            args.wan_codec_state = {"unread": repr(err)}
     except Aborted as err:
         failure = str(err)
     except BaseException as err:
@@ -388,6 +397,8 @@ def write_and_print(args, results: dict, line: WanLine, server_cpu: float, cores
                                  "seconds of the router, the line's forwarder and the demo "
                                  "process (the clients)"},
         "line": line_info,
+        "wan_kv_codec": {"flag": args.wan_kv_codec,
+                         **(getattr(args, "wan_codec_state", None) or {})},
         "model": {**DEMO_MODEL.__dict__, "kv_bytes_per_token": DEMO_MODEL.kv_bytes_per_token,
                   "dtype": "float32", "path": str(model)},
         "topology": {

@@ -3,7 +3,8 @@ prefix (:mod:`~pdd_sglang.prefill.fanout`), its senders and WAN path, and the tr
 
 Its parts of ``/server_info`` are registered with :mod:`pdd_sglang.diagnostics.server_info` here,
 on import of the package: the transfer ledger (``transfers``), and from the KV manager's fan-out,
-when this server runs one, its WAN line (``wan_line``) and its published view (``fanout``).
+when this server runs one, its WAN line (``wan_line``), its published view (``fanout``) and its
+WAN codec's figures (``wan_codec``).
 """
 
 from typing import Any
@@ -29,6 +30,14 @@ def _fanout(scheduler: Any, kv_mgr: Any) -> dict | None:
     return None if fanout is None else fanout.published
 
 
+def _wan_codec(scheduler: Any, kv_mgr: Any) -> dict | None:
+    """``--pdd-wan-kv-codec`` and what it did: copies coded and raw, their KV and wire bytes,
+    the lossless codec's running ratio and encode rate (issue 36)."""
+    choice = getattr(getattr(kv_mgr, "pdd_fanout", None), "codec_choice", None)
+    return None if choice is None else choice.state()
+
+
 register_state("transfers", _transfers)
+register_state("wan_codec", _wan_codec)
 register_state("wan_line", _wan_line)
 register_state("fanout", _fanout)

@@ -151,3 +151,37 @@ def test_the_bench_measures_each_codec_with_the_issues_fields():
         cost = bench.codec_cost(entry)
         assert cost.name == name and cost.lossless is CODECS[name].lossless
     assert bench.codec_cost(bench.measure_codec("raw", tensors, repeats=1)) == RAW
+
+
+def test_the_benchs_demo_section_has_the_issues_fields_for_on_and_off(tmp_path, monkeypatch):
+    """``--demo``: two demo runs (codec auto, then raw), PDD's figures from each demo.json."""
+    import importlib.util
+    import json
+    import subprocess
+    from pathlib import Path
+    from types import SimpleNamespace
+    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_wan_codec.py"
+    spec = importlib.util.spec_from_file_location("bench_wan_codec", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    runs = []
+
+    def fake_demo(argv, **kwargs):
+        codec, out = argv[argv.index("--wan-kv-codec") + 1], Path(argv[argv.index("--out") + 1])
+        runs.append((argv[2:argv.index("--wan-kv-codec")], codec))
+        out.mkdir(parents=True)
+        wan = 800 if codec == "auto" else 1000
+        (out / "demo.json").write_text(json.dumps({
+            "setups": {"pdd": {"wan_bytes": wan, "ttft_p50_s": 0.5, "ttft_p99_s": 1.0,
+                               "relay_busy_share": 0.2, "kv_bytes_to_main": 1000}},
+            "bar": {"pdd_handoff_share": 0.9, "errors": 0}, "leaks": {},
+            "wan_kv_codec": {"flag": codec}}))
+        return SimpleNamespace(returncode=0)
+
+    monkeypatch.setattr(subprocess, "run", fake_demo)
+    demo = bench.demo_on_off(tmp_path, ["--quick"])
+    assert runs == [(["--quick"], "auto"), (["--quick"], "raw")]
+    for side in ("on", "off"):
+        assert {"wan_bytes", "ttft_p50_s", "ttft_p99_s", "handoff_share",
+                "relay_busy_share"} <= demo[side].keys()
+    assert (demo["on"]["wan_bytes"], demo["off"]["wan_bytes"]) == (800, 1000)
