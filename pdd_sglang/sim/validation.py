@@ -11,7 +11,8 @@ Life cycle (scripts/validate_sim.py drives it):
    (the profile was measured on one machine, the demo runs on another): prefill's from the
    median prefill_forward, main's from the ITL P50 of the setups where main decodes every token
    (the relay, the same server under the same quota, whose tokens the demo's ITL does not tell
-   apart from main's, takes main's); then the per-transfer fixed cost of each link (loopback:
+   apart from main's, takes main's); the window one copy moves per RTT, from naive cross-DC
+   PD's copies (where under the sender's declared window); then the per-transfer fixed cost of each link (loopback:
    same-DC, WAN: cross-DC) from the median kv_and_first_token left over after the copy and
    decode step, and the line's A->B bytes per KV byte (its counters over the prefill's ledger).
 3. ``run_point`` replays a point's measured requests (prompt and output lengths, closed-loop
@@ -97,6 +98,9 @@ class Calibration:
     # the prefill ledger's KV bytes at the latency point (the profile's Mooncake figure if absent)
     wire_a_to_b_per_kv_byte: float = 0.0
     # FITTED at the latency point: each role's server time over the profile's (1: as measured).
+    # The sender's window, MEASURED at the latency point: the bytes one copy keeps moving per
+    # RTT (its rate there times the line's RTT), when under the window it declares (0: none).
+    wan_window_bytes: float = 0.0
     prefill_compute_scale: float = 1.0
     relay_compute_scale: float = 1.0
     main_compute_scale: float = 1.0
@@ -198,7 +202,8 @@ class Validator:
             register_at_step_boundary=True, shared_host=True,
             policy=PolicyConfig(ttft_slo_s=budget or None, prefill_tokens_per_s=rate or None),
             wan_line="classed", wan_cache_only_backlog_s=CACHE_ONLY_BACKLOG_S,
-            wan_window_bytes=self.sender_window_bytes(), **self.router_line())
+            wan_window_bytes=self.calibration.wan_window_bytes or self.sender_window_bytes(),
+            **self.router_line())
 
     def sender_window_bytes(self) -> float | None:
         """The prefill's window for the line the demo declares to it (line.prefill_flags():
@@ -291,6 +296,7 @@ class Validator:
             wan_fixed_s=self.measured_fixed(self.profiles.wan))
         self.calibration = c
         self.fit_compute_scales(latency)
+        self.fit_copy_window(latency.get("cross_dc_pd"))
         # The line's A->B overhead on the KV: the latency point's line counters over its ledger.
         wire, kv = [], []
         for name in REMOTE_MAIN:
@@ -321,6 +327,36 @@ class Validator:
             c.notes[attribute] = (f"measured {before:.4f} s + residual {residual:+.4f} s (median "
                                   f"kv_and_first_token {measured:.3f} s at the latency point)")
         return c
+
+    def fit_copy_window(self, entry: dict | None) -> None:
+        """The window one copy moves per RTT, MEASURED at the latency point: a least-squares
+        line of naive cross-DC PD's kv_and_first_token against each request's copy (its
+        uncached tokens x KV bytes per token; one request at a time, so nothing shares the
+        line) gives the copy's rate, times the profile's RTT. Kept where it is under the
+        window the sender declares (else that window stands: the line, not the sender, bounds)."""
+        declared = self.sender_window_bytes()
+        kv = float((self.measured.get("line") or {}).get("kv_bytes_per_token") or 0)
+        points = [((r["prompt_tokens"] - (r.get("cached_tokens") or 0)) * kv,
+                   r["stages"]["kv_and_first_token"]) for r in _rows(entry or {})
+                  if r.get("stages") and r["prompt_tokens"] > (r.get("cached_tokens") or 0)]
+        if len(points) < 3 or not kv or declared is None:
+            return
+        mean_b = statistics.fmean(b for b, _ in points)
+        mean_t = statistics.fmean(t for _, t in points)
+        spread = sum((b - mean_b) ** 2 for b, _ in points)
+        slope = sum((b - mean_b) * (t - mean_t) for b, t in points) / spread if spread else 0.0
+        if not slope > 0:
+            return
+        rtt = float(self.wan_profile().get("rtt_s", 0.0))
+        window = rtt / slope
+        self.calibration.notes["wan_window_bytes"] = (
+            f"MEASURED at the latency point: naive cross-DC PD's kv_and_first_token over its "
+            f"{len(points)} copies' bytes, {1 / slope / 1e6:.3f} MB/s a copy (the line's "
+            f"goodput {float(self.wan_profile().get('bytes_per_s', 0)) / 1e6:.3f} MB/s), x RTT "
+            f"{rtt * 1e3:.1f} ms = {window:.0f} B; the sender declares {declared:.0f} B "
+            "(window_for_line)")
+        if window < declared:
+            self.calibration.wan_window_bytes = window
 
     def fit_compute_scales(self, latency: dict) -> None:
         """One compute-scale factor per role, FITTED at the latency point with the profile's

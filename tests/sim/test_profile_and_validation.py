@@ -192,3 +192,24 @@ def test_the_simulated_pdd_setups_get_their_routers_budget_and_the_classed_line(
     assert pdd.wan_line == "classed" and pdd.wan_cache_only_backlog_s == 10.0
     assert pdd.wan_window_bytes == window_for_line(line["rate_mbit"] / 1e3,
                                                    line["rtt_ms"]).window_bytes
+
+
+def test_the_copys_window_is_measured_at_the_latency_point_when_under_the_declared_one(tmp_path):
+    measured = json.loads(DEMO.read_text())
+    validator = Validator(measured, _write_profile(tmp_path / "profile"), "tiny_cpu", tmp_path)
+    kv = measured["line"]["kv_bytes_per_token"]
+
+    def rows(rate):   # kv_and_first_token = 0.3 s + the copy at `rate` bytes/s
+        return {"rows": [{"conversation": 0, "turn": t, "prompt_tokens": 1000 + 400 * t,
+                          "cached_tokens": 900, "sent_at": float(t), "stages": {
+                              "kv_and_first_token": 0.3 + (100 + 400 * t) * kv / rate}}
+                         for t in range(4)]}
+
+    validator.fit_copy_window(rows(0.5e6))
+    assert validator.calibration.wan_window_bytes == pytest.approx(0.5e6 * 0.04)  # rate x RTT
+    assert "MEASURED" in validator.calibration.notes["wan_window_bytes"]
+    assert validator.config("pdd").wan_window_bytes == pytest.approx(0.5e6 * 0.04)
+    fast = Validator(measured, _write_profile(tmp_path / "fast"), "tiny_cpu", tmp_path)
+    fast.fit_copy_window(rows(1e12))        # faster than the sender's window allows
+    assert fast.calibration.wan_window_bytes == 0.0
+    assert fast.config("pdd").wan_window_bytes == fast.sender_window_bytes()
