@@ -18,12 +18,13 @@ Life cycle of a request's coded copy on a main (issue 36):
    commit, the handoff's hold and EXTEND, the KV digest) only with its pages restored. A missing,
    damaged or foreign record fails the room (SGLang's failed-transfer path frees its pages and
    tells the client) with no page written.
-4. A room that fails or is let go frees its range at its next poll, or at the next
-   :meth:`sweep` once SGLang dropped its receiver.
+4. A room that fails or is let go keeps its range until SGLang drops its receiver, which it
+   does once it frees the room's pages (after prefill acked the abort, so no late write of the
+   copy can still land); the next :meth:`sweep` (each offer, each ``/server_info``) frees it.
 
 Owner: the scheduler thread (each TP rank its own region, pages and rooms): SGLang polls
-receivers and sends their metadata there. A late write of a failed room's copy can land in a
-range given to another room: the records carry the room and a CRC, so that room fails cleanly
+receivers and sends their metadata there. Should a late write of a failed room's copy still land
+in a range given to another room, the records carry the room and a CRC: that room fails cleanly
 instead of decoding another's KV.
 """
 
@@ -87,14 +88,15 @@ class MainStaging:
         return self.addr + offset, nbytes
 
     def land(self, receiver: Any, room: int, landed: bool) -> Optional[str]:
-        """The room's KV landed (``landed``) or its copy ended without (failed, let go): decode
-        the first into its pages; free the range either way. The reason it failed, or None."""
+        """The room's KV landed (``landed``): decode it into its pages and free the range (every
+        write of prefill's has landed). The reason it failed, or None. A room that failed keeps
+        its range until SGLang drops its receiver (:meth:`sweep`): as its pages, the range may
+        still take a late write of the copy until prefill has acked the abort."""
         held = self._ranges.get(room)
-        if held is None or held.receiver() is not receiver:
+        if held is None or held.receiver() is not receiver or not landed:
             return None
         try:
-            if landed:
-                self._decode(room, held)
+            self._decode(room, held)
             return None
         except (CorruptFrame, ValueError, KeyError) as err:
             self.counters["corrupt"] += 1
@@ -102,7 +104,7 @@ class MainStaging:
             logger.error("%s; the room fails, no page was written", reason)
             return reason
         finally:
-            self._free(room, landed=landed)
+            self._free(room, landed=True)
 
     def _decode(self, room: int, held: _Range) -> None:
         view = memoryview(self.region.numpy())[held.offset:held.offset + held.nbytes]
@@ -135,12 +137,11 @@ class MainStaging:
                 self.counters["freed_unlanded"] += 1
 
     def sweep(self) -> None:
-        """Free the ranges of rooms whose receiver SGLang has dropped, or concluded failed."""
-        from sglang.srt.disaggregation.base.conn import KVPoll
-
+        """Free the ranges of rooms whose receiver SGLang has dropped: it does so once it frees
+        the room's pages (after prefill acked an abort, or its deferred-release timeout), so no
+        late write of the copy can land in a range given to another room."""
         for room, held in list(self._ranges.items()):
-            receiver = held.receiver()
-            if receiver is None or getattr(receiver, "conclude_state", None) == KVPoll.Failed:
+            if held.receiver() is None:
                 self._free(room, landed=False)
 
     def state(self) -> dict:

@@ -199,9 +199,10 @@ def test_a_room_that_fails_or_is_dropped_gives_its_range_back():
     assert staging.offer(dropped, 2, np.arange(4, 8))[1] > 0
     assert staging.land(other, 1, landed=True) is None  # not its receiver: nothing happens
     assert staging.state()["rooms"] == 2
-    assert staging.land(failed, 1, landed=False) is None  # the copy failed: no decode, freed
-    del dropped  # SGLang let the request go: swept at the next offer or report
-    assert staging.state()["rooms"] == 0 and staging.state()["in_use_bytes"] == 0
+    assert staging.land(failed, 1, landed=False) is None  # the copy failed: no decode ...
+    assert staging.state()["rooms"] == 2  # ... and its range held while SGLang holds the room
+    del dropped, failed  # SGLang let the requests go (their pages freed): swept at the next
+    assert staging.state()["rooms"] == 0 and staging.state()["in_use_bytes"] == 0  # report
     big = np.arange(PAGES * 100)  # more than the region: this room goes raw
     assert staging.offer(Receiver(), 3, big) == (0, 0)
     assert staging.counters["no_room"] == 1
