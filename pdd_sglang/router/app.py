@@ -36,6 +36,24 @@ def _sse(payload) -> bytes:
     return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
+async def _until_client_leaves(request: web.Request, response: web.StreamResponse,
+                               chunks) -> web.StreamResponse:
+    """Stream ``chunks`` (a coroutine writing the answer's chunks) then ``[DONE]``. A client that
+    hangs up is usually seen as the handler's cancellation (``handler_cancellation``); when a
+    write finds its connection closing first, aiohttp raises ConnectionResetError out of the
+    write instead. Either way the request was aborted on every server as the dispatcher's
+    context closed (counted as ``client_disconnect``): no error of the router to log."""
+    try:
+        await chunks
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+    except ConnectionResetError:
+        if request.transport is not None and not request.transport.is_closing():
+            raise  # not the client's connection: a fault of the router's own
+        logger.debug("client went away mid-stream")
+    return response
+
+
 def _failure_message(err: Exception) -> str:
     if isinstance(err, UpstreamError):
         return f"{err.upstream.role} server failed: {err.message}"
@@ -100,18 +118,19 @@ class Handlers:
         response = web.StreamResponse(status=200, headers=_SSE_HEADERS)
         await response.prepare(request)
         incremental = self.service.config.incremental_streaming_output
-        sent_chars = sent_ids = 0  # of the client's text and ids, on an incremental stream
-        try:
-            async with self._run(job, placement, "generate", started) as updates:
-                async for update in updates:
-                    await response.write(_sse(_generate_body(update, sent_chars, sent_ids)))
-                    if incremental:
-                        sent_chars, sent_ids = len(update.text), len(update.output_ids)
-        except _FAILURES as err:
-            await response.write(errors.generate_stream_error_chunk(_failure_message(err), 500))
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-        return response
+
+        async def chunks() -> None:
+            sent_chars = sent_ids = 0  # of the client's text and ids, on an incremental stream
+            try:
+                async with self._run(job, placement, "generate", started) as updates:
+                    async for update in updates:
+                        await response.write(_sse(_generate_body(update, sent_chars, sent_ids)))
+                        if incremental:
+                            sent_chars, sent_ids = len(update.text), len(update.output_ids)
+            except _FAILURES as err:
+                await response.write(errors.generate_stream_error_chunk(_failure_message(err),
+                                                                        500))
+        return await _until_client_leaves(request, response, chunks())
 
     # ---- OpenAI -------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -139,17 +158,17 @@ class Handlers:
             return web.json_response(formatter.response(final), dumps=_dumps)
         response = web.StreamResponse(status=200, headers=_SSE_HEADERS)
         await response.prepare(request)
-        try:
-            async with self._run(job, placement, api, started) as updates:
-                async for update in updates:
-                    for chunk in formatter.chunks(update):
-                        await response.write(_sse(chunk))
-        except _FAILURES as err:
-            await response.write(_sse({"error": {"message": _failure_message(err),
-                                                 "type": "InternalServerError", "code": 500}}))
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-        return response
+
+        async def chunks() -> None:
+            try:
+                async with self._run(job, placement, api, started) as updates:
+                    async for update in updates:
+                        for chunk in formatter.chunks(update):
+                            await response.write(_sse(chunk))
+            except _FAILURES as err:
+                await response.write(_sse({"error": {"message": _failure_message(err),
+                                                     "type": "InternalServerError", "code": 500}}))
+        return await _until_client_leaves(request, response, chunks())
 
     async def models(self, request: web.Request) -> web.Response:
         model = self.service.model

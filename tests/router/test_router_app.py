@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 
 import aiohttp
@@ -251,6 +252,51 @@ def test_client_disconnect_aborts_on_every_server():
             assert 'pdd_router_errors_total{cause="client_disconnect"} 1.0' in await resp.text()
 
     asyncio.run(with_router([endless, endless], test, delay_s=0.05))
+
+
+@pytest.mark.parametrize("path", ["/generate", "/v1/completions"])
+def test_a_client_gone_before_a_write_is_aborted_and_no_router_error(path, monkeypatch, caplog):
+    """The write, not the handler's cancellation, finds the client gone (aiohttp raises
+    ConnectionResetError out of it): the chaos soak's router logged that as "Error handling
+    request", a traceback the soak counts as a dead thread."""
+    from aiohttp.client_exceptions import ClientConnectionResetError
+
+    from pdd_sglang.router.app import _SERVICE
+
+    endless = [{"ids": [10]}] * 400
+    original = web.StreamResponse.write
+    writes = {"n": 0}
+
+    async def write(self, data):
+        if _SERVICE in self._req.app:  # the router's stream, not a fake server's
+            writes["n"] += 1
+            if writes["n"] == 2:  # the client's connection closes under the second chunk
+                self._req.transport.close()
+                raise ClientConnectionResetError("Cannot write to closing transport")
+        return await original(self, data)
+
+    monkeypatch.setattr(web.StreamResponse, "write", write)
+
+    async def test(session, url, prefill, relay, main):
+        async with session.get(url + "/v1/models") as resp:
+            model = (await resp.json())["data"][0]["id"]
+        body = {"stream": True, **({"input_ids": [5, 6, 7]} if path == "/generate"
+                                   else {"model": model, "prompt": [5, 6, 7]})}
+        with pytest.raises(aiohttp.ClientError):
+            async with session.post(url + path, json=body) as resp:
+                async for _ in resp.content:
+                    pass
+        await eventually(lambda: relay.aborted and main.aborted and prefill.aborted)
+        rid = relay.bodies[-1]["rid"]
+        assert relay.aborted == [rid] and main.aborted == [rid] and prefill.aborted == [rid]
+
+    with caplog.at_level("DEBUG"):
+        asyncio.run(with_router([endless, endless], test, delay_s=0.05))
+    assert writes["n"] == 2
+    # The fake servers log their own writes to the connections the router aborted: not ours.
+    router_errors = [r for r in caplog.records if r.levelname == "ERROR" and r.exc_info
+                     and "pdd_sglang/router" in logging.Formatter().formatException(r.exc_info)]
+    assert not router_errors, caplog.text[-3000:]
 
 
 ABORTED = {"type": "abort", "message": "KV transfer failed", "status_code": 500}
