@@ -496,7 +496,8 @@ def report_section(detail: dict) -> list:
              f"budget ({detail['profiles']['hardware']}); fitted at the demo's latency point only "
              "(one conversation at a time), then the load point (4 at a time) predicted without "
              "refitting (`scripts/validate_sim.py`). Fitted at the latency point:", ""]
-    lines += [f"- `{k}` = {v} s" for k, v in c.items() if k != "notes"]
+    lines += [f"- `{k}` = {v}" + (" s" if k.endswith("_s") else "") for k, v in c.items()
+              if k != "notes"]
     lines += [f"  - {k}: {v}" for k, v in c.get("notes", {}).items()]
     for point, results in detail["points"].items():
         title = "calibrated" if point == "latency" else "predicted"
