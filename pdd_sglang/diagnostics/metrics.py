@@ -25,7 +25,7 @@ series                                                 role    source
 ``sglang:pdd_dropped_total{destination}``              prefill relays/mains dropped by fan-out
 ``sglang:pdd_late_registrations_refused_total``        prefill a relay or main registered too late
 ``sglang:pdd_fanout_events_total{event}``              prefill every fan-out counter
-``sglang:pdd_wan_sent_bytes_total{main}``              prefill KV bytes sent across the WAN
+``sglang:pdd_wan_sent_bytes_total{main}``              prefill wire bytes sent across the WAN
 ``sglang:pdd_wan_queued_bytes{main}``                  prefill bytes waiting for a WAN worker
 ``sglang:pdd_wan_in_flight_bytes{main}``               prefill bytes handed to Mooncake, not done
 ``sglang:pdd_wan_rate_bytes_per_second{main}``         prefill measured over recent copies
