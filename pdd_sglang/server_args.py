@@ -66,8 +66,8 @@ class PddArgs(msgspec.Struct):
     pdd_wan_bandwidth_gbps: A[
         float,
         "PDD prefill: the WAN line's bandwidth to the mains, in Gbit/s, as leased. With "
-        "--pdd-wan-rtt-ms it sizes each WAN copy's slices (two bandwidth-delay products) and "
-        "window (four in flight): enough to fill the line, and all a cancel or an urgent copy "
+        "--pdd-wan-rtt-ms it sizes each WAN copy's slices (four bandwidth-delay products) and "
+        "window (twelve more in flight): enough to fill the line, and all a cancel or an urgent copy "
         "waits behind. "
         "Default: 10.",
     ] = 10.0

@@ -4,10 +4,14 @@
 Over a grid of rate x RTT on the emulated line, real copies through the prefill's own WAN engine
 (Mooncake TCP; ``pdd_sglang/dev/wan_emulator/line_bench.py``): one copy, then ``--concurrent``
 at once, each at least ``--bdp-multiple`` bandwidth-delay products, under the old slice rule (a
-window of one 4 MiB slice, each waited for before the next) and the windowed one (slices of two
-BDPs, four BDPs in flight), the same sender in the same run. ``utilization`` is the achieved rate over the line's
-own TCP goodput at that point (``measure.bulk_rate``, as ``scripts/wan_check.py`` measures it).
-Also measures the forwarder's ceiling (no rate limit), which bounds the grid.
+window of one 4 MiB slice, each waited for before the next) and the windowed one
+(:func:`~pdd_sglang.prefill.wan_engine.window_for_line`: slices of four BDPs, twelve more in
+flight), the same sender in the same run. Before each rule's timed copies, ``--warm-copies``
+untimed ones open the pooled lanes' congestion windows, as a serving prefill's persistent lanes
+are (with ``tcp_slow_start_after_idle=0`` they stay open between copies). ``utilization`` is the
+achieved rate over the line's own TCP goodput at that point (``line_bench.line_goodput``:
+``measure.bulk_rate`` as ``scripts/wan_check.py`` measures it, its warm-up scaled to the RTT). Also
+measures the forwarder's ceiling (no rate limit), which bounds the grid.
 
 Both namespaces get the host tuning a long fat line needs, as any bulk-transfer host does:
 ``tcp_slow_start_after_idle=0`` (Mooncake's pooled connections idle between copies) and socket
@@ -30,8 +34,8 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pdd_sglang.dev.wan_emulator import WanLine, check_prerequisites, measure  # noqa: E402
-from pdd_sglang.dev.wan_emulator.line_bench import run_point  # noqa: E402
+from pdd_sglang.dev.wan_emulator import WanLine, check_prerequisites  # noqa: E402
+from pdd_sglang.dev.wan_emulator.line_bench import line_goodput, run_point, tune  # noqa: E402
 from pdd_sglang.prefill.wan_engine import TCP_TRANSPORT_ENV, window_for_line  # noqa: E402
 
 # rate (Mbit/s) x RTT (ms): BDPs from 0.5 MB to 10 MB, past the 4 MiB slice, within the
@@ -54,8 +58,10 @@ def parse_point(text: str) -> tuple[float, float]:
 
 
 def ceiling(rtt_ms: float) -> float:
+    """The forwarder's ceiling: no rate limit, the hosts tuned as at the grid's points."""
     with WanLine(0, rtt_ms, 0) as line:
-        return measure.bulk_rate(line, seconds=4.0)["steady_goodput_mbit"]
+        tune(line, LONG_FAT_LINE_SYSCTLS)
+        return line_goodput(line, rtt_ms)
 
 
 def bench(args) -> dict:
@@ -71,7 +77,8 @@ def bench(args) -> dict:
               f"{window.window_bytes / 1e6:.1f} MB", flush=True)
         point = run_point(out_dir, rate_mbit=rate, rtt_ms=rtt, copy_bytes=copy_bytes,
                           window=window, concurrent=args.concurrent,
-                          blocks=args.blocks_per_slice, sysctls=LONG_FAT_LINE_SYSCTLS)
+                          blocks=args.blocks_per_slice, sysctls=LONG_FAT_LINE_SYSCTLS,
+                          warm_copies=args.warm_copies)
         for run in point["runs"]:
             points.append({"rate_mbit": rate, "rtt_ms": rtt, "bdp_bytes": bdp,
                            "copy_bytes": run["copy_bytes"], "concurrent": run["concurrent"],
@@ -81,7 +88,8 @@ def bench(args) -> dict:
                            "line_goodput_mbit": point["goodput_mbit"],
                            "utilization": run["achieved_mbit"] / point["goodput_mbit"],
                            "copy_s": run["copy_s"]})
-    result = {"points": points, "blocks_per_slice": args.blocks_per_slice, "bdp_multiple": args.bdp_multiple,
+    result = {"points": points, "blocks_per_slice": args.blocks_per_slice,
+              "bdp_multiple": args.bdp_multiple, "warm_copies": args.warm_copies,
               "mooncake_tcp_env": TCP_TRANSPORT_ENV, "sysctls": LONG_FAT_LINE_SYSCTLS,
               "date": time.strftime("%Y-%m-%d %H:%M"),
               "note": "2 shared cores: the forwarder, both Mooncake engines and the bench share "
@@ -111,11 +119,15 @@ def main() -> int:
     parser.add_argument("--bdp-multiple", type=int, default=20)
     parser.add_argument("--blocks-per-slice", type=int, default=8,
                         help="Mooncake requests per slice (the KV's per-layer blocks)")
+    parser.add_argument("--warm-copies", type=int, default=1,
+                        help="untimed copies per rule first (the lanes of a serving prefill are warm)")
     parser.add_argument("--no-ceiling", action="store_true")
     parser.add_argument("--out", default="out/wan_line_bench")
     args = parser.parse_args()
     if args.concurrent < 1 or args.bdp_multiple < 1 or args.blocks_per_slice < 1:
         parser.error("--concurrent, --bdp-multiple and --blocks-per-slice must be >= 1")
+    if args.warm_copies < 0:
+        parser.error("--warm-copies must be >= 0")
     check_prerequisites()
     result = bench(args)
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -21,13 +21,13 @@ for before the next, one slice per round trip, which fills a line only while its
 bandwidth-delay product is below a slice (``scripts/bench_wan_line.py`` runs both). Slices and
 window come from the line the operator declares (``--pdd-wan-bandwidth-gbps`` x
 ``--pdd-wan-rtt-ms``, see :func:`window_for_line`), so cancelling a copy, or a copy a request
-waits for overtaking one that only warms main's cache, waits for at most one window: about three
-round trips of the line, whatever its rate.
+waits for overtaking one that only warms main's cache, waits for at most one window: sixteen round
+trips of the line, whatever its rate.
 
 Waiting: Mooncake's synchronous batch call polls without sleeping, a core per waiting worker.
 This engine submits each block asynchronously (``transfer_submit_write``, one single-task batch
 per block, the only status Mooncake can report without blocking) and polls with an exponential
-back-off sleep. The back-off never idles the line: with a window of two round trips, the blocks
+back-off sleep. The back-off never idles the line: with a window of many round trips, the blocks
 still in flight keep it busy while the oldest is polled. The transfer timeout
 (``--pdd-wan-transfer-timeout``) applies to every block, from its submission; Mooncake's
 process-wide ``MC_TRANSFER_TIMEOUT`` only governs SGLang's own (relay) engine.
@@ -56,29 +56,30 @@ logger = logging.getLogger(__name__)
 # Mooncake's transfer_check_status: 1 done, 0 in progress, -1 failed, -2 timed out.
 _DONE, _PENDING, _FAILED = 1, 0, -1
 # Back-off between status polls of a waiting block: from a fast line's latency up to a period
-# that is noise beside a multi-second WAN copy (and, with a window of two round trips, never
+# that is noise beside a multi-second WAN copy (and, with a window of many round trips, never
 # leaves the line idle).
 FIRST_POLL_S = 0.0005
 LONGEST_POLL_S = 0.02
 # The submission unit of a copy to main (one SGLang send_kvcache call), sized to the line:
-# SLICE_BDPS bandwidth-delay products, within these bounds. Mooncake's TCP transport completes a
-# request on the receiver's acknowledgement and runs one request per lane, so it holds at most
-# lanes x block in flight, and each request waits a round trip for its acknowledgement; a slice's
-# blocks (its pages per layer, K and V) grow with the slice. Measured at 200 Mbit/s x 200 ms
-# (BDP 5 MB), one 100 MB copy of 8 blocks per slice: slices of 1 BDP 0.53 of the line, 2 BDPs
-# 0.69, 4 BDPs 0.75 (docs/measurements.md). Small slices on slow lines: a cancel or an urgent
-# copy waits for what is in flight, and a slice is admitted whole.
-SLICE_BDPS = 2.0
+# SLICE_BDPS bandwidth-delay products, within these bounds; and a copy keeps WINDOW_BDPS of them
+# in flight plus the slice being admitted. Why so many: Mooncake's TCP transport runs one request
+# per lane and completes it on the receiver's acknowledgement, so each request (a slice's block:
+# its pages of one layer, K or V) leaves its lane idle for a round trip once its last byte is
+# out, and a BBR flow does not hand that lane's share to the others within the round trip. A
+# copy with W bytes in flight (at most lanes x block) then moves about W / (W + BDP) of the
+# line. Measured at 200 Mbit/s x 100 ms (BDP 2.5 MB), one 96 MB copy of 8 blocks per slice:
+# slices of 2 BDPs with 4 in flight 0.44-0.70 of the line, slices of 4 BDPs with 8 in flight
+# 0.88, 12 0.89, 16 0.91; at 400 Mbit/s x 200 ms, slices of 4 with 8 in flight 0.97
+# (docs/measurements.md). A cancel, or a copy a request waits for overtaking one that only warms
+# main's cache, waits for what is in flight: at most WINDOW_BDPS + SLICE_BDPS round trips of the
+# line (0.32 s at the brief's 20 ms). Small slices on slow lines keep that short.
+SLICE_BDPS = 4.0
 MIN_SLICE_BYTES = 256 << 10
 MAX_SLICE_BYTES = 64 << 20
 # The rule before windowed copies, still the sender's with --pdd-wan-window-mb 4: one 4 MiB
 # slice at a time, each waited for before the next.
 WAN_SLICE_BYTES = 4 << 20
-# In flight per copy: this many bandwidth-delay products of the declared line, plus the slice
-# being admitted. TCP needs more than one BDP in flight to fill a line (acknowledgements take a
-# round trip, and Mooncake counts a block in flight until the receiver's acknowledgement is
-# back), and more only lengthens what a cancel or an urgent copy waits for.
-WINDOW_BDPS = 2.0
+WINDOW_BDPS = 12.0
 # Mooncake's TCP transport by default opens a connection per request (a handshake and a slow
 # start each time). Pooled, it keeps lanes open per peer and runs one request per lane at a time:
 # its most lanes (16). Measured across the emulated line at 200 Mbit/s x 100 ms with a 32 MiB

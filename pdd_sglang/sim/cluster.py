@@ -335,9 +335,10 @@ class Cluster:
 
     def coding_window_bytes(self) -> float:
         """A copy is coded per window of what the sender keeps in flight: the line's per-flow
-        window, else four bandwidth-delay products (prefill/wan_engine.window_for_line)."""
+        window, else the sender's (prefill/wan_engine.window_for_line of the router's line)."""
         rate, rtt = self.router_line()
-        return self.wan.profile.window_bytes or 4 * rate * rtt
+        return (self.wan.profile.window_bytes
+                or window_for_line(rate * 8 / 1e9, rtt * 1e3).window_bytes)
 
     def wan_bytes_per_token(self, uncached_tokens: int) -> float:
         """What the router predicts a copy with: wire bytes (the prefill's /pdd/line reports

@@ -319,8 +319,8 @@ def sender_window_section(runs: dict | None) -> list:
     lines = ["## The WAN sender's window at the brief's line (10 Gb/s, 20 ms)", "",
              f"The operating point's load scaled by the lines' rates (x{runs['load_scale']:.3f}); "
              "one copy moves at most its window per RTT. `one_slice`: the sender before issue 34 "
-             "(one 4 MiB slice per round trip); `window`: slices of two bandwidth-delay products, four "
-             "in flight (`prefill/wan_engine.py`, measured by `scripts/bench_wan_line.py`).",
+             "(one 4 MiB slice per round trip); `window`: slices of four bandwidth-delay products, twelve "
+             "more in flight (`prefill/wan_engine.py`, measured by `scripts/bench_wan_line.py`).",
              "", "| setup | rule | window MB | TTFT P50 s | P90 s | P99 s |", "|---|---|---|---|---|---|"]
     for key, run in runs.items():
         if key == "load_scale":

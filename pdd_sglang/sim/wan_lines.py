@@ -7,8 +7,10 @@ What the sender does, and how it is modelled here:
    main); one sender writes one copy of a line at a time (the line's *holder*). Lines to several
    mains share the physical line fairly.
 2. **The copy's rate** is min(its line's share, window / RTT): the sender keeps ``window_bytes``
-   in flight (``prefill.wan_engine.window_for_line``: two bandwidth-delay products of the
-   declared line plus a slice), the line's profile gives the RTT.
+   in flight (``prefill.wan_engine.window_for_line``: twelve bandwidth-delay products of the
+   declared line plus a slice), the line's profile gives the RTT. (Over Mooncake TCP a copy
+   measured about W / (W + BDP) of the line, 0.9 or more at that window: the model's cap is the
+   optimistic one by at most a tenth.)
 3. **Order**: needed-now before cache-only, and within a class the least remaining bytes first
    (ties: the earlier copy). Every copy starts needed-now; :meth:`ClassedLink.set_cache_only`
    turns one cache-only (its relay answered alone).

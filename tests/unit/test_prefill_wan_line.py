@@ -287,14 +287,16 @@ def test_a_failed_block_waits_for_the_other_blocks_of_its_copy():
 
 
 # ---- the window: a copy keeps bytes in flight across slices (issue 34) -------------------------
-def test_slices_are_two_bdps_of_the_declared_line_and_the_window_two_more_or_the_flag():
+def test_slices_are_four_bdps_of_the_declared_line_and_the_window_twelve_more_or_the_flag():
     from pdd_sglang.prefill.wan_engine import (MAX_SLICE_BYTES, MIN_SLICE_BYTES, ONE_SLICE,
                                                CopyWindow, window_for_line)
 
-    # The brief's line: 25 MB BDP, slices of two, two BDPs more in flight.
-    assert window_for_line(10, 20) == CopyWindow(50_000_000, 100_000_000)
-    slow = window_for_line(0.02, 40)  # the demo's line: 100 KB BDP, the smallest slice
-    assert slow == CopyWindow(MIN_SLICE_BYTES, 200_000 + MIN_SLICE_BYTES)
+    # The brief's line: 25 MB BDP, slices of four (capped), twelve BDPs more in flight.
+    assert window_for_line(10, 20) == CopyWindow(MAX_SLICE_BYTES, 300_000_000 + MAX_SLICE_BYTES)
+    assert window_for_line(1, 20) == CopyWindow(10_000_000, 40_000_000)  # 2.5 MB BDP
+    slow = window_for_line(0.02, 40)  # the demo's line: 100 KB BDP
+    assert slow == CopyWindow(400_000, 1_600_000)
+    assert window_for_line(0.002, 40).slice_bytes == MIN_SLICE_BYTES  # 10 KB BDP
     assert window_for_line(100, 100).slice_bytes == MAX_SLICE_BYTES
     assert window_for_line(10, 20, window_mb=4) == ONE_SLICE  # the old one-slice rule
     with pytest.raises(ValueError, match="positive"):

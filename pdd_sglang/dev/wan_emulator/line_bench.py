@@ -12,10 +12,12 @@ prefill's WAN senders run), under each slice rule:
 - ``one_slice``: 4 MiB slices and a window of one, the rule before: each slice waited for
   before the next (:data:`~pdd_sglang.prefill.wan_engine.ONE_SLICE`);
 - ``window``: the slices and window :func:`~pdd_sglang.prefill.wan_engine.window_for_line` gives
-  for the line as set (slices of two bandwidth-delay products, four in flight).
+  for the line as set (slices of four bandwidth-delay products, twelve more in flight).
 
 The same sender, the same code path; only its slice and window differ. Before the timed copies, one
-small copy warms the session (Mooncake's handshake, the first connection).
+small copy warms the session (Mooncake's handshake, the first connection), and ``warm_copies``
+untimed copies of each rule open its lanes' congestion windows (a serving prefill's pooled lanes
+are warm).
 """
 
 from __future__ import annotations
@@ -84,6 +86,9 @@ def run_sender(args) -> None:
     for rule, window in (("one_slice", ONE_SLICE),
                          ("window", CopyWindow(args.slice_bytes, args.window_bytes))):
         wan.window_bytes, wan.slice_bytes = window.window_bytes, window.slice_bytes
+        for _ in range(args.warm_copies):
+            _one_copy(wan, session, src_ptr, dst_ptr, args.copy_bytes, 0, window.slice_bytes,
+                      args.blocks)
         for concurrent in sorted({1, args.concurrent}):
             seconds: list[float] = [0.0] * concurrent
 
@@ -106,13 +111,32 @@ def run_sender(args) -> None:
     _report({"runs": runs})
 
 
+def tune(line: WanLine, sysctls: dict | None) -> None:
+    """Set ``sysctls`` in both namespaces of a started line."""
+    for side in ("a", "b"):
+        for key, value in (sysctls or {}).items():
+            subprocess.run([*line.exec_prefix(side), "sysctl", "-q", "-w", f"{key}={value}"],
+                           check=True)
+
+
+def line_goodput(line: WanLine, rtt_ms: float) -> float:
+    """One bulk TCP stream's steady goodput (Mbit/s): slow start excluded, which takes about
+    ten round trips to open a window of a long fat line's BDP, so the warm-up and the run scale
+    with the RTT (a 1 s warm-up under-reads a 200 ms line)."""
+    from pdd_sglang.dev.wan_emulator import measure
+
+    warmup_s = max(1.0, 15 * rtt_ms / 1e3)
+    seconds = warmup_s + max(3.0, 20 * rtt_ms / 1e3)
+    return measure.bulk_rate(line, seconds=seconds, warmup_s=warmup_s)["steady_goodput_mbit"]
+
+
 def run_point(out_dir: Path, *, rate_mbit: float, rtt_ms: float, copy_bytes: int,
               window: "CopyWindow", concurrent: int = 4, blocks: int = 8,
-              sysctls: dict | None = None, log: Callable[[str], None] = print) -> dict:
+              sysctls: dict | None = None, log: Callable[[str], None] = print,
+              warm_copies: int = 0) -> dict:
     """One grid point: a fresh line (``sysctls`` set in both namespaces), its bulk TCP goodput
     (the forwarder's own figure, as ``scripts/wan_check.py`` measures it), then a receiver in B
     and the sender in A; returns ``{"goodput_mbit", "runs"}``."""
-    from pdd_sglang.dev.wan_emulator import measure
     from pdd_sglang.dev.wan_emulator.handoff_bench import REPO, _read_json_line
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -127,11 +151,8 @@ def run_point(out_dir: Path, *, rate_mbit: float, rtt_ms: float, copy_bytes: int
             for name in ("receiver", "sender")}
     try:
         line.start(log_path=str(out_dir / f"line_bench_{tag}_line.log"))
-        for side in ("a", "b"):
-            for key, value in (sysctls or {}).items():
-                subprocess.run([*line.exec_prefix(side), "sysctl", "-q", "-w", f"{key}={value}"],
-                               check=True)
-        goodput_mbit = measure.bulk_rate(line, seconds=4.0)["steady_goodput_mbit"]
+        tune(line, sysctls)
+        goodput_mbit = line_goodput(line, rtt_ms)
         module = [sys.executable, "-m", "pdd_sglang.dev.wan_emulator.line_bench"]
         receiver = line.popen("b", [*module, "receiver", "--host", line.address("b"), *common],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -143,12 +164,14 @@ def run_point(out_dir: Path, *, rate_mbit: float, rtt_ms: float, copy_bytes: int
                                   "--copy-bytes", str(copy_bytes),
                                   "--window-bytes", str(window.window_bytes),
                                   "--slice-bytes", str(window.slice_bytes),
-                                  "--concurrent", str(concurrent), "--blocks", str(blocks)],
+                                  "--concurrent", str(concurrent), "--blocks", str(blocks),
+                                  "--warm-copies", str(warm_copies)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=logs["sender"], env=env, text=True)
         # The old rule at a long RTT is the slow one: a slice per round trip.
-        slices = copy_bytes * concurrent / (4 << 20)
-        budget = 2 * (2 * copy_bytes * concurrent * 8 / (rate_mbit * 1e6)
+        copied = copy_bytes * (concurrent + 1 + warm_copies)  # per rule
+        slices = copied / (4 << 20)
+        budget = 2 * (2 * copied * 8 / (rate_mbit * 1e6)
                       + 2 * slices * (rtt_ms / 1e3 + 0.05)) + 120
         report = _read_json_line(sender, "sender", budget)
     finally:
@@ -176,6 +199,7 @@ def main(argv=None) -> None:
     parser.add_argument("--concurrent", type=int, default=4)
     parser.add_argument("--blocks", type=int, default=8)
     parser.add_argument("--pause-s", type=float, default=1.0)
+    parser.add_argument("--warm-copies", type=int, default=0)
     args = parser.parse_args(argv)
     (run_receiver if args.role == "receiver" else run_sender)(args)
 
