@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     failures = bar(report)
     print(f"\nsoak {args.soak:g} min, seed {args.seed}: {report['requests']} requests, "
           f"{report['completed']} completed, {report['errored']} errored, {report['lost']} lost; "
-          f"token mismatches {report['token_mismatches']}, digest mismatches "
+          f"token mismatches {report['token_mismatches']} (near-ties "
+          f"{report['token_near_ties']}, not counted), digest mismatches "
           f"{report['digest_mismatches']}; leaked slots {report['leaked_slots']}, locks "
           f"{report['leaked_locks']}, rooms {report['leaked_rooms']}; dead threads "
           f"{len(report['dead_threads'])}; faults {report['faults']}; recovery s "

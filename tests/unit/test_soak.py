@@ -1,10 +1,10 @@
 """The chaos soak's pure parts: its multi-turn load, the counters it sums over restarts, the log
-scan that names dead threads, and the bar a soak.json must clear."""
+scan that names dead threads, the token check's near-ties, and the bar a soak.json must clear."""
 
 from __future__ import annotations
 
 from pdd_sglang.dev.faults import faults
-from pdd_sglang.dev.faults.checks import HANDLED, bar, scan_log
+from pdd_sglang.dev.faults.checks import HANDLED, NEAR_TIE_NATS, Greedy, bar, judge, scan_log
 from pdd_sglang.dev.faults.load import Sent
 from pdd_sglang.dev.faults.soak import MAX_TURNS, PROFILE, CounterSum, MultiTurnLoad
 from pdd_sglang.dev.testing.agentic import RequestResult
@@ -46,6 +46,81 @@ def test_a_counter_is_summed_over_the_restarts_of_its_server():
     counter.restarted()  # the soak killed its server, whose next count may already be higher
     counter.see(6)
     assert counter.total == 5 + 3 + 4 + 6
+
+
+def _greedy(ids: list, runner_ups: dict | None = None) -> Greedy:
+    """A reference answer whose best token leads its runner-up (token 1) by 2 nats, except at
+    ``runner_ups``: index -> (runner-up, gap)."""
+    runner_ups = runner_ups or {}
+    top2 = []
+    for i, token in enumerate(ids):
+        other, gap = runner_ups.get(i, (1, 2.0))
+        top2.append(((token, 0.0), (other, -gap)))
+    return Greedy(ids, top2)
+
+
+class _Reference:
+    """The reference's continuation of each prompt it is asked about: prompt length -> tokens."""
+
+    def __init__(self, continuations: dict):
+        self.continuations, self.asked = continuations, []
+
+    def __call__(self, input_ids: list, params: dict) -> Greedy:
+        self.asked.append((len(input_ids), params["max_new_tokens"]))
+        return _greedy(self.continuations[len(input_ids)][:params["max_new_tokens"]])
+
+
+BODY = {"input_ids": [5] * 10, "sampling_params": {"max_new_tokens": 6, "temperature": 0.0,
+                                                     "ignore_eos": True}}
+
+
+def test_an_answer_that_takes_the_runner_up_at_a_near_tie_is_checked_on_from_there():
+    """The soak's pdd-b9fe221cf5c3-88 (2026-12-04): the relay's answer left the reference's at an
+    output token whose best two were 5.2e-6 nats apart. Such an answer is no mismatch if it took
+    the runner-up and the reference, asked to go on from the answer's own tokens, agrees with
+    the rest; it is listed as a near-tie."""
+    expected = _greedy([20, 21, 22, 23, 24, 25], {2: (40, 5.2e-6)})
+    got = [20, 21, 40, 41, 42, 43]
+    reference = _Reference({13: [41, 42, 43]})
+    ties, mismatch = judge(got, BODY, expected, reference)
+    assert mismatch is None
+    assert ties == [{"index": 2, "gap": 5.2e-6, "token": 40, "reference_token": 22}]
+    assert reference.asked == [(10 + 3, 3)]  # the prompt and got[:3]; the 3 tokens left
+    assert judge(list(expected.ids), BODY, expected, reference) == ([], None)
+
+
+def test_a_divergence_past_the_tie_margin_or_off_the_runner_up_or_after_the_tie_is_a_mismatch():
+    got = [20, 21, 40, 41, 42, 43]
+    wide = _greedy([20, 21, 22, 23, 24, 25], {2: (40, NEAR_TIE_NATS * 2)})
+    assert judge(got, BODY, wide, _Reference({})) == (
+        [], {"first_diff": 2, "reference_gap": NEAR_TIE_NATS * 2})
+    not_second = _greedy([20, 21, 22, 23, 24, 25], {2: (39, 5e-6)})  # 40 was not its runner-up
+    assert judge(got, BODY, not_second, _Reference({}))[1] == {"first_diff": 2,
+                                                                 "reference_gap": 5e-6}
+    tie = _greedy([20, 21, 22, 23, 24, 25], {2: (40, 5e-6)})
+    ties, mismatch = judge(got, BODY, tie, _Reference({13: [41, 9, 43]}))  # wrong after the tie
+    assert [t["index"] for t in ties] == [2]
+    assert mismatch == {"first_diff": 4, "reference_gap": 2.0}
+    short = _greedy([20, 21, 22, 23, 24], {4: (1, 5e-6)})  # one token longer than the reference
+    assert judge([20, 21, 22, 23, 24, 1], BODY, short, _Reference({}))[1] == {
+        "first_diff": 5, "reference_gap": None}
+
+
+def test_at_an_exact_tie_the_other_token_is_the_one_the_reference_did_not_take():
+    """Measured on the plain server: at a gap of 0 it took token 388 while its top-2 list put
+    783 first (argmax takes the lower ID). An answer with 783 there is a near-tie."""
+    tie = Greedy([20, 388, 22], [((20, 0.0), (1, -2.0)), ((783, -7.0), (388, -7.0)),
+                                 ((22, 0.0), (1, -2.0))])
+    reference = _Reference({12: [22]})
+    assert judge([20, 783, 22], BODY, tie, reference) == (
+        [{"index": 1, "gap": 0.0, "token": 783, "reference_token": 388}], None)
+
+
+def test_a_near_tie_at_the_last_token_needs_no_continuation():
+    expected = _greedy([20, 21, 22], {2: (40, 1e-6)})
+    reference = _Reference({})
+    assert judge([20, 21, 40], BODY, expected, reference)[1] is None
+    assert reference.asked == []
 
 
 def test_the_log_scan_names_dead_threads_once_each(tmp_path):
