@@ -26,6 +26,9 @@ class (needed-now, cache-only, cache-only dropped past the backlog bound: the pr
 /pdd/line).
 --frontier runs the load point only: same-DC and naive cross-DC PD, then PDD at four budgets
 (1.0, 1.15, 1.5, 3.0 x same-DC's P50; the bar applies at 1.15), and draws frontier.png.
+Every PDD setup's P->MD requests: their WAN wait (prefill's forward done -> main's first token)
+over their copy alone on an idle line (p_to_md_wait_over_alone; pdd_sglang.dev.demo.wan_wait);
+the bar checks the idle-line setup's P90 (<= 1.5, issue 34).
 
 Equal compute per role: every SGLang server runs in its own cgroup v1 CPU group with the same
 quota (pdd_sglang.dev.cpu_budget), the rest of the machine is headroom for the router, the line's
@@ -57,7 +60,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from pdd_sglang.dev import cpu_budget  # noqa: E402
-from pdd_sglang.dev.demo import budget, figures, report  # noqa: E402
+from pdd_sglang.dev.demo import budget, figures, report, wan_wait  # noqa: E402
 from pdd_sglang.dev.demo.setup_run import Aborted, cleanup, leftovers, run_setup  # noqa: E402
 from pdd_sglang.dev.testing import agentic  # noqa: E402
 from pdd_sglang.dev.testing.cluster import (NON_OVERLAP_LOOP_ARGS, RELAY_CPU_ARGS,  # noqa: E402
@@ -359,9 +362,12 @@ def write_and_print(args, results: dict, line: WanLine, server_cpu: float, cores
     bar_setup = "pdd"
     if args.frontier:  # the bar at the budget nearest 1.15 x same-DC's P50
         bar_setup = min(frontier_x, key=lambda n: abs(frontier_x[n] - budget.BAR_X))
+    codec = {"flag": args.wan_kv_codec, **(getattr(args, "wan_codec_state", None) or {})}
+    # Issue 34: each PDD setup's P->MD requests' WAN wait against their copy alone on the line.
+    p_to_md = wan_wait.wait_over_alone(load, line_info, DEMO_MODEL.kv_bytes_per_token, codec)
     # PDD's place in the bar: the setup at ~1.15 x (frontier); errors: every setup's, once.
     bar = report.the_bar({**{n: s for n, s in load.items() if n != bar_setup},
-                          "pdd": load[bar_setup]}, leaks)
+                          "pdd": load[bar_setup]}, leaks, p_to_md)
     bar["pdd_setup"] = bar_setup
     bar["pdd_relay_busy_share"] = load[bar_setup].get("relay_busy_share")
     bar["pdd_within_budget_share"] = load[bar_setup].get("within_budget_share")
@@ -397,8 +403,8 @@ def write_and_print(args, results: dict, line: WanLine, server_cpu: float, cores
                                  "seconds of the router, the line's forwarder and the demo "
                                  "process (the clients)"},
         "line": line_info,
-        "wan_kv_codec": {"flag": args.wan_kv_codec,
-                         **(getattr(args, "wan_codec_state", None) or {})},
+        "wan_kv_codec": codec,
+        wan_wait.KEY: p_to_md,
         "model": {**DEMO_MODEL.__dict__, "kv_bytes_per_token": DEMO_MODEL.kv_bytes_per_token,
                   "dtype": "float32", "path": str(model)},
         "topology": {
@@ -431,6 +437,7 @@ def write_and_print(args, results: dict, line: WanLine, server_cpu: float, cores
     budget.print_budget_table(load)
     report.print_intake(load)
     report.print_line_classes(load)
+    print(f"\n{wan_wait.summary_line(p_to_md)}")
     if args.frontier:
         budget.print_frontier(summary["frontier"])
     if bar_setup != "pdd":

@@ -123,7 +123,15 @@ def test_quick_demo_runs_both_points_and_pdd_hands_off(background):
     ratio = codec["coded_raw_bytes"] / codec["coded_wire_bytes"] if codec["coded_wire_bytes"] else 1.0
     assert cross["wan_bytes_a_to_b"] * ratio * 1.05 >= cross["kv_bytes_to_main"] > 0
     assert same["wan_bytes"] < 100_000, same["wan_bytes"]
-    assert set(data["bar"]["checks"]) >= {"pdd_p99", "pdd_p50", "cross_dc_p99", "handoffs"}
+    assert set(data["bar"]["checks"]) >= {"pdd_p99", "pdd_p50", "cross_dc_p99", "handoffs",
+                                          "idle_line_p_to_md_wait"}
+    # Issue 34's idle-line goal: every PDD setup's P->MD requests counted (0 is a count).
+    waits = data["p_to_md_wait_over_alone"]
+    assert waits["idle_line_setup"] == other
+    assert set(waits["setups"]) == {"pdd", "pdd_no_budget", other}
+    assert waits["setups"][other]["p_to_md_requests"] == sum(
+        1 for r in setups[other]["rows"]
+        if r["pipeline"] == "prefill_main" and r["outcome_kind"] == "main")
     assert not data["leaks"], data["leaks"]
     assert data["cleanup"] == {"namespaces_left": [], "server_processes_left": [],
                                "cgroups_left": []}

@@ -33,6 +33,7 @@ import json
 import re
 from pathlib import Path
 
+from pdd_sglang.dev.demo import wan_wait
 from pdd_sglang.dev.testing import agentic
 
 OUTCOMES = ("handoff_one_shot", "handoff_catch_up", "relay_finished", "main", "error")
@@ -217,8 +218,12 @@ def summarize(results: list, prefill_stats: dict, wan: dict, kv_bytes: int, dura
     }
 
 
-def the_bar(setups: dict, leaks: dict) -> dict:
-    """The brief's bar at the load point, from this one run, and where PDD's excess lies."""
+def the_bar(setups: dict, leaks: dict, p_to_md: dict | None = None) -> dict:
+    """The brief's bar at the load point, from this one run, and where PDD's excess lies.
+
+    ``p_to_md``: wan_wait.wait_over_alone's figures; where the run has an idle-line setup, issue
+    34's check on its P->MD wait joins the bar, None (not measured, so not met) without a P->MD
+    request there."""
     same, cross, pdd = setups["same_dc_pd"], setups["cross_dc_pd"], setups["pdd"]
 
     def ratio(a, b):
@@ -238,6 +243,12 @@ def the_bar(setups: dict, leaks: dict) -> dict:
                          and bar["cross_dc_over_same_dc_p99"] >= CROSS_BAR),
         "handoffs": bar["pdd_handoff_share"] >= HANDOFF_SHARE,
         "no_errors": bar["errors"] == 0, "no_leaks": not leaks}
+    if p_to_md is not None and p_to_md["idle_line_setup"] is not None:
+        idle = p_to_md["setups"][p_to_md["idle_line_setup"]]
+        bar.update(idle_line_p_to_md_requests=idle["p_to_md_requests"],
+                   idle_line_p_to_md_wait_over_alone_p90=idle["wait_over_alone_p90"],
+                   idle_line_wait_bound=wan_wait.GOAL_X)
+        checks[wan_wait.CHECK] = wan_wait.idle_line_check(p_to_md)
     bar.update(checks=checks, met=all(checks.values()),
                pdd_met=checks["pdd_p99"] and checks["pdd_p50"], cross_dc_met=checks["cross_dc_p99"],
                pdd_excess_by_stage=stage_excess(same, pdd),
@@ -323,7 +334,7 @@ def print_bar(bar: dict) -> None:
           f"{word(c['pdd_p50'])}); naive cross-DC P99 x{bar['cross_dc_over_same_dc_p99']} "
           f"(>= {CROSS_BAR}: {word(c['cross_dc_p99'])}); handoffs {bar['pdd_handoff_share']:.0%} "
           f"of PDD's requests (>= {HANDOFF_SHARE:.0%}: {word(c['handoffs'])}); errors "
-          f"{bar['errors']}; leaks {'none' if c['no_leaks'] else 'YES'}")
+          f"{bar['errors']}; leaks {'none' if c['no_leaks'] else 'YES'}{_idle_line_words(bar)}")
     if not bar["pdd_met"]:
         print("where PDD's TTFT exceeds same-DC's, by stage (P50 / P99, s):")
         for stage, d in bar["pdd_excess_by_stage"].items():
@@ -338,6 +349,16 @@ def print_bar(bar: dict) -> None:
             for outcome, part in paired["by_pdd_outcome"].items():
                 print(f"  PDD {outcome:<17} {part['pairs']:>3} pairs: TTFT mean "
                       f"{part['ttft_diff_mean_s']:+.3f} s, median {part['ttft_diff_p50_s']:+.3f} s")
+
+
+def _idle_line_words(bar: dict) -> str:
+    if wan_wait.CHECK not in bar["checks"]:
+        return ""
+    ok = bar["checks"][wan_wait.CHECK]
+    verdict = "not measured" if ok is None else ("met" if ok else "NOT met")
+    return (f"; idle-line P->MD wait P90 x{bar['idle_line_p_to_md_wait_over_alone_p90']} of alone "
+            f"({bar['idle_line_p_to_md_requests']} P->MD; <= {bar['idle_line_wait_bound']}: "
+            f"{verdict})")
 
 
 def print_intake(setups: dict) -> None:
