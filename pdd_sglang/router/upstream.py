@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from typing import AsyncIterator, Optional
 
-import aiohttp
 import orjson
 
+from pdd_sglang.router.http1 import BadResponse, ConnectError, HttpStatusError, Pool
 from pdd_sglang.router.servers import HEALTH_OK, HEALTH_STALLED, HEALTH_UNREACHABLE, Upstream
 from pdd_sglang.router.splice import IdsPrefix, UpstreamChunk
 
@@ -31,22 +32,23 @@ class UpstreamError(RuntimeError):
 
 
 MAX_EVENT_BYTES = 64 << 20  # one SSE event of a cumulative stream holds the whole answer
-# Bodies are encoded with orjson: aiohttp's json= runs the standard library's encoder, about
-# half a millisecond for a 2K-token prompt's input_ids, three times a request (router bench).
-_JSON = {"Content-Type": "application/json"}
+# Bodies are encoded with orjson: the standard library's encoder takes about half a millisecond
+# for a 2K-token prompt's input_ids, three times a request (router bench).
+_JSON = b"application/json"
 
 
 class SilenceWatch:
     """The read timeout of every streamed answer, kept by one timer: a stream silent for
     ``timeout_s`` is closed, and its reader fails with "no data within the read timeout".
-    aiohttp's own read timeout re-arms a timer at every chunk received, a timer per token
-    relayed at hundreds of streams. Owner: the router's event loop."""
+    A read timeout per stream would re-arm a timer at every chunk received (aiohttp's did), a
+    timer per token relayed at hundreds of streams. Keyed by the stream's connection
+    (router/http1.py). Owner: the router's event loop."""
 
     PERIOD_S = 1.0
 
     def __init__(self, timeout_s: float):
         self.timeout_s = timeout_s
-        self._heard: dict = {}  # response -> loop time of its last data
+        self._heard: dict = {}  # connection -> loop time of its last data
         self._expired: set = set()
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._task: Optional[asyncio.Task] = None
@@ -81,75 +83,68 @@ class SilenceWatch:
                 response.close()
 
 
-class LastUsedFirstConnector(aiohttp.TCPConnector):
-    """aiohttp's pool, taking the idle connection released last instead of the oldest.
-
-    aiohttp hands out the oldest idle connection first, so after a burst every connection it
-    opened stays in rotation and each idles as long as the burst's connections take to come round
-    again: past the keep-alive, and each request of the next burst opens a new one (the router
-    bench's 256 streams: about one prefill connection per request). Taken last-released-first,
-    the connections that steady traffic needs stay warm and the rest idle out. The hook is
-    aiohttp's ``_release``, whose pool is a deque per host read from its left
-    (tests/router/test_upstream_pool.py holds it to that)."""
-
-    def _release(self, key, protocol, *, should_close: bool = False) -> None:
-        super()._release(key, protocol, should_close=should_close)
-        conns = self._conns.get(key)
-        if conns and conns[-1][0] is protocol:
-            conns.rotate(1)  # the connection released just now is the next one taken
-
-
 class UpstreamClient:
+    """The router's requests to its servers, over router/http1.py's pool: keep-alive
+    connections taken last-released-first, dropped after ``keepalive_s`` idle."""
+
     def __init__(self, connect_timeout_s: float, read_timeout_s: float, keepalive_s: float):
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
         self.keepalive_s = keepalive_s
-        self._session: Optional[aiohttp.ClientSession] = None
-        self._timeouts: dict[Optional[float], aiohttp.ClientTimeout] = {}
-        # A stream's silence is the watch's (aiohttp's per-chunk read timer is off for it).
-        self._stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s)
+        self._pool: Optional[Pool] = None
         self.silences = SilenceWatch(read_timeout_s)
 
     async def start(self) -> None:
         # No pool limit: each in-flight request holds one stream per server. Idle pooled
         # connections are dropped before the servers' own keep-alive (SGLang's uvicorn: 5 s,
         # SGLANG_TIMEOUT_KEEP_ALIVE) closes them: reusing one the server has just closed fails
-        # the request with "Server disconnected" (seen across the emulated WAN, where the race
+        # the request with "server disconnected" (seen across the emulated WAN, where the race
         # window is an RTT wide). Kept as long as that allows (--upstream-keepalive-s): a burst
-        # of requests that finds the pool emptied opens a connection per request and server
-        # (0.2-0.5 ms of the router's CPU each, router bench).
-        # No cookies and no decompression: SGLang sets neither, and both cost per response.
-        self._session = aiohttp.ClientSession(connector=LastUsedFirstConnector(
-            limit=0, keepalive_timeout=self.keepalive_s),
-            cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False)
+        # of requests that finds the pool emptied opens a connection per request and server.
+        self._pool = Pool(self.connect_timeout_s, self.keepalive_s)
         self.silences.start()
 
     async def close(self) -> None:
         self.silences.stop()
-        if self._session is not None:
-            await self._session.close()
+        if self._pool is not None:
+            self._pool.close()
 
-    def _timeout(self, total: Optional[float] = None) -> aiohttp.ClientTimeout:
-        """One ClientTimeout per total, made once (it is a frozen attrs class: costly each
-        request)."""
-        timeout = self._timeouts.get(total)
-        if timeout is None:
-            timeout = self._timeouts[total] = aiohttp.ClientTimeout(
-                total=total, sock_connect=self.connect_timeout_s, sock_read=self.read_timeout_s)
-        return timeout
+    async def _exchange(self, upstream: Upstream, method: bytes, path: str, body: bytes = b"",
+                        timeout_s: Optional[float] = None) -> tuple[int, bytes]:
+        """One request answered whole: (status, body). ``timeout_s`` bounds all of it, and the
+        answer fails after ``read_timeout_s`` without data (aiohttp's total and sock_read)."""
+        if timeout_s is None:
+            return await self._answered(upstream, method, path, body)
+        async with asyncio.timeout(timeout_s):
+            return await self._answered(upstream, method, path, body)
+
+    async def _answered(self, upstream: Upstream, method: bytes, path: str,
+                        body: bytes) -> tuple[int, bytes]:
+        # A GET whose reused connection the server had closed goes once more on a new one, as
+        # aiohttp retries an idempotent request; a POST may have reached the server: never.
+        for fresh in (False, True):
+            conn = await self._pool.send(upstream.url, method, path, body,
+                                         _JSON if body else None, fresh)
+            try:
+                payload = await conn.read(self.read_timeout_s)
+                return conn.status, payload
+            except (ConnectionResetError, BadResponse):
+                if fresh or not conn.reused or method != b"GET" or conn.status:
+                    raise
+            finally:
+                self._pool.release(conn)
+        raise AssertionError("unreachable")
 
     async def get_json(self, upstream: Upstream, path: str, timeout_s: float = 30.0) -> dict:
-        async with self._session.get(upstream.url + path,
-                                     timeout=self._timeout(timeout_s)) as resp:
-            resp.raise_for_status()
-            return await resp.json(content_type=None)
+        return json.loads(await self.get_bytes(upstream, path, timeout_s) or b"null")
 
     async def get_bytes(self, upstream: Upstream, path: str, timeout_s: float = 30.0) -> bytes:
-        """The raw body, for readers that parse only what they need (router/line_state.py)."""
-        async with self._session.get(upstream.url + path,
-                                     timeout=self._timeout(timeout_s)) as resp:
-            resp.raise_for_status()
-            return await resp.read()
+        """The raw body, for readers that parse only what they need (router/line_state.py);
+        HttpStatusError (its ``status``) for an answer of 400 or more."""
+        status, payload = await self._exchange(upstream, b"GET", path, timeout_s=timeout_s)
+        if status >= 400:
+            raise HttpStatusError(status, upstream.url + path)
+        return payload
 
     async def healthy(self, upstream: Upstream, timeout_s: float = 10.0) -> bool:
         return await self.health(upstream, timeout_s) == HEALTH_OK
@@ -161,31 +156,28 @@ class UpstreamClient:
         closed fails that way too); HEALTH_UNREACHABLE when nothing accepts the connection (the
         process is gone), which takes the server out of rotation at once."""
         try:
-            async with self._session.get(upstream.url + "/health",
-                                         timeout=self._timeout(timeout_s)) as resp:
-                return HEALTH_OK if resp.status == 200 else HEALTH_STALLED
-        except asyncio.TimeoutError:
+            status, _ = await self._exchange(upstream, b"GET", "/health", timeout_s=timeout_s)
+            return HEALTH_OK if status == 200 else HEALTH_STALLED
+        except TimeoutError:  # an OSError: before it
             return HEALTH_STALLED
-        except (aiohttp.ClientConnectorError, ConnectionRefusedError):
+        except ConnectError:
             return HEALTH_UNREACHABLE
-        except (aiohttp.ClientError, OSError):
+        except OSError:
             return HEALTH_STALLED
 
     async def post_ok(self, upstream: Upstream, path: str, timeout_s: float = 60.0) -> bool:
         try:
-            async with self._session.post(upstream.url + path,
-                                          timeout=self._timeout(timeout_s)) as resp:
-                return resp.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            status, _ = await self._exchange(upstream, b"POST", path, timeout_s=timeout_s)
+            return status == 200
+        except OSError:  # timeouts included
             return False
 
     async def abort(self, upstream: Upstream, rid: str) -> None:
         """Ask a server to drop ``rid``; a server that no longer has it ignores the call."""
         try:
-            async with self._session.post(upstream.url + "/abort_request", json={"rid": rid},
-                                          timeout=self._timeout(10.0)) as resp:
-                await resp.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as err:
+            await self._exchange(upstream, b"POST", "/abort_request",
+                                 orjson.dumps({"rid": rid}), timeout_s=10.0)
+        except OSError as err:
             logger.warning("abort %s on %s %s failed: %r", rid, upstream.role, upstream.url, err)
 
     async def cache_only(self, upstream: Upstream, rooms: list[int]) -> Optional[int]:
@@ -194,99 +186,92 @@ class UpstreamClient:
         prefill's status (202; 404 from a prefill older than the route), None when it could not
         be asked. Best effort: a prefill that misses it keeps the copies needed-now."""
         try:
-            async with self._session.post(upstream.url + "/pdd/cache_only",
-                                          data=orjson.dumps({"rooms": rooms}), headers=_JSON,
-                                          timeout=self._timeout(10.0)) as resp:
-                await resp.read()
-                if resp.status not in (202, 404):
-                    logger.warning("cache-only notice for %d rooms to %s answered %s",
-                                   len(rooms), upstream.url, resp.status)
-                return resp.status
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as err:
+            status, _ = await self._exchange(upstream, b"POST", "/pdd/cache_only",
+                                             orjson.dumps({"rooms": rooms}), timeout_s=10.0)
+        except OSError as err:
             logger.warning("cache-only notice for %d rooms to %s failed: %r", len(rooms),
                            upstream.url, err)
             return None
+        if status not in (202, 404):
+            logger.warning("cache-only notice for %d rooms to %s answered %s",
+                           len(rooms), upstream.url, status)
+        return status
 
     async def generate_final(self, upstream: Upstream, body: dict) -> dict:
-        """A non-streamed /generate (the prefill's side of a request)."""
+        """A non-streamed /generate (the prefill's side of a request). Its timeouts (connect,
+        no data for ``read_timeout_s``) fail it as a connection failure, as aiohttp's did."""
         try:
-            async with self._session.post(upstream.url + "/generate",
-                                          data=orjson.dumps({**body, "stream": False}),
-                                          headers=_JSON, timeout=self._timeout()) as resp:
-                payload = await resp.read()
-                if resp.status != 200:
-                    raise UpstreamError(upstream, _error_message(payload), "upstream_status",
-                                        resp.status)
-                return orjson.loads(payload)
-        except (aiohttp.ClientError, OSError) as err:
+            status, payload = await self._exchange(upstream, b"POST", "/generate",
+                                                   orjson.dumps({**body, "stream": False}))
+        except OSError as err:
             raise _connection_error(upstream, err) from err
-        except asyncio.TimeoutError as err:
-            raise UpstreamError(upstream, "timed out", "upstream_timeout") from err
+        if status != 200:
+            raise UpstreamError(upstream, _error_message(payload), "upstream_status", status)
+        return orjson.loads(payload)
 
     async def generate_stream(self, upstream: Upstream, body: dict) -> AsyncIterator[UpstreamChunk]:
         """A streamed /generate, each chunk carrying this server's cumulative ids and text."""
         ids: list[int] = []
         text = ""
-        resp = None
+        conn = None
         try:
-            async with self._session.post(upstream.url + "/generate",
-                                          data=orjson.dumps({**body, "stream": True}),
-                                          headers=_JSON, timeout=self._stream_timeout) as resp:
-                if resp.status != 200:
-                    raise UpstreamError(upstream, _error_message(await resp.read()),
-                                        "upstream_status", resp.status)
-                while True:
-                    self.silences.heard(resp)
-                    # One SSE event per read (SGLang writes "data: {...}\n\n"), not a line.
-                    event = await resp.content.readuntil(b"\n\n", max_size=MAX_EVENT_BYTES)
-                    if not event:
-                        return
-                    if not event.startswith(b"data:"):
-                        continue
-                    data = memoryview(event)[5:]  # orjson reads it as it is, spaces and all
-                    if event.startswith(b"data: [DONE]"):
-                        # Read to the body's end: a response read whole hands its connection
-                        # back to the pool, one left unread closes it (a new connect per request).
-                        await resp.content.read()
-                        return
-                    out = orjson.loads(data)
-                    if "error" in out:
-                        err = out["error"]
-                        raise UpstreamError(upstream, _error_message(err), "upstream_error",
-                                            err.get("code") if isinstance(err, dict) else None)
-                    meta = out.get("meta_info") or {}
-                    reason = meta.get("finish_reason")
-                    if isinstance(reason, dict) and reason.get("type") == "abort":
-                        # SGLang streams a scheduler-side abort (a KV transfer that failed or
-                        # timed out, an overloaded queue) as an ordinary last chunk: for the
-                        # router it is a failure of this server, not an answer.
-                        raise UpstreamError(upstream, str(reason.get("message") or "aborted"),
-                                            "upstream_abort", reason.get("status_code"))
-                    if upstream.incremental_streaming_output:
-                        # Appended in place, each chunk a view of its prefix (O(new ids) a chunk).
-                        ids.extend(out.get("output_ids") or ())
-                        text = text + (out.get("text") or "")
-                        chunk_ids = IdsPrefix(ids, len(ids))
-                    else:
-                        chunk_ids = list(out.get("output_ids") or [])
-                        text = out.get("text")
-                    yield UpstreamChunk(chunk_ids, text, meta,
-                                        meta.get("finish_reason") is not None)
-        except (aiohttp.ClientError, OSError) as err:
-            if resp is not None and self.silences.forget(resp):
+            conn = await self._pool.send(upstream.url, b"POST", "/generate",
+                                         orjson.dumps({**body, "stream": True}), _JSON)
+            # No read timeout of its own: the silence watch keeps it, once the head is in.
+            status = await conn.head(None)
+            if status != 200:
+                raise UpstreamError(upstream, _error_message(await conn.read(None)),
+                                    "upstream_status", status)
+            while True:
+                self.silences.heard(conn)
+                # One SSE event per read (SGLang writes "data: {...}\n\n"), not a line.
+                event = await conn.read_event(MAX_EVENT_BYTES)
+                if not event:
+                    return
+                if not event.startswith(b"data:"):
+                    continue
+                data = memoryview(event)[5:]  # orjson reads it as it is, spaces and all
+                if event.startswith(b"data: [DONE]"):
+                    # Read to the body's end: an answer read whole hands its connection back
+                    # to the pool, one left unread closes it (a new connect per request).
+                    await conn.read(None)
+                    return
+                out = orjson.loads(data)
+                if "error" in out:
+                    err = out["error"]
+                    raise UpstreamError(upstream, _error_message(err), "upstream_error",
+                                        err.get("code") if isinstance(err, dict) else None)
+                meta = out.get("meta_info") or {}
+                reason = meta.get("finish_reason")
+                if isinstance(reason, dict) and reason.get("type") == "abort":
+                    # SGLang streams a scheduler-side abort (a KV transfer that failed or
+                    # timed out, an overloaded queue) as an ordinary last chunk: for the
+                    # router it is a failure of this server, not an answer.
+                    raise UpstreamError(upstream, str(reason.get("message") or "aborted"),
+                                        "upstream_abort", reason.get("status_code"))
+                if upstream.incremental_streaming_output:
+                    # Appended in place, each chunk a view of its prefix (O(new ids) a chunk).
+                    ids.extend(out.get("output_ids") or ())
+                    text = text + (out.get("text") or "")
+                    chunk_ids = IdsPrefix(ids, len(ids))
+                else:
+                    chunk_ids = list(out.get("output_ids") or [])
+                    text = out.get("text")
+                yield UpstreamChunk(chunk_ids, text, meta,
+                                    meta.get("finish_reason") is not None)
+        except OSError as err:
+            if conn is not None and self.silences.forget(conn):
                 raise UpstreamError(upstream, "no data within the read timeout",
                                     "upstream_timeout") from err
             raise _connection_error(upstream, err) from err
-        except asyncio.TimeoutError as err:
-            raise UpstreamError(upstream, "no data within the read timeout",
-                                "upstream_timeout") from err
         finally:
-            if resp is not None:
-                self.silences.forget(resp)
+            if conn is not None:
+                self.silences.forget(conn)
+                self._pool.release(conn)
 
 
 def _connection_error(upstream: Upstream, err: BaseException) -> UpstreamError:
-    refused = isinstance(err, (aiohttp.ClientConnectorError, ConnectionRefusedError))
+    refused = isinstance(err, ConnectError)
     return UpstreamError(upstream, repr(err), "upstream_connection", refused=refused)
 
 

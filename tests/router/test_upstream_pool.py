@@ -1,6 +1,6 @@
 """The router's connection pool to its servers (router/upstream.py): the connection released
 last is the next one taken, so a burst's extra connections idle out while steady traffic keeps
-reusing the same few. Pure aiohttp against a local server; seconds."""
+reusing the same few. router/http1.py's pool against a local aiohttp server; seconds."""
 
 from __future__ import annotations
 
@@ -39,7 +39,8 @@ def test_the_connection_released_last_is_reused_first():
             for _ in range(6):
                 await client.get_json(server, "/server_info")
             steady = peers[4:]
-            # aiohttp alone would go round all four; the pool takes the one released last.
+            # A pool taking the oldest first (aiohttp's) would go round all four; this one takes
+            # the one released last.
             assert len(set(steady)) == 1 and steady[0] in burst, steady
         finally:
             await client.close()

@@ -1,0 +1,386 @@
+"""A lean HTTP/1.1 client for the router's own servers: one asyncio protocol per connection, kept
+alive in a pool per server, taken last-released-first.
+
+Why not aiohttp's client: at hundreds of streams the router's tail is rounds of request set-ups,
+and aiohttp's client cost about a quarter of a set-up's CPU (two requests per router request:
+building a ClientRequest with its default headers, URL and payload objects, a timer context, its
+connector's bookkeeping). The SGLang servers speak plain HTTP/1.1: a JSON body answered with a
+Content-Length, or a chunked stream of SSE events. So a request here is one write of a prepared
+head and body, and the answer is parsed as it arrives: the head once, then the chunked framing,
+each SSE event handed to the reader without a copy of the whole body.
+
+What it keeps of aiohttp's behaviour (router/upstream.py relies on it):
+- the pool: no size limit; the connection released last is the next one taken, so the ones that
+  steady traffic needs stay warm and a burst's extra ones idle out; an idle connection older than
+  ``keepalive_s`` is closed, never reused (the servers close theirs at 5 s: a request on a
+  connection the server has just closed fails);
+- a connection is pooled again only when its answer was read whole and the server keeps it
+  alive; one dropped mid-answer (a cancelled request, a closed stream) is closed;
+- a GET on a reused connection that the server had closed is sent once more on a fresh one
+  (aiohttp retries idempotent requests once); a POST is never resent;
+- errors are OSErrors: ``ConnectError`` when nothing accepted the connection (refused, no
+  route), TimeoutError for the connect and read timeouts, ConnectionResetError when the server
+  closed the connection mid-answer, ``BadResponse`` for a reply that is not HTTP/1.1.
+
+Owner: the router's event loop; nothing here is thread-safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl as ssl_module
+import time
+from typing import Optional
+from urllib.parse import urlsplit
+
+MAX_HEAD_BYTES = 64 << 10
+_CRLF = b"\r\n"
+# _chunk_left's states besides a count of data bytes still to come
+_SIZE_LINE, _DATA_END, _TRAILER = 0, -1, -2
+
+
+class ConnectError(OSError):
+    """No connection: the server refused it or could not be reached (not a timeout)."""
+
+
+class BadResponse(OSError):
+    """The server's reply is not HTTP/1.1 this client can read."""
+
+
+class HttpStatusError(Exception):
+    """A status of 400 or more where the caller asked for success (``raise_for_status``)."""
+
+    def __init__(self, status: int, url: str):
+        super().__init__(f"{status} from {url}")
+        self.status = status
+
+
+class Target:
+    """Where one server's requests go, parsed once per URL."""
+
+    __slots__ = ("key", "host", "port", "ssl", "prefix", "host_header")
+
+    def __init__(self, url: str):
+        parts = urlsplit(url)
+        self.ssl = parts.scheme == "https"
+        self.host = parts.hostname or "localhost"
+        self.port = parts.port or (443 if self.ssl else 80)
+        self.prefix = parts.path.rstrip("/")
+        self.key = (self.host, self.port, self.ssl)
+        self.host_header = parts.netloc.rpartition("@")[2].encode("latin-1")
+
+
+class Connection(asyncio.Protocol):
+    """One connection to a server and the answer being read on it (one at a time)."""
+
+    def __init__(self, pool: "Pool", key: tuple):
+        self.pool, self.key = pool, key
+        self.transport: Optional[asyncio.Transport] = None
+        self.reused = False
+        self.idle_since = 0.0
+        self.error: Optional[BaseException] = None
+        self._waiter: Optional[asyncio.Future] = None
+        self._raw = bytearray()  # received, not parsed yet
+        self._body = bytearray()  # the answer's body, de-chunked, not read yet
+        self._scanned = 0  # how far _body holds no event separator
+        self.status = 0
+        self._head_done = False
+        self.body_done = False
+        self.keep_alive = True
+        self._chunked = False
+        self._chunk_left = _SIZE_LINE
+        self._length = -1  # body bytes still to come; -1: until the connection closes
+
+    # -- the protocol: called by the event loop -------------------------------------------
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            if not self._head_done:
+                self._raw += data
+                end = self._raw.find(b"\r\n\r\n")
+                if end < 0:
+                    if len(self._raw) > MAX_HEAD_BYTES:
+                        raise BadResponse("response head too large")
+                    return
+                self._parse_head(bytes(self._raw[:end]))
+                data = bytes(self._raw[end + 4:])
+                self._raw.clear()
+            if data:
+                self._feed(data)
+        except (ValueError, BadResponse) as err:
+            self._fail(err if isinstance(err, BadResponse) else BadResponse(str(err)))
+            self.transport.close()
+            return
+        self._wake()
+
+    def eof_received(self) -> None:
+        if self._head_done and self._length < 0 and not self._chunked:
+            self.body_done = True  # a body delimited by the connection's end
+        self.keep_alive = False
+
+    def connection_lost(self, exc: Optional[BaseException]) -> None:
+        self.keep_alive = False
+        if not self.body_done:
+            self._fail(exc if isinstance(exc, OSError) else
+                       ConnectionResetError("server disconnected"))
+        self.pool.forget(self)
+        self._wake()
+
+    # -- the answer ---------------------------------------------------------------------
+    def _parse_head(self, head: bytes) -> None:
+        lines = head.split(_CRLF)
+        version, _, rest = lines[0].partition(b" ")
+        if not version.startswith(b"HTTP/1."):
+            raise BadResponse(f"not an HTTP/1.x response: {lines[0][:80]!r}")
+        self.status = int(rest[:3])
+        self.keep_alive = version == b"HTTP/1.1"
+        for line in lines[1:]:
+            name, _, value = line.partition(b":")
+            name = name.strip().lower()
+            if name == b"content-length":
+                self._length = int(value)
+            elif name == b"transfer-encoding":
+                self._chunked = b"chunked" in value.lower()
+            elif name == b"connection":
+                value = value.strip().lower()
+                self.keep_alive = value != b"close" and (self.keep_alive or value == b"keep-alive")
+        if self._chunked:
+            self._length = -1
+        elif self.status in (204, 304) or 100 <= self.status < 200:
+            self._length = 0  # no body (a 1xx is never asked for: no Expect header is sent)
+        if self._length < 0 and not self._chunked:
+            self.keep_alive = False
+        self._head_done = True
+        self.body_done = self._length == 0
+
+    def _feed(self, data: bytes) -> None:
+        if self.body_done:
+            raise BadResponse("data after the end of the answer")
+        if not self._chunked:
+            if self._length >= 0:
+                if len(data) > self._length:
+                    raise BadResponse("more body than its Content-Length")
+                self._length -= len(data)
+                self.body_done = self._length == 0
+            self._body += data
+            return
+        raw = self._raw
+        raw += data
+        pos, end = 0, len(raw)
+        while pos < end and not self.body_done:
+            left = self._chunk_left
+            if left > 0:
+                take = min(left, end - pos)
+                self._body += memoryview(raw)[pos:pos + take]
+                pos += take
+                self._chunk_left = left - take if left > take else _DATA_END
+            elif left == _DATA_END:
+                if end - pos < 2:
+                    break
+                if raw[pos:pos + 2] != _CRLF:
+                    raise BadResponse("a chunk not followed by CRLF")
+                pos += 2
+                self._chunk_left = _SIZE_LINE
+            else:
+                eol = raw.find(_CRLF, pos)
+                if eol < 0:
+                    if end - pos > MAX_HEAD_BYTES:
+                        raise BadResponse("chunk size line too long")
+                    break
+                line = raw[pos:eol]
+                pos = eol + 2
+                if left == _TRAILER:
+                    self.body_done = not line
+                    continue
+                size = int(line.partition(b";")[0], 16)
+                self._chunk_left = size if size > 0 else _TRAILER
+        del raw[:pos]
+        if self.body_done and raw:
+            raise BadResponse("data after the end of the answer")
+
+    def _fail(self, err: BaseException) -> None:
+        if self.error is None:
+            self.error = err
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def _wait(self, read_timeout_s: Optional[float]) -> None:
+        """Until more of the answer arrives (or the connection fails)."""
+        if self.error is not None:
+            raise self.error
+        loop = self.pool.loop
+        waiter = self._waiter = loop.create_future()
+        timer = None
+        if read_timeout_s is not None:
+            timer = loop.call_later(read_timeout_s, _time_out, waiter)
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+            if timer is not None:
+                timer.cancel()
+        if self.error is not None:
+            raise self.error
+
+    async def head(self, read_timeout_s: Optional[float]) -> int:
+        """The answer's status, once its head has arrived."""
+        while not self._head_done:
+            await self._wait(read_timeout_s)
+        return self.status
+
+    async def read(self, read_timeout_s: Optional[float]) -> bytes:
+        """The whole body."""
+        await self.head(read_timeout_s)
+        while not self.body_done:
+            await self._wait(read_timeout_s)
+        body = bytes(self._body)
+        self._body.clear()
+        return body
+
+    async def read_event(self, max_size: int) -> bytes:
+        """The next SSE event, its ``\\n\\n`` included; at the body's end what is left, then
+        b"". No read timeout: a stream's silence is watched elsewhere (upstream.SilenceWatch)."""
+        body = self._body
+        while True:
+            end = body.find(b"\n\n", self._scanned)
+            if end >= 0:
+                event = bytes(body[:end + 2])
+                del body[:end + 2]
+                self._scanned = 0
+                return event
+            if len(body) > max_size:
+                raise ValueError("Chunk too big")  # as aiohttp's StreamReader.readuntil
+            if self.body_done:
+                event = bytes(body)
+                body.clear()
+                return event
+            self._scanned = max(len(body) - 1, 0)
+            await self._wait(None)
+
+    def close(self) -> None:
+        """Drop the connection: its reader fails with ConnectionResetError."""
+        self.keep_alive = False
+        self._fail(ConnectionResetError("connection closed by the router"))
+        if self.transport is not None:
+            self.transport.close()
+        self._wake()
+
+    def _reset(self) -> None:
+        """Ready for the next request on this connection."""
+        self.status, self._head_done, self.body_done = 0, False, False
+        self._chunked, self._chunk_left, self._length, self._scanned = False, _SIZE_LINE, -1, 0
+        self._body.clear()
+
+
+def _time_out(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_exception(TimeoutError("no data within the read timeout"))
+
+
+class Pool:
+    """Keep-alive connections by server, taken last-released-first, none kept idle longer than
+    ``keepalive_s``; no limit on how many (each in-flight request holds one per server)."""
+
+    def __init__(self, connect_timeout_s: float, keepalive_s: float):
+        self.connect_timeout_s = connect_timeout_s
+        self.keepalive_s = keepalive_s
+        self.loop = asyncio.get_running_loop()
+        self._idle: dict[tuple, list[Connection]] = {}
+        self._open_conns: set[Connection] = set()  # idle or in use: close() ends them all
+        self._targets: dict[str, Target] = {}
+        self._ssl: Optional[ssl_module.SSLContext] = None
+        self.opened = 0  # connections opened, for tests and probes
+
+    def target(self, url: str) -> Target:
+        target = self._targets.get(url)
+        if target is None:
+            target = self._targets[url] = Target(url)
+        return target
+
+    async def send(self, url: str, method: bytes, path: str, body: bytes = b"",
+                   content_type: Optional[bytes] = None, fresh: bool = False) -> Connection:
+        """The request written on a pooled connection (a new one when none is idle, or when
+        ``fresh``); read its answer from the connection, then hand it to ``release``."""
+        target = self.target(url)
+        head = b"%s %s HTTP/1.1\r\nHost: %s\r\n" % (
+            method, (target.prefix + path).encode("latin-1"), target.host_header)
+        if content_type is not None:
+            head += b"Content-Type: %s\r\n" % content_type
+        if body or method == b"POST":
+            head += b"Content-Length: %d\r\n" % len(body)
+        conn = None if fresh else self._take(target.key)
+        if conn is None:
+            conn = await self._open(target)
+        conn.transport.write(head + b"\r\n" + body)
+        return conn
+
+    def _take(self, key: tuple) -> Optional[Connection]:
+        idle = self._idle.get(key)
+        if not idle:
+            return None
+        oldest = time.monotonic() - self.keepalive_s
+        while idle:
+            conn = idle.pop()
+            if conn.idle_since < oldest:
+                # Released last and already too old: every other idle one is older still.
+                for stale in (conn, *idle):
+                    stale.transport.close()
+                idle.clear()
+                return None
+            if conn.keep_alive and not conn.transport.is_closing():
+                conn._reset()
+                conn.reused = True
+                return conn
+            conn.transport.close()
+        return None
+
+    async def _open(self, target: Target) -> Connection:
+        ssl = None
+        if target.ssl:
+            if self._ssl is None:
+                self._ssl = ssl_module.create_default_context()
+            ssl = self._ssl
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):
+                _, conn = await self.loop.create_connection(
+                    lambda: Connection(self, target.key), target.host, target.port, ssl=ssl)
+        except TimeoutError as err:
+            raise TimeoutError(f"connect to {target.host}:{target.port} timed out") from err
+        except OSError as err:
+            raise ConnectError(err.errno, f"cannot connect to {target.host}:{target.port}: "
+                                          f"{err.strerror or err}") from err
+        self.opened += 1
+        self._open_conns.add(conn)
+        return conn
+
+    def release(self, conn: Connection) -> None:
+        """Back to the pool when its answer was read whole and it stays open; else closed."""
+        if conn.body_done and conn.keep_alive and conn.error is None and not conn._body \
+                and not conn.transport.is_closing():
+            conn.idle_since = time.monotonic()
+            idle = self._idle.get(conn.key)
+            if idle is None:
+                idle = self._idle[conn.key] = []
+            idle.append(conn)
+        else:
+            conn.keep_alive = False
+            conn.transport.close()
+
+    def forget(self, conn: Connection) -> None:
+        """A closed connection leaves the pool."""
+        self._open_conns.discard(conn)
+        idle = self._idle.get(conn.key)
+        if idle and conn in idle:
+            idle.remove(conn)
+
+    def close(self) -> None:
+        """Every connection closed, idle or in use (a reader of one fails)."""
+        for conn in list(self._open_conns):
+            conn.close()
+        self._open_conns.clear()
+        self._idle.clear()
