@@ -312,11 +312,13 @@ class Pool:
         if content_type is not None:
             head += b"Content-Type: %s\r\n" % content_type
         if body or method == b"POST":
-            head += b"Content-Length: %d\r\n" % len(body)
+            head += b"Content-Length: %d\r\n\r\n" % len(body)
+        else:
+            head += _CRLF
         conn = None if fresh else self._take(target.key)
         if conn is None:
             conn = await self._open(target)
-        conn.transport.write(head + b"\r\n" + body)
+        conn.transport.write(head + body)  # one write, one copy of the body: one send
         return conn
 
     def _take(self, key: tuple) -> Optional[Connection]:
