@@ -354,8 +354,9 @@ class Pool:
         except TimeoutError as err:
             raise TimeoutError(f"connect to {target.host}:{target.port} timed out") from err
         except OSError as err:
-            raise ConnectError(err.errno, f"cannot connect to {target.host}:{target.port}: "
-                                          f"{err.strerror or err}") from err
+            message = f"cannot connect to {target.host}:{target.port}: {err.strerror or err}"
+            raise (ConnectError(message) if err.errno is None else
+                   ConnectError(err.errno, message)) from err
         self.opened += 1
         self._open_conns.add(conn)
         return conn
