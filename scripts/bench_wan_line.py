@@ -3,10 +3,18 @@
 
 Over a grid of rate x RTT on the emulated line, real copies through the prefill's own WAN engine
 (Mooncake TCP; ``pdd_sglang/dev/wan_emulator/line_bench.py``): one copy, then ``--concurrent``
-at once, each at least ``--bdp-multiple`` bandwidth-delay products, under the old slice rule (a
-window of one 4 MiB slice, each waited for before the next) and the windowed one
-(:func:`~pdd_sglang.prefill.wan_engine.window_for_line`: slices of four BDPs, twelve more in
-flight), the same sender in the same run. Before each rule's timed copies, ``--warm-copies``
+at once, each at least ``--bdp-multiple`` bandwidth-delay products, the same sender in the same
+run under three rules:
+
+- ``one_slice``: the old rule, a window of one 4 MiB slice, each waited for before the next;
+- ``window``: one-sided into main's pages, slices of four BDPs with twelve more in flight
+  (:func:`~pdd_sglang.prefill.wan_engine.window_for_line`), each slice one Mooncake request per
+  KV buffer (``--kv-buffers``: a layer's K and V each, so the model's depth divides the slice);
+- ``packed``: the same window, the copy as raw records of half a BDP packed into main's staging
+  range through the sender's real ring (:mod:`pdd_sglang.prefill.wan_coded`).
+
+Each point says which of the last two the product takes for that model
+(:func:`~pdd_sglang.policy.wan_codec.stage_raw`, ``product_rule``). Before each rule's timed copies, ``--warm-copies``
 untimed ones open the pooled lanes' congestion windows, as a serving prefill's persistent lanes
 are (with ``tcp_slow_start_after_idle=0`` they stay open between copies). ``utilization`` is the
 achieved rate over the line's own TCP goodput at that point (``line_bench.line_goodput``:
@@ -36,6 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pdd_sglang.dev.wan_emulator import WanLine, check_prerequisites  # noqa: E402
 from pdd_sglang.dev.wan_emulator.line_bench import line_goodput, run_point, tune  # noqa: E402
+from pdd_sglang.policy.wan_codec import stage_raw  # noqa: E402
 from pdd_sglang.prefill.wan_engine import TCP_TRANSPORT_ENV, window_for_line  # noqa: E402
 
 # rate (Mbit/s) x RTT (ms): BDPs from 0.5 MB to 10 MB, past the 4 MiB slice, within the
@@ -75,20 +84,24 @@ def bench(args) -> dict:
         print(f"== {rate:g} Mbit/s x {rtt:g} ms: BDP {bdp / 1e6:.2f} MB, copies of "
               f"{copy_bytes / 1e6:.0f} MB, slices {window.slice_bytes / 1e6:.2f} MB, window "
               f"{window.window_bytes / 1e6:.1f} MB", flush=True)
+        product = ("packed" if stage_raw(window.slice_bytes, args.kv_buffers, window.block_bytes)
+                   else "window")
         point = run_point(out_dir, rate_mbit=rate, rtt_ms=rtt, copy_bytes=copy_bytes,
                           window=window, concurrent=args.concurrent,
-                          blocks=args.blocks_per_slice, sysctls=LONG_FAT_LINE_SYSCTLS,
+                          blocks=args.kv_buffers, sysctls=LONG_FAT_LINE_SYSCTLS,
                           warm_copies=args.warm_copies)
         for run in point["runs"]:
             points.append({"rate_mbit": rate, "rtt_ms": rtt, "bdp_bytes": bdp,
                            "copy_bytes": run["copy_bytes"], "concurrent": run["concurrent"],
-                           "rule": run["rule"], "window_bytes": run["window_bytes"],
+                           "rule": run["rule"], "product_rule": product,
+                           "window_bytes": run["window_bytes"],
                            "slice_bytes": run["slice_bytes"],
+                           "request_bytes": run["request_bytes"],
                            "achieved_mbit": run["achieved_mbit"],
                            "line_goodput_mbit": point["goodput_mbit"],
                            "utilization": run["achieved_mbit"] / point["goodput_mbit"],
                            "copy_s": run["copy_s"]})
-    result = {"points": points, "blocks_per_slice": args.blocks_per_slice,
+    result = {"points": points, "kv_buffers": args.kv_buffers,
               "bdp_multiple": args.bdp_multiple, "warm_copies": args.warm_copies,
               "mooncake_tcp_env": TCP_TRANSPORT_ENV, "sysctls": LONG_FAT_LINE_SYSCTLS,
               "date": time.strftime("%Y-%m-%d %H:%M"),
@@ -102,13 +115,15 @@ def bench(args) -> dict:
 
 
 def print_table(result: dict) -> None:
-    print("| rate Mbit/s | RTT ms | BDP MB | copies | rule | window MB | achieved Mbit/s | "
-          "utilization |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| rate Mbit/s | RTT ms | BDP MB | copies | rule | window MB | request MB | "
+          "achieved Mbit/s | utilization |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for p in result["points"]:
+        rule = p["rule"] + (" (the product's)" if p["rule"] == p["product_rule"] else "")
         print(f"| {p['rate_mbit']:g} | {p['rtt_ms']:g} | {p['bdp_bytes'] / 1e6:.2f} | "
-              f"{p['concurrent']} | {p['rule']} | {p['window_bytes'] / 1e6:.1f} | "
-              f"{p['achieved_mbit']:.1f} | {p['utilization']:.2f} |")
+              f"{p['concurrent']} | {rule} | {p['window_bytes'] / 1e6:.1f} | "
+              f"{p['request_bytes'] / 1e6:.2f} | {p['achieved_mbit']:.1f} | "
+              f"{p['utilization']:.2f} |")
 
 
 def main() -> int:
@@ -117,15 +132,17 @@ def main() -> int:
                         default=[parse_point(p) for p in DEFAULT_POINTS])
     parser.add_argument("--concurrent", type=int, default=4)
     parser.add_argument("--bdp-multiple", type=int, default=20)
-    parser.add_argument("--blocks-per-slice", type=int, default=8,
-                        help="Mooncake requests per slice (the KV's per-layer blocks)")
+    parser.add_argument("--kv-buffers", type=int, default=64,
+                        help="the model's KV buffers (a layer's K and V each; 64: a 32-layer "
+                             "model such as Llama-3-8B): a one-sided slice is one Mooncake "
+                             "request per buffer")
     parser.add_argument("--warm-copies", type=int, default=1,
                         help="untimed copies per rule first (the lanes of a serving prefill are warm)")
     parser.add_argument("--no-ceiling", action="store_true")
     parser.add_argument("--out", default="out/wan_line_bench")
     args = parser.parse_args()
-    if args.concurrent < 1 or args.bdp_multiple < 1 or args.blocks_per_slice < 1:
-        parser.error("--concurrent, --bdp-multiple and --blocks-per-slice must be >= 1")
+    if args.concurrent < 1 or args.bdp_multiple < 1 or args.kv_buffers < 1:
+        parser.error("--concurrent, --bdp-multiple and --kv-buffers must be >= 1")
     if args.warm_copies < 0:
         parser.error("--warm-copies must be >= 0")
     check_prerequisites()

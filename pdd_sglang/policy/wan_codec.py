@@ -73,3 +73,16 @@ def choose_wan_codec(raw_bytes: float, line_bytes_per_s: float, candidates: Sequ
         if seconds < best_s:
             best, best_s = cost, seconds
     return best
+
+
+def stage_raw(slice_bytes: int, kv_buffers: int, block_bytes: int) -> bool:
+    """Whether an uncoded copy goes packed, as records in main's staging range, rather than
+    one-sided into main's pages. One-sided, a slice is one Mooncake request per KV buffer (a
+    layer's K or V), so a model of many layers splits it into requests too small to keep the
+    line full (``block_bytes``: the smallest that does, :data:`~pdd_sglang.prefill.wan_engine.
+    BLOCK_BDPS` of the line's bandwidth-delay product); packed, a request is a record of
+    ``block_bytes``, whatever the model, at the cost of a gather at the prefill and a scatter at
+    main."""
+    if slice_bytes <= 0 or block_bytes <= 0:
+        raise ValueError(f"slice and block bytes must be > 0, got {slice_bytes}, {block_bytes}")
+    return slice_bytes / max(kv_buffers, 1) < block_bytes

@@ -42,15 +42,20 @@ import torch
 from pdd_sglang.kv_codec import CODECS, HEADER as FRAME_HEADER, RawCodec
 from pdd_sglang.kv_codec.pool import CODABLE_DTYPES, PoolPages
 from pdd_sglang.kv_codec.wire import END_BYTES, pack_end, pack_record
-from pdd_sglang.policy.wan_codec import LOSSLESS_MEASURED, CodecCost, choose_wan_codec
+from pdd_sglang.policy.wan_codec import LOSSLESS_MEASURED, CodecCost, choose_wan_codec, stage_raw
 from pdd_sglang.prefill.ledger import LEDGER
 
 logger = logging.getLogger(__name__)
 
-# Raw bytes a coded slice holds at most: the codec's work per slice stays short, and a ring of
-# RING_BYTES keeps a few slices in flight.
-CODED_SLICE_BYTES = 8 << 20
+# A record holds the raw bytes of one Mooncake request the line needs (the engine's
+# ``block_bytes``, half a bandwidth-delay product), at least MIN_RECORD_BYTES so a slow line's
+# records stay few, and never more than a slice (a cancel or a yield acts between slices). A
+# sender's ring holds at least RING_BYTES and always the copy's window plus two records, so the
+# ring never holds a copy below its window.
+MIN_RECORD_BYTES = 1 << 20
 RING_BYTES = 40 << 20
+# staged.codec of a destination whose copies go one-sided into main's pages, not as records.
+UNSTAGED = "unstaged"
 _RAW = RawCodec()
 
 
@@ -82,8 +87,8 @@ class CodecChoice:
         self.declared_line_bytes_per_s = float(declared_line_bytes_per_s)
         self._lock = threading.Lock()
         self._lossless = lossless
-        self.counters = {"coded_copies": 0, "raw_copies": 0, "coded_raw_bytes": 0,
-                         "coded_wire_bytes": 0}
+        self.counters = {"coded_copies": 0, "raw_copies": 0, "packed_raw_copies": 0,
+                         "coded_raw_bytes": 0, "coded_wire_bytes": 0}
 
     def pick(self, raw_bytes: int, line_bytes_per_s: Optional[float], window_bytes: int) -> str:
         if self.mode != "auto":
@@ -122,7 +127,7 @@ class _Ring:
     """A sender thread's registered bytes that records are written from; a place is reused only
     once the block written from it has landed (the copy's oldest blocks land first)."""
 
-    def __init__(self, wan: Any, size: int = RING_BYTES):
+    def __init__(self, wan: Any, size: int):
         self.buffer = torch.empty(size, dtype=torch.uint8)
         self.array = self.buffer.numpy()
         self.addr, self.size = self.buffer.data_ptr(), size
@@ -159,10 +164,21 @@ _REGISTER_LOCK = threading.Lock()
 _THREAD = threading.local()  # .ring: this sender thread's _Ring
 
 
+def record_bytes(wan: Any) -> int:
+    """The raw bytes a record of a copy through ``wan`` holds at most (even: whole elements)."""
+    return max(min(wan.slice_bytes, max(wan.block_bytes, MIN_RECORD_BYTES)) & ~1, 2)
+
+
+def ring_bytes(wan: Any) -> int:
+    return max(RING_BYTES, wan.window_bytes + 2 * record_bytes(wan))
+
+
 def _ring(wan: Any) -> _Ring:
+    """This sender thread's ring, made at its first packed copy (the engine's window is fixed
+    for its life)."""
     ring = getattr(_THREAD, "ring", None)
     if ring is None:
-        ring = _THREAD.ring = _Ring(wan)
+        ring = _THREAD.ring = _Ring(wan, ring_bytes(wan))
     return ring
 
 
@@ -204,22 +220,28 @@ def _pool_dtype(name: str) -> Optional[torch.dtype]:
 
 
 def codec_for(kv_mgr: Any, work: Any, sliced: bool, raw_bytes: int) -> Optional[str]:
-    """The codec of this work's copy, None for raw; the first work of a destination decides."""
+    """The codec of this work's copy as records in main's staging range ("raw" too: packed,
+    uncoded), None when it goes one-sided into main's pages; the first work of a destination
+    decides."""
     staged = getattr(work, "staged", None)
     fanout = kv_mgr.pdd_fanout
     choice = getattr(fanout, "codec_choice", None)
     if staged is None or choice is None:
         return None
     if staged.codec is None:
-        codec = "raw"
+        codec, wan = UNSTAGED, fanout.wan_engine
         if not sliced and pool_pages(kv_mgr) is not None:
             line = fanout.wan_line.snapshot().get(work.session, {}).get("recent_bytes_per_s")
-            # coded per slice: encoding, the line and decoding overlap slice by slice
-            codec = choice.pick(raw_bytes, line,
-                                min(fanout.wan_engine.slice_bytes, CODED_SLICE_BYTES))
+            # coded per record: encoding, the line and decoding overlap record by record
+            codec = choice.pick(raw_bytes, line, record_bytes(wan))
+            if codec == "raw" and not stage_raw(wan.slice_bytes,
+                                                len(kv_mgr.kv_args.kv_data_ptrs),
+                                                wan.block_bytes):
+                codec = UNSTAGED
         staged.codec = codec
-        choice.count("coded_copies" if codec != "raw" else "raw_copies")
-    return None if staged.codec == "raw" else staged.codec
+        choice.count({UNSTAGED: "raw_copies", "raw": "packed_raw_copies"}.get(codec,
+                                                                            "coded_copies"))
+    return None if staged.codec == UNSTAGED else staged.codec
 
 
 def send_coded(kv_mgr: Any, work: Any, src: Any, dst: Any, codec_name: str, lines: Any,
@@ -229,7 +251,7 @@ def send_coded(kv_mgr: Any, work: Any, src: Any, dst: Any, codec_name: str, line
     fanout = kv_mgr.pdd_fanout
     wan, pool, staged = fanout.wan_engine, pool_pages(kv_mgr), work.staged
     codec = CODECS[codec_name]
-    step = max(min(wan.slice_bytes, CODED_SLICE_BYTES) // pool.page_bytes, 1)
+    step = max(record_bytes(wan) // pool.page_bytes, 1)
     ring = _ring(wan)
     with wan.copy(work.session) as copy:
         ring.reset()

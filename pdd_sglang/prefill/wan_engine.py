@@ -76,6 +76,17 @@ LONGEST_POLL_S = 0.02
 SLICE_BDPS = 4.0
 MIN_SLICE_BYTES = 256 << 10
 MAX_SLICE_BYTES = 64 << 20
+# The smallest Mooncake request (block) that keeps the line full: with 16 lanes of half a BDP,
+# eight BDPs are on the wire. A slice's blocks are its pages of one KV buffer (a layer's K or V)
+# when it goes one-sided into main's pages, so the model's layer count divides the slice: at
+# 200 Mbit/s x 100 ms, slices of 4 BDPs with 12 more in flight, one copy of 20 BDPs moved 0.83-0.88
+# of the line in 8 blocks per slice (a 4-layer model's), 0.65 in 64 (32 layers) and 0.34 in 160
+# (80 layers) (docs/measurements.md). Below this size a raw copy goes as records of this size
+# packed into main's staging range instead (prefill/wan_coded.py, policy.wan_codec.stage_raw).
+BLOCK_BDPS = 0.5
+MIN_BLOCK_BYTES = 4 << 10  # a slow line's slices are clamped up, so its blocks exceed this anyway
+MAX_BLOCK_BYTES = 32 << 20
+BLOCKS_PER_EXPLICIT_SLICE = 8
 # The rule before windowed copies, still the sender's with --pdd-wan-window-mb 4: one 4 MiB
 # slice at a time, each waited for before the next.
 WAN_SLICE_BYTES = 4 << 20
@@ -91,10 +102,12 @@ TCP_TRANSPORT_ENV = {"MC_TCP_ENABLE_CONNECTION_POOL": "1", "MC_TCP_LANES_PER_PEE
 
 @dataclass(frozen=True)
 class CopyWindow:
-    """How a copy goes out: slices of ``slice_bytes``, at most ``window_bytes`` in flight."""
+    """How a copy goes out: slices of ``slice_bytes``, at most ``window_bytes`` in flight, in
+    Mooncake requests of at least ``block_bytes`` each where the copy can choose (packed)."""
 
     slice_bytes: int
     window_bytes: int
+    block_bytes: int = WAN_SLICE_BYTES // BLOCKS_PER_EXPLICIT_SLICE
 
 
 ONE_SLICE = CopyWindow(WAN_SLICE_BYTES, WAN_SLICE_BYTES)
@@ -110,10 +123,14 @@ def window_for_line(bandwidth_gbps: float, rtt_ms: float, window_mb: float = 0.0
             f"{bandwidth_gbps} Gbit/s, {rtt_ms} ms, window {window_mb} MB)")
     if window_mb > 0:
         window = max(int(window_mb * (1 << 20)), 1)
-        return CopyWindow(min(WAN_SLICE_BYTES, window), window)
+        slice_bytes = min(WAN_SLICE_BYTES, window)
+        return CopyWindow(slice_bytes, window,
+                          max(slice_bytes // BLOCKS_PER_EXPLICIT_SLICE, 1))
     bdp_bytes = bandwidth_gbps * 1e9 / 8 * rtt_ms / 1e3
     slice_bytes = int(min(max(SLICE_BDPS * bdp_bytes, MIN_SLICE_BYTES), MAX_SLICE_BYTES))
-    return CopyWindow(slice_bytes, int(WINDOW_BDPS * bdp_bytes) + slice_bytes)
+    block_bytes = int(min(max(BLOCK_BDPS * bdp_bytes, MIN_BLOCK_BYTES), MAX_BLOCK_BYTES,
+                          slice_bytes))
+    return CopyWindow(slice_bytes, int(WINDOW_BDPS * bdp_bytes) + slice_bytes, block_bytes)
 
 
 @dataclass
@@ -147,10 +164,13 @@ class WanTransferEngine:
     @classmethod
     def over(cls, engine: Any, timeout_s: float, line: Optional[WanLine] = None,
              window_bytes: int = WAN_SLICE_BYTES,
-             slice_bytes: int = WAN_SLICE_BYTES) -> "WanTransferEngine":
+             slice_bytes: int = WAN_SLICE_BYTES,
+             block_bytes: Optional[int] = None) -> "WanTransferEngine":
         """This engine's logic over an engine already made (a scripted one in unit tests)."""
         self = cls.__new__(cls)
-        self._setup(engine, timeout_s, line, CopyWindow(slice_bytes, window_bytes))
+        self._setup(engine, timeout_s, line, CopyWindow(
+            slice_bytes, window_bytes,
+            block_bytes or max(slice_bytes // BLOCKS_PER_EXPLICIT_SLICE, 1)))
         self.protocol, self.session_id = "scripted", "scripted"
         return self
 
@@ -158,12 +178,13 @@ class WanTransferEngine:
                window: CopyWindow) -> None:
         if not timeout_s > 0:
             raise ValueError(f"the WAN transfer timeout must be positive, got {timeout_s}")
-        if not (window.window_bytes > 0 and window.slice_bytes > 0):
+        if not (window.window_bytes > 0 and window.slice_bytes > 0 and window.block_bytes > 0):
             raise ValueError(f"the WAN window and slice must be positive, got {window}")
         self.engine = engine
         self.timeout_s = float(timeout_s)
         self.window_bytes = int(window.window_bytes)  # read by the senders at each slice
         self.slice_bytes = int(window.slice_bytes)
+        self.block_bytes = int(window.block_bytes)
         self.line = line if line is not None else WanLine()
         self._registered: list[int] = []
         self._lock = threading.Lock()

@@ -291,11 +291,14 @@ def test_slices_are_four_bdps_of_the_declared_line_and_the_window_twelve_more_or
     from pdd_sglang.prefill.wan_engine import (MAX_SLICE_BYTES, MIN_SLICE_BYTES, ONE_SLICE,
                                                CopyWindow, window_for_line)
 
-    # The brief's line: 25 MB BDP, slices of four (capped), twelve BDPs more in flight.
-    assert window_for_line(10, 20) == CopyWindow(MAX_SLICE_BYTES, 300_000_000 + MAX_SLICE_BYTES)
-    assert window_for_line(1, 20) == CopyWindow(10_000_000, 40_000_000)  # 2.5 MB BDP
+    # The brief's line: 25 MB BDP, slices of four (capped), twelve BDPs more in flight, and
+    # Mooncake requests of half a BDP where a copy can choose them (packed records).
+    assert window_for_line(10, 20) == CopyWindow(MAX_SLICE_BYTES, 300_000_000 + MAX_SLICE_BYTES,
+                                                 12_500_000)
+    assert window_for_line(1, 20) == CopyWindow(10_000_000, 40_000_000, 1_250_000)  # 2.5 MB BDP
     slow = window_for_line(0.02, 40)  # the demo's line: 100 KB BDP
-    assert slow == CopyWindow(400_000, 1_600_000)
+    assert slow == CopyWindow(400_000, 1_600_000, 50_000)
+    assert window_for_line(400, 20).block_bytes == 32 << 20  # MAX_BLOCK_BYTES
     assert window_for_line(0.002, 40).slice_bytes == MIN_SLICE_BYTES  # 10 KB BDP
     assert window_for_line(100, 100).slice_bytes == MAX_SLICE_BYTES
     assert window_for_line(10, 20, window_mb=4) == ONE_SLICE  # the old one-slice rule

@@ -17,6 +17,7 @@ from pdd_sglang.kv_codec.pool import PoolPages
 from pdd_sglang.kv_codec.staging import ALIGN, StagingAllocator
 from pdd_sglang.kv_codec.wire import END_BYTES, RECORD, pack_end, pack_record, read_end, records
 from pdd_sglang.prefill import wan_coded
+from pdd_sglang.policy.wan_codec import stage_raw
 from pdd_sglang.prefill.wan_engine import WanTransferEngine
 from pdd_sglang.prefill.wan_line import WanLine
 
@@ -217,7 +218,7 @@ def test_a_room_sent_raw_lands_as_before():
     addr, nbytes = staging.offer(receiver, 9, np.arange(4))
     staged = wan_coded.StagedCopy(addr, nbytes)
     send(prefill(pool(1), mode="raw"), 9, [np.arange(4)], [np.arange(4)], staged)
-    assert staged.codec == "raw" and staged.records == 0 and not staged.end_written
+    assert staged.codec == wan_coded.UNSTAGED and staged.records == 0 and not staged.end_written
     assert staging.land(receiver, 9, landed=True) is None  # a clear end record: nothing coded
     assert staging.counters["landed_raw"] == 1 and staging.state()["in_use_bytes"] == 0
 
@@ -231,7 +232,41 @@ def test_auto_codes_a_copy_only_where_it_shortens_it_on_the_line(line_bytes_per_
     kv.pdd_fanout.codec_choice.declared_line_bytes_per_s = line_bytes_per_s
     staged = wan_coded.StagedCopy(4096, 1 << 20)
     work = SimpleNamespace(room=1, session="main-1", staged=staged)
+    settled = wan_coded.UNSTAGED if expected == "raw" else expected  # 2 layers: not packed
     got = wan_coded.codec_for(kv, work, False, 64 << 20)
-    assert (got or "raw") == expected and staged.codec == expected
+    assert (got or wan_coded.UNSTAGED) == settled and staged.codec == settled
     kv.pdd_fanout.codec_choice.declared_line_bytes_per_s = 1e6 if expected == "raw" else 1e12
-    assert (wan_coded.codec_for(kv, work, False, 64 << 20) or "raw") == expected  # kept
+    assert (wan_coded.codec_for(kv, work, False, 64 << 20) or wan_coded.UNSTAGED) == settled
+
+
+def test_a_raw_copy_whose_per_layer_blocks_are_too_small_goes_packed_and_lands_bit_exact():
+    """One-sided, a slice is one Mooncake request per KV buffer; when those would be smaller
+    than the line's block (``block_bytes``), the uncoded copy goes as raw records packed into
+    main's staging range instead, decoded into the same pages."""
+    src_pool, dst_pool = pool(1), pool(2)
+    staging = main_with_staging(dst_pool)
+    receiver = Receiver()
+    src, dst = np.arange(3, 11), np.arange(12, 20)
+    addr, nbytes = staging.offer(receiver, 80, dst)
+    staged = wan_coded.StagedCopy(addr, nbytes)
+    kv = prefill(src_pool, mode="raw")
+    wan = kv.pdd_fanout.wan_engine
+    wan.block_bytes = wan.slice_bytes // 2  # each of the 2 * LAYERS buffers gets less than that
+    send(kv, 80, [src], [dst], staged)
+    assert staged.codec == "raw" and staged.records >= 2 and staged.end_written
+    assert staged.wire_bytes > staged.raw_bytes  # uncoded: the records' headers on top
+    assert kv.pdd_fanout.codec_choice.counters["packed_raw_copies"] == 1
+    assert staging.land(receiver, 80, landed=True) is None
+    assert all(torch.equal(d[dst], s[src]) for s, d in zip(src_pool, dst_pool))
+    assert staging.state()["in_use_bytes"] == 0
+
+
+@pytest.mark.parametrize("slice_bytes, buffers, block_bytes, packed", [
+    (10_000_000, 8, 1_250_000, False),  # a 4-layer model at 200 Mbit/s x 100 ms: half a BDP each
+    (10_000_000, 64, 1_250_000, True),  # 32 layers: 156 KB requests
+    (64 << 20, 8, 12_500_000, True),  # 10 Gbit/s x 20 ms: the slice is capped, its blocks shrink
+    (256 << 10, 8, 25_000, False),  # a slow line: the slice is clamped up, its blocks grow
+])
+def test_stage_raw_packs_only_where_one_sided_requests_are_below_the_lines_block(
+        slice_bytes, buffers, block_bytes, packed):
+    assert stage_raw(slice_bytes, buffers, block_bytes) is packed

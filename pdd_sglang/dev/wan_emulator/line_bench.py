@@ -25,6 +25,8 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+
+import numpy as np
 import subprocess
 import sys
 import threading
@@ -40,7 +42,8 @@ if TYPE_CHECKING:
     from pdd_sglang.prefill.wan_engine import CopyWindow
 
 PEER_READY_TIMEOUT_S = 120.0
-RULES = ("one_slice", "window")
+RULES = ("one_slice", "window", "packed")
+PAGE_BYTES = 64 << 10  # the notional page a packed record names (its header's page ids)
 
 
 def run_receiver(args) -> None:
@@ -62,6 +65,7 @@ def _slices(copy_bytes: int, slice_bytes: int, blocks: int, offset: int):
 
 def _one_copy(wan, session: str, src_ptr: int, dst_ptr: int, copy_bytes: int, offset: int,
               slice_bytes: int, blocks: int) -> float:
+    """One-sided, as a sender writes into main's pages: each slice one request per KV buffer."""
     began = time.perf_counter()
     with wan.copy(session) as copy:
         for offsets, lengths in _slices(copy_bytes, slice_bytes, blocks, offset):
@@ -73,38 +77,97 @@ def _one_copy(wan, session: str, src_ptr: int, dst_ptr: int, copy_bytes: int, of
     return time.perf_counter() - began
 
 
+def _packed_copy(wan, session: str, src, dst_ptr: int, copy_bytes: int, offset: int) -> float:
+    """Packed, as a sender writes an uncoded copy into main's staging range: records of the
+    engine's ``block_bytes`` framed by the raw codec, written from the sender's real ring
+    (:mod:`pdd_sglang.prefill.wan_coded`), each a single request. ``dst_ptr + offset`` must
+    hold the records' headers too (:func:`packed_bytes`)."""
+    from pdd_sglang.kv_codec import RawCodec
+    from pdd_sglang.kv_codec.wire import pack_record
+    from pdd_sglang.prefill import wan_coded
+
+    began = time.perf_counter()
+    step, raw = wan_coded.record_bytes(wan), RawCodec()
+    ring, place_at = wan_coded._ring(wan), dst_ptr + offset
+    with wan.copy(session) as copy:
+        ring.reset()
+        for start in range(offset, offset + copy_bytes, step):  # src: 2-byte elements
+            data = src[start // 2:min(start + step, offset + copy_bytes) // 2]
+            record = pack_record(1, np.arange(len(data) // PAGE_BYTES), raw.encode(data))
+            place = ring.place(record, copy)
+            if place is None or not copy.submit([ring.addr + place], [place_at], [len(record)]):
+                raise RuntimeError("a record of the copy failed")
+            place_at += len(record)
+        if not copy.finish():
+            raise RuntimeError("the copy failed")
+    return time.perf_counter() - began
+
+
+def packed_bytes(copy_bytes: int, block_bytes: int) -> int:
+    """What a packed copy of ``copy_bytes`` puts on the wire at most: records' headers and
+    page ids on top (:func:`~pdd_sglang.kv_codec.wire.staging_bytes_for`, one page a record at
+    worst)."""
+    from pdd_sglang.kv_codec.wire import staging_bytes_for
+
+    return staging_bytes_for(copy_bytes // PAGE_BYTES + 1, PAGE_BYTES)
+
+
+def _rules(args) -> list:
+    from pdd_sglang.prefill.wan_engine import ONE_SLICE, CopyWindow
+
+    window = CopyWindow(args.slice_bytes, args.window_bytes, args.block_bytes)
+    return [("one_slice", ONE_SLICE), ("window", window), ("packed", window)]
+
+
 def run_sender(args) -> None:
-    from pdd_sglang.prefill.wan_engine import ONE_SLICE, CopyWindow, WanTransferEngine
+    import torch
+
+    from pdd_sglang.prefill import wan_coded
+    from pdd_sglang.prefill.wan_engine import ONE_SLICE, WanTransferEngine
 
     wan = WanTransferEngine(args.host, "tcp", None, timeout_s=600.0)
     src = ctypes.create_string_buffer(args.buffer_bytes)
     src_ptr = ctypes.addressof(src)
+    src_elements = torch.frombuffer(src, dtype=torch.float16)  # a KV dtype the raw frame carries
     wan.register_regions([(src_ptr, args.buffer_bytes)])
     session, dst_ptr = args.target_session, args.target_ptr
     _one_copy(wan, session, src_ptr, dst_ptr, 1 << 20, 0, ONE_SLICE.slice_bytes, args.blocks)
+    span = packed_bytes(args.copy_bytes, args.block_bytes)  # a copy's room at the receiver
     runs = []
-    for rule, window in (("one_slice", ONE_SLICE),
-                         ("window", CopyWindow(args.slice_bytes, args.window_bytes))):
+    for rule, window in _rules(args):
         wan.window_bytes, wan.slice_bytes = window.window_bytes, window.slice_bytes
+        wan.block_bytes = window.block_bytes
+
+        def copy_at(i: int) -> float:
+            if rule == "packed":
+                return _packed_copy(wan, session, src_elements, dst_ptr, args.copy_bytes, i * span)
+            return _one_copy(wan, session, src_ptr, dst_ptr, args.copy_bytes, i * span,
+                             window.slice_bytes, args.blocks)
         for _ in range(args.warm_copies):
-            _one_copy(wan, session, src_ptr, dst_ptr, args.copy_bytes, 0, window.slice_bytes,
-                      args.blocks)
+            copy_at(0)
         for concurrent in sorted({1, args.concurrent}):
             seconds: list[float] = [0.0] * concurrent
+            start = threading.Barrier(concurrent + 1)
 
-            def copy_at(i: int) -> None:
-                seconds[i] = _one_copy(wan, session, src_ptr, dst_ptr, args.copy_bytes,
-                                       i * args.copy_bytes, window.slice_bytes, args.blocks)
-            began = time.perf_counter()
-            threads = [threading.Thread(target=copy_at, args=(i,)) for i in range(concurrent)]
+            def timed(i: int) -> None:
+                if rule == "packed":  # a sender thread's ring is made once, before its copies
+                    wan_coded._ring(wan)
+                start.wait()
+                seconds[i] = copy_at(i)
+            threads = [threading.Thread(target=timed, args=(i,)) for i in range(concurrent)]
             for thread in threads:
                 thread.start()
+            start.wait()
+            began = time.perf_counter()
             for thread in threads:
                 thread.join()
             wall = time.perf_counter() - began
             runs.append({"rule": rule, "window_bytes": window.window_bytes,
-                         "slice_bytes": window.slice_bytes, "concurrent": concurrent,
-                         "copy_bytes": args.copy_bytes, "wall_s": wall, "copy_s": seconds,
+                         "slice_bytes": window.slice_bytes,
+                         "request_bytes": (window.block_bytes if rule == "packed"
+                                           else window.slice_bytes // args.blocks),
+                         "concurrent": concurrent, "copy_bytes": args.copy_bytes,
+                         "wall_s": wall, "copy_s": seconds,
                          "achieved_mbit": concurrent * args.copy_bytes * 8 / wall / 1e6})
             time.sleep(args.pause_s)  # the line's queue drains between runs
     wan.close()
@@ -142,7 +205,7 @@ def run_point(out_dir: Path, *, rate_mbit: float, rtt_ms: float, copy_bytes: int
     out_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO),
                                                                      os.environ.get("PYTHONPATH")]))}
-    buffer_bytes = copy_bytes * concurrent
+    buffer_bytes = packed_bytes(copy_bytes, window.block_bytes) * concurrent
     common = ["--buffer-bytes", str(buffer_bytes)]
     line = WanLine(rate_mbit, rtt_ms, 0.0, seed=3)
     receiver = sender = None
@@ -163,6 +226,7 @@ def run_point(out_dir: Path, *, rate_mbit: float, rtt_ms: float, copy_bytes: int
                                   "--target-ptr", str(target["buffer_ptr"]),
                                   "--copy-bytes", str(copy_bytes),
                                   "--window-bytes", str(window.window_bytes),
+                                  "--block-bytes", str(window.block_bytes),
                                   "--slice-bytes", str(window.slice_bytes),
                                   "--concurrent", str(concurrent), "--blocks", str(blocks),
                                   "--warm-copies", str(warm_copies)],
@@ -171,7 +235,7 @@ def run_point(out_dir: Path, *, rate_mbit: float, rtt_ms: float, copy_bytes: int
         # The old rule at a long RTT is the slow one: a slice per round trip.
         copied = copy_bytes * (concurrent + 1 + warm_copies)  # per rule
         slices = copied / (4 << 20)
-        budget = 2 * (2 * copied * 8 / (rate_mbit * 1e6)
+        budget = 3 * (2 * copied * 8 / (rate_mbit * 1e6)
                       + 2 * slices * (rtt_ms / 1e3 + 0.05)) + 120
         report = _read_json_line(sender, "sender", budget)
     finally:
@@ -198,6 +262,7 @@ def main(argv=None) -> None:
     parser.add_argument("--slice-bytes", type=int, default=4 << 20)
     parser.add_argument("--concurrent", type=int, default=4)
     parser.add_argument("--blocks", type=int, default=8)
+    parser.add_argument("--block-bytes", type=int, default=1 << 20)
     parser.add_argument("--pause-s", type=float, default=1.0)
     parser.add_argument("--warm-copies", type=int, default=0)
     args = parser.parse_args(argv)
