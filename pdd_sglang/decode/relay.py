@@ -58,6 +58,7 @@ from pdd_sglang.protocol.messages import (FINISHED_AT_RELAY, HandoffAck, Handoff
 logger = logging.getLogger(__name__)
 
 FINISHED_ROOMS_KEPT = 8192
+REFUSED_ROOMS_KEPT = 1024  # rooms refused lately: a HandoffAck that crossed the refusal
 # A HandoffReady may beat the relay's own copy of the request into its running batch (the
 # relay's prebuilt step lags a little); past this, the room is unknown.
 READY_WAIT_S = 30.0
@@ -82,6 +83,7 @@ class RelayHandoff:
         self.pending: dict[int, Pending] = {}
         self.active: dict[int, Active] = {}
         self.finished_rooms: OrderedDict[int, str] = OrderedDict()
+        self.refused_rooms: OrderedDict[int, str] = OrderedDict()  # the latest, with the reason
         # Requests this relay took out of SGLang's batch, their row and KV kept (a last chunk
         # waiting for main's ack; or an aid's, pdd_sglang.seam): out of SGLang's reach, so the
         # relay resumes, finishes or aborts each itself.
@@ -214,6 +216,11 @@ class RelayHandoff:
                 self.pending[room] = Pending(peer, self._clock(), message)
         elif isinstance(message, HandoffAck):
             active = self.active.get(message.room)
+            if active is None and message.room in self.refused_rooms:
+                self.stats.event("ack_after_refusal")  # crossed our HandoffRefused on the line
+                logger.debug("PDD relay: %s after room %s was refused (%s)", message,
+                             message.room, self.refused_rooms[message.room])
+                return
             if (active is None or message.seq != active.seq - 1
                     or active.state not in (Handing.AWAITING_ACK, Handing.AWAITING_FINAL_ACK)):
                 self.stats.refuse("unexpected_ack")
@@ -266,6 +273,10 @@ class RelayHandoff:
     def _refuse(self, peer: bytes, room: int, reason: str) -> None:
         self.stats.refuse(reason)
         self.loop.send(peer, HandoffRefused(room=room, reason=reason))
+        # main may have acknowledged a chunk before it reads this: that ack is no fault
+        self.refused_rooms[room] = reason
+        while len(self.refused_rooms) > REFUSED_ROOMS_KEPT:
+            self.refused_rooms.popitem(last=False)
 
     # ---- handing off -----------------------------------------------------------------------
     def _choose_mode(self, req: Any) -> policy.HandoffMode:

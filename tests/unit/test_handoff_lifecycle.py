@@ -124,6 +124,36 @@ def test_relay_stops_waiting_for_a_catch_up_ack_that_never_comes():
     assert control_threads() == 0
 
 
+def test_an_ack_that_crossed_the_relays_refusal_is_counted_apart_not_warned_as_unexpected():
+    """The relay gives a room up (here: main's Catch-Up ack is late) and tells main, while main's
+    ack of that chunk is already on the line. That ack is no fault: counted as
+    ``ack_after_refusal``; an ack for a room the relay never refused stays ``unexpected_ack``."""
+    from pdd_sglang.decode import relay as relay_module
+    from pdd_sglang.decode.relay import Handing, RelayHandoff, Active
+    from pdd_sglang.protocol.messages import HandoffAck
+
+    relay = RelayHandoff(SimpleNamespace(), SimpleNamespace(**ARGS))
+    main = ControlLoop()
+    try:
+        main.send(relay.loop.address, HandoffReady(room=97))
+        peer, _ = relay.loop.wait_received(5)
+        late = time.monotonic() - relay_module.FINAL_ACK_WAIT_S - 1
+        relay.active[31] = Active(request(31), peer, policy.HandoffMode.CATCH_UP,
+                                   state=Handing.AWAITING_ACK, seq=1, last_sent_at=late)
+        relay._leave_batch = lambda running_batch, reqs: running_batch
+        relay.step(SimpleNamespace(reqs=[]))
+        assert refusals(main, 1) == {31: "ack_timeout"}
+        relay._on_message(peer, HandoffAck(room=31, seq=0))  # main's ack, sent before it knew
+        relay._on_message(peer, HandoffAck(room=32, seq=0))  # a room this relay never had
+        state = relay.stats.snapshot(relay.loop)
+        assert state["events"].get("ack_after_refusal") == 1
+        assert state["refused"].get("unexpected_ack") == 1
+    finally:
+        relay.close()
+        main.close()
+    assert control_threads() == 0
+
+
 def test_the_debug_hold_keeps_a_catch_up_request_from_finishing_at_the_relay():
     """A CI run started servers beside a forced Catch-Up handoff at token 200 of 300: main, starved,
     absorbed chunks slower than the relay decoded, and the relay finished the request alone (main
