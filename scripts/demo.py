@@ -386,40 +386,52 @@ def write_and_print(args, results: dict, line: WanLine, server_cpu: float, cores
         # point's under "latency".
         "workload": {**report.workload_stats(*workloads["load"], load),
                      "latency": report.workload_stats(*workloads["latency"], results["latency"])},
-        "cpu_budget": {"server_cores": server_cpu, "period_us": cpu_budget.PERIOD_US,
-                       "machine_cores": len(os.sched_getaffinity(0)),
-                       "layout": args.cpu_layout,
-                       "cores_by_server": {k: list(v) for k, v in cores.items()} if cores
-                       else None,
-                       "rule": "every SGLang server in every setup: its own cgroup v1 cpu group, "
-                               "the same quota; the rest is headroom for router, line, clients"
-                               + ("; each server on its cores_by_server (the same in every "
-                                  "setup), the router, the clients and the line on the second "
-                                  "half of the cores" if cores else ""),
-                       "fields": "per setup, cpu.<server>: cpu_s (cpuacct.usage), cores_used, "
-                                 "run_queue_wait_s (schedstat wait summed over the server's "
-                                 "threads alive throughout, so it can exceed wall time), "
-                                 "throttled_s and throttled_periods (cpu.stat); host_cpu: CPU "
-                                 "seconds of the router, the line's forwarder and the demo "
-                                 "process (the clients)"},
+        "cpu_budget": cpu_budget_info(args, server_cpu, cores),
         "line": line_info,
         "wan_kv_codec": codec,
         wan_wait.KEY: p_to_md,
         "model": {**DEMO_MODEL.__dict__, "kv_bytes_per_token": DEMO_MODEL.kv_bytes_per_token,
                   "dtype": "float32", "path": str(model)},
-        "topology": {
-            "same_dc_pd": "router, client, prefill and main-a in namespace pddA (cluster A)",
-            "cross_dc_pd": "router, client, prefill in pddA; main-b in pddB (cluster B), reached "
-                           "only via the TUN delay line",
-            "pdd": "router, client, prefill and relay in pddA; main-b in pddB; KV to main-b, "
-                   "the relay<->main control channel and main-b's HTTP cross the line",
-            "shared": "one prefill serves every setup and main-b every cluster-B setup; their "
-                      "caches are flushed in between"},
+        "topology": TOPOLOGY,
         "pools_after": pools, "leaks": leaks, "cleanup": left,
         "timings": timings, "logs": str(log_dir),
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "demo.json").write_text(json.dumps(summary, indent=2))
+    plots = write_figures(args, load, line_info, summary)
+    return print_results(args, results, summary, bar_setup, plots)
+
+
+def cpu_budget_info(args, server_cpu: float, cores: dict | None) -> dict:
+    """demo.json's ``cpu_budget``: the quota every server ran under, and the rule beside it."""
+    rule = ("every SGLang server in every setup: its own cgroup v1 cpu group, the same quota; the "
+            "rest is headroom for router, line, clients")
+    if cores:
+        rule += ("; each server on its cores_by_server (the same in every setup), the router, the "
+                 "clients and the line on the second half of the cores")
+    return {"server_cores": server_cpu, "period_us": cpu_budget.PERIOD_US,
+            "machine_cores": len(os.sched_getaffinity(0)), "layout": args.cpu_layout,
+            "cores_by_server": {k: list(v) for k, v in cores.items()} if cores else None,
+            "rule": rule,
+            "fields": "per setup, cpu.<server>: cpu_s (cpuacct.usage), cores_used, "
+                      "run_queue_wait_s (schedstat wait summed over the server's threads alive "
+                      "throughout, so it can exceed wall time), throttled_s and throttled_periods "
+                      "(cpu.stat); host_cpu: CPU seconds of the router, the line's forwarder and "
+                      "the demo process (the clients)"}
+
+
+TOPOLOGY = {
+    "same_dc_pd": "router, client, prefill and main-a in namespace pddA (cluster A)",
+    "cross_dc_pd": "router, client, prefill in pddA; main-b in pddB (cluster B), reached only via "
+                   "the TUN delay line",
+    "pdd": "router, client, prefill and relay in pddA; main-b in pddB; KV to main-b, the "
+           "relay<->main control channel and main-b's HTTP cross the line",
+    "shared": "one prefill serves every setup and main-b every cluster-B setup; their caches are "
+              "flushed in between"}
+
+
+def write_figures(args, load: dict, line_info: dict, summary: dict) -> list:
+    """ttft.png, stages.png and (--frontier) frontier.png beside demo.json; their names."""
     plots = [("ttft.png", lambda p: figures.plot_ttft(load, line_info, p)),
              ("stages.png", lambda p: figures.plot_stages(load, p))]
     if args.frontier:
@@ -429,7 +441,13 @@ def write_and_print(args, results: dict, line: WanLine, server_cpu: float, cores
             plot(args.out / name)
         except Exception as err:  # noqa: BLE001 - the numbers matter more than the figures
             print(f"warning: {name} not written: {err}", file=sys.stderr)
+    return plots
 
+
+def print_results(args, results: dict, summary: dict, bar_setup: str, plots: list) -> int:
+    """The tables, the line's classes, the bar and what was left behind; the exit code."""
+    load, bar, p_to_md = results["load"], summary["bar"], summary[wan_wait.KEY]
+    timings, leaks, left = summary["timings"], summary["leaks"], summary["cleanup"]
     if results["latency"]:
         report.print_table(results["latency"], "latency point (one conversation at a time)")
         budget.print_budget_table(results["latency"])
