@@ -137,7 +137,9 @@ class Attempt:
         source = self.splicer.phase
         if source not in self.queues:
             raise SpliceError(f"{self.pipeline}: the relay handed off but there is no main")
-        timeout = self.silence.remaining(self.loop.time()) if source == "main" else None
+        silence = self.silence  # a deadline only once the relay is lost: no clock read before
+        timeout = (silence.remaining(self.loop.time())
+                   if source == "main" and silence.relay_lost_at is not None else None)
         try:
             return await _next_item(self.queues[source], timeout)
         except asyncio.TimeoutError:

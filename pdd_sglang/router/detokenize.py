@@ -96,20 +96,27 @@ class StreamDetokenizer:
         return detok, text
 
     def step(self, ids: Sequence[int], final: bool = False) -> str:
-        pieces = []
-        for index in range(self.read_offset, len(ids)):
-            piece = self._stream.step(self._backend, ids[index])
-            if piece:
-                pieces.append(piece)
-                self._emitted_through = index + 1
-        self.read_offset = len(ids)
-        if final and self._emitted_through < len(ids):
+        end, index = len(ids), self.read_offset
+        if end == index + 1:  # a token a chunk, the usual stream: no list to join
+            text = self._stream.step(self._backend, ids[index]) or ""
+            if text:
+                self._emitted_through = end
+        else:
+            pieces = []
+            for index in range(index, end):
+                piece = self._stream.step(self._backend, ids[index])
+                if piece:
+                    pieces.append(piece)
+                    self._emitted_through = index + 1
+            text = "".join(pieces)
+        self.read_offset = end
+        if final and self._emitted_through < end:
             # The answer ends inside a character: what a whole decode shows of it (U+FFFD).
             context = max(0, self._emitted_through - CONTEXT_TOKENS)
             head = self._decode(list(ids[context:self._emitted_through]))
-            pieces.append(self._decode(list(ids[context:]))[len(head):])
-            self._emitted_through = len(ids)
-        return "".join(pieces)
+            text += self._decode(list(ids[context:]))[len(head):]
+            self._emitted_through = end
+        return text
 
 
 def detokenizer_for(tokenizer: Any, skip_special_tokens: bool) -> Optional[Callable]:

@@ -61,7 +61,7 @@ class FinishRecorder:
         if outcome == "handoff":
             mode = str((splicer.handoff_info or {}).get("mode", "unknown"))
         label = "main_only" if outcome == "main" else outcome
-        self.metrics.outcomes.labels(label, mode).inc()
+        self.metrics.child(self.metrics.outcomes, label, mode).inc()
         prompt, exact_tokens = job.prompt, update.meta.get("prompt_tokens")
         if not prompt.exact and isinstance(exact_tokens, int):
             self.estimate.observe(prompt.text, exact_tokens)
@@ -74,10 +74,10 @@ class FinishRecorder:
             return
         actual = splicer.main_cached_tokens
         tokens = exact_tokens if isinstance(exact_tokens, int) else prompt.tokens
-        self.metrics.wan_bytes_predicted.labels(main.url).inc(
+        self.metrics.child(self.metrics.wan_bytes_predicted, main.url).inc(
             max(prompt.tokens - placement.main_cached_tokens, 0) * self.kv_bytes_per_token)
         if isinstance(actual, int):
-            self.metrics.wan_bytes.labels(main.url).inc(
+            self.metrics.child(self.metrics.wan_bytes, main.url).inc(
                 max(tokens - actual, 0) * self.kv_bytes_per_token)
             self.metrics.mirror_error_tokens.observe(placement.main_cached_tokens - actual)
             self.shared.mirror_hit(main.url, prompt.key, prompt.key_length_of(actual))

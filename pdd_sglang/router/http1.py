@@ -14,8 +14,9 @@ What it keeps of aiohttp's behaviour (router/upstream.py relies on it):
   steady traffic needs stay warm and a burst's extra ones idle out; an idle connection older than
   ``keepalive_s`` is closed, never reused (the servers close theirs at 5 s: a request on a
   connection the server has just closed fails);
-- a connection is pooled again only when its answer was read whole and the server keeps it
-  alive; one dropped mid-answer (a cancelled request, a closed stream) is closed;
+- a connection is pooled again only when its answer has arrived whole and the server keeps it
+  alive (what its reader left unread of it is dropped: a stream read up to an abort chunk); one
+  dropped mid-answer (a cancelled request, a closed stream) is closed;
 - a GET on a reused connection that the server had closed is sent once more on a fresh one
   (aiohttp retries idempotent requests once); a POST is never resent;
 - errors are OSErrors: ``ConnectError`` when nothing accepted the connection (refused, no
@@ -30,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import ssl as ssl_module
 import time
-from typing import Optional
+from typing import Callable, Optional
 from urllib.parse import urlsplit
 
 MAX_HEAD_BYTES = 64 << 10
@@ -83,6 +84,10 @@ class Connection(asyncio.Protocol):
         self._raw = bytearray()  # received, not parsed yet
         self._body = bytearray()  # the answer's body, de-chunked, not read yet
         self._scanned = 0  # how far _body holds no event separator
+        # The reader of a stream's events (read_events): each complete event as it arrives,
+        # True once the reader wants no more.
+        self._on_event: Optional[Callable[[bytes], bool]] = None
+        self._max_event = 0
         self.status = 0
         self._head_done = False
         self.body_done = False
@@ -109,6 +114,8 @@ class Connection(asyncio.Protocol):
                 self._raw.clear()
             if data:
                 self._feed(data)
+            if self._on_event is not None and not self._deliver_events():
+                return  # the events went to the reader's callback: no wake of the reader
         except (ValueError, BadResponse) as err:
             self._fail(err if isinstance(err, BadResponse) else BadResponse(str(err)))
             self.transport.close()
@@ -242,25 +249,48 @@ class Connection(asyncio.Protocol):
         self._body.clear()
         return body
 
-    async def read_event(self, max_size: int) -> bytes:
-        """The next SSE event, its ``\\n\\n`` included; at the body's end what is left, then
-        b"". No read timeout: a stream's silence is watched elsewhere (upstream.SilenceWatch)."""
-        body = self._body
-        while True:
-            end = body.find(b"\n\n", self._scanned)
-            if end >= 0:
-                event = bytes(body[:end + 2])
-                del body[:end + 2]
-                self._scanned = 0
-                return event
-            if len(body) > max_size:
-                raise ValueError("Chunk too big")  # as aiohttp's StreamReader.readuntil
-            if self.body_done:
-                event = bytes(body)
-                body.clear()
-                return event
+    async def read_events(self, on_event: Callable[[bytes], bool], max_size: int) -> None:
+        """Hand each SSE event (its ``\\n\\n`` included; at the body's end what is left) to
+        ``on_event`` as it arrives, until ``on_event`` returns True or the body ends.
+
+        The events are handed over from the event loop's read callback: a stream of hundreds
+        of tokens a second costs no wake-up of its reader per event, only at its end (or its
+        failure, raised here). ``on_event`` must not raise. No read timeout: a stream's silence
+        is watched elsewhere (upstream.SilenceWatch)."""
+        self._on_event, self._max_event = on_event, max_size
+        try:
+            # Woken only once the read callback is done with the events (it clears
+            # _on_event), or when the body ends without it (a body the connection's end ends).
+            while self._on_event is not None and not self._deliver_events():
+                await self._wait(None)
+        finally:
+            self._on_event = None
+
+    def _deliver_events(self) -> bool:
+        """The complete events received, to the reader's callback; True when the reader is done
+        with them (its callback said so, or the body ended)."""
+        body, on_event = self._body, self._on_event
+        start, end = 0, body.find(b"\n\n", self._scanned)
+        try:
+            while end >= 0:
+                event = bytes(body[start:end + 2])
+                start = end + 2
+                if on_event(event):
+                    self._on_event = None
+                    return True
+                end = body.find(b"\n\n", start)
+        finally:
+            del body[:start]
             self._scanned = max(len(body) - 1, 0)
-            await self._wait(None)
+        if len(body) > self._max_event:
+            raise ValueError("Chunk too big")  # as aiohttp's StreamReader.readuntil
+        if self.body_done:
+            if body:
+                on_event(bytes(body))
+                body.clear()
+            self._on_event = None
+            return True
+        return False
 
     def close(self) -> None:
         """Drop the connection: its reader fails with ConnectionResetError."""
@@ -362,8 +392,11 @@ class Pool:
         return conn
 
     def release(self, conn: Connection) -> None:
-        """Back to the pool when its answer was read whole and it stays open; else closed."""
-        if conn.body_done and conn.keep_alive and conn.error is None and not conn._body \
+        """Back to the pool when its answer has arrived whole and it stays open; else closed.
+        A reader may stop before the end of an answer that has all arrived (main's abort chunk
+        when its relay answered alone, then ``[DONE]``): the server is done with it, and a new
+        connection per such request would cost a connect on both sides."""
+        if conn.body_done and conn.keep_alive and conn.error is None \
                 and not conn.transport.is_closing():
             conn.idle_since = time.monotonic()
             idle = self._idle.get(conn.key)

@@ -78,7 +78,9 @@ class Landing:
 
 class LandingCopies:
     def __init__(self) -> None:
-        self._by_main: dict[str, list[Landing]] = {}
+        # By main, then by prompt: a prompt asked again while its copy lands (a retried or
+        # repeated turn) adds a landing to its group, and a look-up compares each prompt once.
+        self._by_main: dict[str, dict[Key, list[Landing]]] = {}
         self._by_relay: dict[Any, dict[str, Landing]] = {}
 
     def add(self, main_url: str, prompt: Key, cached_before: int, answered_by=None,
@@ -86,7 +88,7 @@ class LandingCopies:
         """A copy to ``main_url``; ``answered_by``: the relay that answered its request, whose
         leaving drops it (``drop``)."""
         landing = Landing(as_key(prompt), cached_before, answered_by, rid, drop)
-        self._by_main.setdefault(main_url, []).append(landing)
+        self._by_main.setdefault(main_url, {}).setdefault(landing.prompt, []).append(landing)
         if answered_by is not None:
             self._by_relay.setdefault(answered_by, {})[rid] = landing
         return landing
@@ -94,10 +96,13 @@ class LandingCopies:
     def ended(self, main_url: str, landing: Landing) -> None:
         """The copy landed, failed or was dropped: nobody waits for it any more."""
         landing.done.set()
-        copies = self._by_main.get(main_url, [])
+        by_prompt = self._by_main.get(main_url, {})
+        copies = by_prompt.get(landing.prompt, [])
         if landing in copies:
             copies.remove(landing)
-        if not copies:
+            if not copies:
+                del by_prompt[landing.prompt]
+        if not by_prompt:
             self._by_main.pop(main_url, None)
         kept = self._by_relay.get(landing.answered_by, {})
         if kept.get(landing.rid) is landing:
@@ -114,20 +119,30 @@ class LandingCopies:
         return [landing.rid for landing in kept]
 
     def predecessor(self, main_url: str, prompt: Key) -> Optional[Landing]:
-        """The longest landing copy whose prompt begins ``prompt`` (the previous turn's)."""
+        """The longest landing copy whose prompt begins ``prompt`` (the previous turn's); of
+        several with that prompt, the oldest."""
         prompt, best = as_key(prompt), None
-        for landing in self._by_main.get(main_url, ()):
-            n = len(landing.prompt)
-            if n <= len(prompt) and (best is None or n > len(best.prompt)) \
-                    and prompt[:n] == landing.prompt:
-                best = landing
-        return best
+        by_prompt = self._by_main.get(main_url, {})
+        for key in by_prompt:
+            if (best is None or len(key) > len(best)) and _begins(prompt, key):
+                best = key
+        return None if best is None else by_prompt[best][0]
 
     def kept_for(self, relay) -> int:
         return len(self._by_relay.get(relay, ()))
 
     def __len__(self) -> int:
-        return sum(len(v) for v in self._by_main.values())
+        return sum(len(copies) for by_prompt in self._by_main.values()
+                   for copies in by_prompt.values())
+
+
+def _begins(prompt: Key, key: Key) -> bool:
+    """Whether ``prompt`` begins with ``key`` (a text with a text, ids with ids), without a
+    copy of the prompt's head: prompts are thousands of tokens, looked up at every placement."""
+    if isinstance(prompt, str):
+        return isinstance(key, str) and prompt.startswith(key)
+    return (isinstance(key, tuple) and len(key) <= len(prompt)
+            and prompt[:len(key)] == key)
 
 
 class CacheOnlyNotices:

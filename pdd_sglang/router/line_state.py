@@ -81,6 +81,9 @@ class LineAccounting:
         self._open: dict[str, list[Copy]] = {}
         self._needed_bytes: dict[str, int] = {}  # the open needed-now copies' bytes, by main
         self._recent: dict[str, deque] = {}
+        # url -> measured_bytes_per_s of _recent, until a copy lands there: every placement
+        # reads it, a landing changes it.
+        self._rates: dict[str, float | None] = {}
         # url -> (at, bytes beyond the router's own open copies, rate)
         self._reported: dict[str, tuple[float, int, float | None]] = {}
         # url -> KV bytes per wire byte the prefills' WAN codec reports (issue 36)
@@ -117,6 +120,7 @@ class LineAccounting:
         if self._close(copy) and copy.kv_bytes >= MIN_SAMPLE_BYTES:
             self._recent.setdefault(copy.main_url, deque(maxlen=RECENT_COPIES)).append(
                 (copy.started, self._clock() if at is None else at, copy.kv_bytes))
+            self._rates.pop(copy.main_url, None)
 
     def drop(self, copy: Copy) -> None:
         self._close(copy)
@@ -142,6 +146,12 @@ class LineAccounting:
         return self._needed_bytes.get(main_url, 0)  # kept as copies open and close: O(1)
 
     def measured_bytes_per_s(self, main_url: str) -> float | None:
+        if main_url in self._rates:
+            return self._rates[main_url]
+        rate = self._rates[main_url] = self._measured_bytes_per_s(main_url)
+        return rate
+
+    def _measured_bytes_per_s(self, main_url: str) -> float | None:
         samples = sorted(self._recent.get(main_url, ()))
         if not samples:
             return None

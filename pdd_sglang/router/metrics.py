@@ -95,6 +95,7 @@ class RouterMetrics:
     def __init__(self, shared: bool = False) -> None:
         """``shared``: a worker of several (:func:`share_between_workers` was called)."""
         self.shared = shared
+        self._children: dict = {}  # (metric, labels) -> its child: see child()
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("pdd_router_requests", "Requests placed, by pipeline and API",
@@ -163,15 +164,24 @@ class RouterMetrics:
             "pdd_router_wan_time_seconds", "Main's WAN copy as the router measures it (see "
             "pdd_router_wan_time_predicted_over_actual)", buckets=_TTFT_BUCKETS, registry=r)
 
+    def child(self, metric, *labels):
+        """``metric.labels(*labels)`` from a dict: prometheus_client's own look-up validates
+        the labels and takes a lock, several times a request on the request's way out."""
+        key = (metric, labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
+
     def request_placed(self, placement, api: str) -> None:
         """A request (or a retry of one) goes to its servers."""
         pipeline = placement.pipeline.label
-        self.requests.labels(pipeline, api).inc()
-        self.ttft_budget.labels(placement.ttft_budget).inc()
+        self.child(self.requests, pipeline, api).inc()
+        self.child(self.ttft_budget, placement.ttft_budget).inc()
         self.placed(placement)
 
     def placed(self, placement) -> None:
-        self.placements.labels(placement.pipeline.label, placement_reason(placement)).inc()
+        self.child(self.placements, placement.pipeline.label, placement_reason(placement)).inc()
 
     def wan_copy_landed(self, predicted_s: float, actual_s: float) -> None:
         """A copy to main landed after ``actual_s``; placement predicted ``predicted_s``."""
@@ -225,7 +235,7 @@ class TokenClock:
         if self.last is None:
             # A first chunk's extra tokens arrived with the first one: no gap to report.
             self.ttft_s = now - self.started
-            self.metrics.ttft.labels(self.pipeline).observe(self.ttft_s)
+            self.metrics.child(self.metrics.ttft, self.pipeline).observe(self.ttft_s)
             self.last = now
             return
         gap = now - self.last

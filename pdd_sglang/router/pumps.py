@@ -98,6 +98,14 @@ class Pumps:
         """A relay's or main's stream, chunk by chunk; main's also accounts its WAN copy."""
         copy = None
         chunks = 0
+
+        def deliver(chunk) -> None:  # from the event loop's read callback, chunk by chunk
+            nonlocal chunks
+            chunks += 1
+            if chunks == 1:
+                self._first_chunk(upstream, chunk, splicer, copy, placement, marks, copies)
+            queue.put_nowait(chunk)
+
         try:
             if after is not None and not after.is_set():
                 # The relay streams meanwhile; prefill holds main's KV until main registers.
@@ -111,11 +119,7 @@ class Pumps:
                 copy = self.shared.copy_begun(upstream.url, uncached * self.kv_bytes_per_token)
                 if copies is not None:
                     copies["main"] = copy
-            async for chunk in self.client.generate_stream(upstream, body):
-                chunks += 1
-                if chunks == 1:
-                    self._first_chunk(upstream, chunk, splicer, copy, placement, marks, copies)
-                queue.put_nowait(chunk)
+            await self.client.stream_into(upstream, body, deliver)
             queue.put_nowait(StreamEndedEarly(upstream))
             return StreamEnd(chunks)
         except asyncio.CancelledError:

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable, Iterator, Optional
 from urllib.parse import urlparse
 
@@ -54,7 +55,7 @@ class Upstream:
     role_error: Optional[str] = None
     tp_size: Optional[int] = None  # its --tp-size (from /server_info); None when not reported
 
-    @property
+    @cached_property  # the URL is the server's identity: parsed once, not per request
     def host(self) -> str:
         return urlparse(self.url).hostname or "127.0.0.1"
 

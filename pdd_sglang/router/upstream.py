@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import AsyncIterator, Optional
+from functools import partial
+from typing import Callable, Optional
 
 import orjson
 
@@ -136,7 +137,14 @@ class UpstreamClient:
         raise AssertionError("unreachable")
 
     async def get_json(self, upstream: Upstream, path: str, timeout_s: float = 30.0) -> dict:
-        return json.loads(await self.get_bytes(upstream, path, timeout_s) or b"null")
+        payload = await self.get_bytes(upstream, path, timeout_s) or b"null"
+        try:
+            # A busy prefill's /server_info holds its whole transfer ledger (about 1 MB for
+            # 8,192 rows), parsed on the event loop at every health poll: 12 ms with the
+            # standard library's parser, half that with orjson.
+            return orjson.loads(payload)
+        except orjson.JSONDecodeError:  # NaN or Infinity, which only the standard one reads
+            return json.loads(payload)
 
     async def get_bytes(self, upstream: Upstream, path: str, timeout_s: float = 30.0) -> bytes:
         """The raw body, for readers that parse only what they need (router/line_state.py);
@@ -209,10 +217,12 @@ class UpstreamClient:
             raise UpstreamError(upstream, _error_message(payload), "upstream_status", status)
         return orjson.loads(payload)
 
-    async def generate_stream(self, upstream: Upstream, body: dict) -> AsyncIterator[UpstreamChunk]:
-        """A streamed /generate, each chunk carrying this server's cumulative ids and text."""
-        ids: list[int] = []
-        text = ""
+    async def stream_into(self, upstream: Upstream, body: dict,
+                          deliver: Callable[[UpstreamChunk], None]) -> None:
+        """A streamed /generate: ``deliver`` gets each chunk, normalised to this server's
+        cumulative ids and text, as it arrives (called from the event loop's read callback, so
+        it must not block or raise); returns at the stream's end, raises what failed it."""
+        events = _StreamEvents(upstream, deliver)
         conn = None
         try:
             conn = await self._pool.send(upstream.url, b"POST", "/generate",
@@ -222,43 +232,15 @@ class UpstreamClient:
             if status != 200:
                 raise UpstreamError(upstream, _error_message(await conn.read(None)),
                                     "upstream_status", status)
-            while True:
-                self.silences.heard(conn)
-                # One SSE event per read (SGLang writes "data: {...}\n\n"), not a line.
-                event = await conn.read_event(MAX_EVENT_BYTES)
-                if not event:
-                    return
-                if not event.startswith(b"data:"):
-                    continue
-                data = memoryview(event)[5:]  # orjson reads it as it is, spaces and all
-                if event.startswith(b"data: [DONE]"):
-                    # Read to the body's end: an answer read whole hands its connection back
-                    # to the pool, one left unread closes it (a new connect per request).
-                    await conn.read(None)
-                    return
-                out = orjson.loads(data)
-                if "error" in out:
-                    err = out["error"]
-                    raise UpstreamError(upstream, _error_message(err), "upstream_error",
-                                        err.get("code") if isinstance(err, dict) else None)
-                meta = out.get("meta_info") or {}
-                reason = meta.get("finish_reason")
-                if isinstance(reason, dict) and reason.get("type") == "abort":
-                    # SGLang streams a scheduler-side abort (a KV transfer that failed or
-                    # timed out, an overloaded queue) as an ordinary last chunk: for the
-                    # router it is a failure of this server, not an answer.
-                    raise UpstreamError(upstream, str(reason.get("message") or "aborted"),
-                                        "upstream_abort", reason.get("status_code"))
-                if upstream.incremental_streaming_output:
-                    # Appended in place, each chunk a view of its prefix (O(new ids) a chunk).
-                    ids.extend(out.get("output_ids") or ())
-                    text = text + (out.get("text") or "")
-                    chunk_ids = IdsPrefix(ids, len(ids))
-                else:
-                    chunk_ids = list(out.get("output_ids") or [])
-                    text = out.get("text")
-                yield UpstreamChunk(chunk_ids, text, meta,
-                                    meta.get("finish_reason") is not None)
+            events.heard = partial(self.silences.heard, conn)
+            events.heard()
+            await conn.read_events(events.event, MAX_EVENT_BYTES)
+            if events.failure is not None:
+                raise events.failure
+            if events.done:
+                # Read to the body's end: an answer read whole hands its connection back to
+                # the pool, one left unread closes it (a new connect per request).
+                await conn.read(None)
         except OSError as err:
             if conn is not None and self.silences.forget(conn):
                 raise UpstreamError(upstream, "no data within the read timeout",
@@ -268,6 +250,66 @@ class UpstreamClient:
             if conn is not None:
                 self.silences.forget(conn)
                 self._pool.release(conn)
+
+
+class _StreamEvents:
+    """One stream's SSE events (SGLang writes one ``data: {...}\\n\\n`` per chunk) turned
+    into chunks for the reader's ``deliver``; what ends the stream: ``[DONE]`` (``done``), or a
+    chunk that fails it (``failure``: an error, a scheduler-side abort)."""
+
+    __slots__ = ("upstream", "deliver", "heard", "failure", "done", "_ids", "_text")
+
+    def __init__(self, upstream: Upstream, deliver: Callable[[UpstreamChunk], None]):
+        self.upstream, self.deliver = upstream, deliver
+        self.heard: Callable[[], None] = _nothing  # the silence watch's, per event
+        self.failure: Optional[BaseException] = None
+        self.done = False
+        self._ids: list[int] = []
+        self._text = ""
+
+    def event(self, event: bytes) -> bool:
+        """One event; True once the stream has ended."""
+        self.heard()
+        if not event.startswith(b"data:"):
+            return False
+        if event.startswith(b"data: [DONE]"):
+            self.done = True
+            return True
+        try:
+            self.deliver(self._chunk(orjson.loads(memoryview(event)[5:])))  # spaces and all
+        except Exception as err:  # noqa: BLE001 - the reader raises it, as a read would
+            self.failure = err
+            return True
+        return False
+
+    def _chunk(self, out: dict) -> UpstreamChunk:
+        upstream = self.upstream
+        if "error" in out:
+            err = out["error"]
+            raise UpstreamError(upstream, _error_message(err), "upstream_error",
+                                err.get("code") if isinstance(err, dict) else None)
+        meta = out.get("meta_info") or {}
+        reason = meta.get("finish_reason")
+        if isinstance(reason, dict) and reason.get("type") == "abort":
+            # SGLang streams a scheduler-side abort (a KV transfer that failed or timed out,
+            # an overloaded queue) as an ordinary last chunk: for the router it is a failure of
+            # this server, not an answer.
+            raise UpstreamError(upstream, str(reason.get("message") or "aborted"),
+                                "upstream_abort", reason.get("status_code"))
+        if upstream.incremental_streaming_output:
+            # Appended in place, each chunk a view of its prefix (O(new ids) a chunk).
+            ids = self._ids
+            ids.extend(out.get("output_ids") or ())
+            self._text = text = self._text + (out.get("text") or "")
+            chunk_ids = IdsPrefix(ids, len(ids))
+        else:
+            chunk_ids = list(out.get("output_ids") or [])
+            text = out.get("text")
+        return UpstreamChunk(chunk_ids, text, meta, reason is not None)
+
+
+def _nothing() -> None:
+    pass
 
 
 def _connection_error(upstream: Upstream, err: BaseException) -> UpstreamError:

@@ -140,12 +140,10 @@ def test_the_client_tells_a_closed_port_from_a_dropped_connection():
             assert await client.health(gone) == HEALTH_UNREACHABLE
             assert await client.health(dropped) == HEALTH_STALLED
             with pytest.raises(UpstreamError) as refused:
-                async for _ in client.generate_stream(gone, {"input_ids": [1]}):
-                    pass
+                await client.stream_into(gone, {"input_ids": [1]}, lambda chunk: None)
             assert refused.value.refused and refused.value.cause == "upstream_connection"
             with pytest.raises(UpstreamError) as reset:
-                async for _ in client.generate_stream(dropped, {"input_ids": [1]}):
-                    pass
+                await client.stream_into(dropped, {"input_ids": [1]}, lambda chunk: None)
             assert not reset.value.refused and reset.value.cause == "upstream_connection"
         finally:
             await client.close()

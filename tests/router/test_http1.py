@@ -59,8 +59,7 @@ def test_a_chunked_stream_reads_the_same_events_wherever_its_bytes_split(step):
             conn.data_received(STREAM[start:start + step])
         assert await conn.head(None) == 200
         events = []
-        while event := await conn.read_event(1 << 20):
-            events.append(event)
+        await conn.read_events(lambda event: events.append(event) or False, 1 << 20)
         return events, conn
 
     events, conn = asyncio.run(scenario())
@@ -133,7 +132,8 @@ def _run(replies: list, body, keepalive_s: float = 4.0):
 def test_answers_read_whole_reuse_one_connection_until_the_keepalive_passes():
     async def body(client, upstream, script):
         assert await client.generate_final(upstream, {"rid": "a"}) == {"ok": 1}
-        chunks = [c async for c in client.generate_stream(upstream, {"rid": "b"})]
+        chunks = []
+        await client.stream_into(upstream, {"rid": "b"}, chunks.append)
         assert [c.text for c in chunks] == ["w1", "w2", "w3", "w4"] and chunks[-1].finished
         assert script.connections == 1
         await asyncio.sleep(0.4)  # past the keep-alive: a new connection
@@ -161,15 +161,36 @@ def test_a_stream_left_mid_answer_closes_its_connection():
     half = _sse(_chunk(1))[:-len(b"0\r\n\r\n")]  # one event, then nothing more
 
     async def body(client, upstream, script):
-        stream = client.generate_stream(upstream, {"rid": "a"})
-        assert (await stream.__anext__()).text == "w1"
-        await stream.aclose()  # the client went away: the pump stops reading
+        first = asyncio.get_running_loop().create_future()
+        stream = asyncio.create_task(client.stream_into(upstream, {"rid": "a"},
+                                                        first.set_result))
+        assert (await first).text == "w1"
+        stream.cancel()  # the client went away: the pump stops reading
+        with pytest.raises(asyncio.CancelledError):
+            await stream
         await asyncio.sleep(0.1)
         assert await client.generate_final(upstream, {"rid": "b"}) == {"ok": 2}
         return script.connections
 
     connections, script = _run([half, _json({"ok": 2})], body)
     assert connections == 2 and script.closed_by_client == 1
+
+
+def test_a_stream_that_ended_in_an_abort_chunk_hands_its_whole_answer_back_to_the_pool():
+    # A PDD main letting its copy go (its relay answered alone): one abort chunk, then [DONE].
+    meta = {"finish_reason": {"type": "abort", "message": "finished_at_relay"}}
+    aborted = _sse(b"data: " + orjson.dumps({"text": "", "output_ids": [], "meta_info": meta})
+                   + b"\n\n", b"data: [DONE]\n\n")
+
+    async def body(client, upstream, script):
+        with pytest.raises(UpstreamError) as failed:
+            await client.stream_into(upstream, {"rid": "a"}, lambda chunk: None)
+        assert failed.value.cause == "upstream_abort"
+        assert await client.generate_final(upstream, {"rid": "b"}) == {"ok": 2}
+        return script.connections
+
+    connections, script = _run([aborted, _json({"ok": 2})], body)
+    assert connections == 1 and script.closed_by_client == 0
 
 
 def test_a_get_is_sent_again_when_its_reused_connection_was_closed_but_a_post_is_not():

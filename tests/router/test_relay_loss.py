@@ -56,11 +56,11 @@ class ScriptedClient:
         self.bodies: dict[str, list[dict]] = {RELAY: [], MAIN: [], PREFILL: []}
         self.health_of: dict[str, str] = {}
 
-    async def generate_stream(self, upstream, body):
+    async def stream_into(self, upstream, body, deliver):
         self.log.append(("generate", upstream.role, body["rid"]))
         self.bodies[upstream.role].append(body)
         async for item in self.streams[upstream.role].pop(0)(upstream):
-            yield item
+            deliver(item)
 
     async def generate_final(self, upstream, body):
         self.log.append(("generate", upstream.role, body["rid"]))

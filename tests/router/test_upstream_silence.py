@@ -46,7 +46,8 @@ def test_a_silent_stream_times_out_and_a_talking_one_does_not(monkeypatch, pause
         client = UpstreamClient(connect_timeout_s=5.0, read_timeout_s=0.4, keepalive_s=4.0)
         await client.start()
         try:
-            chunks = [c async for c in client.generate_stream(upstream, {"rid": "r"})]
+            chunks = []
+            await client.stream_into(upstream, {"rid": "r"}, chunks.append)
             return chunks, None
         except UpstreamError as err:
             return None, err
