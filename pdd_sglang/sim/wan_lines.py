@@ -8,9 +8,11 @@ What the sender does, and how it is modelled here:
    mains share the physical line fairly.
 2. **The copy's rate** is min(its line's share, window / RTT): the sender keeps ``window_bytes``
    in flight (``prefill.wan_engine.window_for_line``: twelve bandwidth-delay products of the
-   declared line plus a slice), the line's profile gives the RTT. (Over Mooncake TCP a copy
-   measured about W / (W + BDP) of the line, 0.9 or more at that window: the model's cap is the
-   optimistic one by at most a tenth.)
+   declared line plus a slice), the line's profile gives the RTT. (Over Mooncake TCP one copy
+   measured 0.74-0.94 of the emulated line at BDPs of 0.5-10 MB, in requests of half a BDP: its
+   lanes finish together and wait a round trip for their acknowledgements, about W / (W + BDP)
+   with W the bytes on the wire, docs/measurements.md. So this cap is optimistic by up to a
+   quarter on a long fat line, and by more for a deep model's copy written one-sided.)
 3. **Order**: needed-now before cache-only, and within a class the least remaining bytes first
    (ties: the earlier copy). Every copy starts needed-now; :meth:`ClassedLink.set_cache_only`
    turns one cache-only (its relay answered alone).
