@@ -80,6 +80,7 @@ class Connection(asyncio.Protocol):
         self.reused = False
         self.idle_since = 0.0
         self.error: Optional[BaseException] = None
+        self.received = 0  # reads with data, for the silence watch (upstream.SilenceWatch)
         self._waiter: Optional[asyncio.Future] = None
         self._raw = bytearray()  # received, not parsed yet
         self._body = bytearray()  # the answer's body, de-chunked, not read yet
@@ -101,6 +102,7 @@ class Connection(asyncio.Protocol):
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
+        self.received += 1
         try:
             if not self._head_done:
                 self._raw += data

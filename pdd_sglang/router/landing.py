@@ -180,7 +180,7 @@ def keep_mains_copy(attempt: "Attempt") -> None:
     caches the prompt (the relay refuses main's handoff, main frees the request): the
     conversation's next turn still hits at main. Nothing more for the client."""
     router, placement, main_task = attempt.router, attempt.placement, attempt.tasks["main"]
-    router.metrics.outcomes.labels("relay_finished_main_cached", "none").inc()
+    router.metrics.child(router.metrics.outcomes, "relay_finished_main_cached", "none").inc()
     router.cache_only_notices.tell(placement.prefill, attempt.body["bootstrap_room"])
     shared = router.shared
     shared.copy_cache_only(attempt.copy.get("main"))

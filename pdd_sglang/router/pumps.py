@@ -110,10 +110,11 @@ class Pumps:
             if after is not None and not after.is_set():
                 # The relay streams meanwhile; prefill holds main's KV until main registers.
                 try:
-                    await asyncio.wait_for(after.wait(), self.wait_for_landing_s)
-                    self.metrics.main_waits.labels("landed").inc()
-                except asyncio.TimeoutError:
-                    self.metrics.main_waits.labels("timed_out").inc()
+                    async with asyncio.timeout(self.wait_for_landing_s):  # no task, as wait_for's
+                        await after.wait()
+                    self.metrics.child(self.metrics.main_waits, "landed").inc()
+                except TimeoutError:
+                    self.metrics.child(self.metrics.main_waits, "timed_out").inc()
             if upstream.role == "main" and placement is not None and job is not None:
                 uncached = max(job.prompt.tokens - placement.main_cached_tokens, 0)
                 copy = self.shared.copy_begun(upstream.url, uncached * self.kv_bytes_per_token)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from functools import partial
 from typing import Callable, Optional
 
 import orjson
@@ -42,14 +41,16 @@ class SilenceWatch:
     """The read timeout of every streamed answer, kept by one timer: a stream silent for
     ``timeout_s`` is closed, and its reader fails with "no data within the read timeout".
     A read timeout per stream would re-arm a timer at every chunk received (aiohttp's did), a
-    timer per token relayed at hundreds of streams. Keyed by the stream's connection
-    (router/http1.py). Owner: the router's event loop."""
+    timer per token relayed at hundreds of streams; a clock read per chunk is spared too: the
+    connection counts the reads it gets (router/http1.py, ``received``), and the timer notes when
+    that count last moved (a silence is thus seen within ``timeout_s`` + 2 periods). Keyed by
+    the stream's connection. Owner: the router's event loop."""
 
     PERIOD_S = 1.0
 
     def __init__(self, timeout_s: float):
         self.timeout_s = timeout_s
-        self._heard: dict = {}  # connection -> loop time of its last data
+        self._heard: dict = {}  # connection -> (its reads, loop time they were last seen to grow)
         self._expired: set = set()
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._task: Optional[asyncio.Task] = None
@@ -62,8 +63,9 @@ class SilenceWatch:
         if self._task is not None:
             self._task.cancel()
 
-    def heard(self, response) -> None:
-        self._heard[response] = self._loop.time()
+    def watch(self, conn) -> None:
+        """``conn``'s stream is silent from now until it receives something."""
+        self._heard[conn] = (conn.received, self._loop.time())
 
     def forget(self, response) -> bool:
         """Stop watching ``response``; whether it was closed for its silence."""
@@ -76,8 +78,12 @@ class SilenceWatch:
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self.PERIOD_S)
-            now = self._loop.time()
-            silent = [r for r, last in self._heard.items() if now - last > self.timeout_s]
+            now, heard, silent = self._loop.time(), self._heard, []
+            for conn, (reads, since) in heard.items():
+                if conn.received != reads:
+                    heard[conn] = (conn.received, now)
+                elif now - since > self.timeout_s:
+                    silent.append(conn)
             for response in silent:
                 del self._heard[response]
                 self._expired.add(response)
@@ -232,8 +238,7 @@ class UpstreamClient:
             if status != 200:
                 raise UpstreamError(upstream, _error_message(await conn.read(None)),
                                     "upstream_status", status)
-            events.heard = partial(self.silences.heard, conn)
-            events.heard()
+            self.silences.watch(conn)
             await conn.read_events(events.event, MAX_EVENT_BYTES)
             if events.failure is not None:
                 raise events.failure
@@ -257,11 +262,10 @@ class _StreamEvents:
     into chunks for the reader's ``deliver``; what ends the stream: ``[DONE]`` (``done``), or a
     chunk that fails it (``failure``: an error, a scheduler-side abort)."""
 
-    __slots__ = ("upstream", "deliver", "heard", "failure", "done", "_ids", "_text")
+    __slots__ = ("upstream", "deliver", "failure", "done", "_ids", "_text")
 
     def __init__(self, upstream: Upstream, deliver: Callable[[UpstreamChunk], None]):
         self.upstream, self.deliver = upstream, deliver
-        self.heard: Callable[[], None] = _nothing  # the silence watch's, per event
         self.failure: Optional[BaseException] = None
         self.done = False
         self._ids: list[int] = []
@@ -269,7 +273,6 @@ class _StreamEvents:
 
     def event(self, event: bytes) -> bool:
         """One event; True once the stream has ended."""
-        self.heard()
         if not event.startswith(b"data:"):
             return False
         if event.startswith(b"data: [DONE]"):
@@ -306,10 +309,6 @@ class _StreamEvents:
             chunk_ids = list(out.get("output_ids") or [])
             text = out.get("text")
         return UpstreamChunk(chunk_ids, text, meta, reason is not None)
-
-
-def _nothing() -> None:
-    pass
 
 
 def _connection_error(upstream: Upstream, err: BaseException) -> UpstreamError:
