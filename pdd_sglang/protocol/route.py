@@ -41,14 +41,15 @@ class Route(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaul
         return 2 if self.pipeline is Pipeline.PREFILL_RELAY_MAIN else 1
 
 
-def route_kv_hints(pipeline, **fields) -> dict:
-    """The ``kv_hints`` JSON a router attaches to a request for ``pipeline``."""
+def route_kv_hints(pipeline, message_id: Optional[str] = None, **fields) -> dict:
+    """The ``kv_hints`` JSON a router attaches to a request for ``pipeline``; its message id is
+    ``message_id`` (the router's unique rid: no random draw per request), else a fresh one."""
     fields = {k: v for k, v in fields.items() if v is not None}
     # Refuses an unknown pipeline or field, and a P->RLD->MD route without the relay's address.
     route = msgspec.convert({"pipeline": pipeline, **fields}, Route)
     return {
         "protocol_version": KV_HINTS_PROTOCOL_VERSION,
-        "message_id": uuid.uuid4().hex,
+        "message_id": message_id or uuid.uuid4().hex,
         "actions": [
             {
                 "action_id": "pdd-route",

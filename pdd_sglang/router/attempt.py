@@ -92,15 +92,17 @@ async def _next_item(queue: ItemQueue, timeout_s: Optional[float]):
 
 def request_body(job: GenerateJob, placement: Placement) -> dict:
     """The one /generate body every server of the placement gets."""
+    rid = f"{_RID_PREFIX}{next(_RID_NUMBERS)}"
     return {
         **job.extra,
         **job.prompt.body_fields(),
         "sampling_params": job.sampling_params,
-        "rid": f"{_RID_PREFIX}{next(_RID_NUMBERS)}",
+        "rid": rid,
         "bootstrap_host": placement.prefill.bootstrap_host,
         "bootstrap_port": placement.prefill.bootstrap_port,
         "bootstrap_room": _ROOMS.getrandbits(62),
-        "kv_hints": route_kv_hints(placement.route_name, **placement.route_fields),
+        "kv_hints": route_kv_hints(placement.route_name, message_id=rid,
+                                   **placement.route_fields),
     }
 
 

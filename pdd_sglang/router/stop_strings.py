@@ -44,8 +44,11 @@ class StopStrings:
     def of(cls, sampling_params: dict) -> "StopStrings":
         stop = sampling_params.get("stop")
         strings = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        return cls(tuple(s for s in strings if isinstance(s, str) and s),
-                   sampling_params.get("no_stop_trim") is True)
+        strings = tuple(s for s in strings if isinstance(s, str) and s)
+        no_stop_trim = sampling_params.get("no_stop_trim") is True
+        if not (strings or no_stop_trim):
+            return _NONE  # most requests: one shared instance (it is frozen), none built
+        return cls(strings, no_stop_trim)
 
     def sendable_end(self, text: str, sent: int) -> int:
         """How much of a running request's ``text`` the client may have (the client has
@@ -74,3 +77,6 @@ class StopStrings:
         if at == -1:
             return len(text)
         return max(sent, at + len(matched) if self.no_stop_trim else at)
+
+
+_NONE = StopStrings()
