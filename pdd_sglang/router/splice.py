@@ -51,9 +51,12 @@ class IdsPrefix(Sequence):
 
     def __getitem__(self, index):
         if isinstance(index, slice):
-            if index.step is None and index.stop is not None and 0 <= index.stop <= self._n \
-                    and (index.start or 0) >= 0:
-                return self._ids[index]  # the common case, a slice inside the prefix
+            if index.step is None and (index.start or 0) >= 0:
+                stop = index.stop
+                if stop is None:  # the tail a client lacks (app.py, each chunk)
+                    return self._ids[index.start:self._n]
+                if 0 <= stop <= self._n:
+                    return self._ids[index]  # the common case, a slice inside the prefix
             return self._ids[:self._n][index] if index.step not in (None, 1) else \
                 self._ids[slice(*index.indices(self._n))]
         if not -self._n <= index < self._n:
