@@ -1,11 +1,14 @@
 """The I/O side of one request: each decoder's stream and the prefill's answer, fed into the
 queues that the dispatcher's splice loop reads. Plumbing only: the loop owns every decision.
 
-A decoder's queue receives its chunks, then the end of its stream (:class:`StreamEndedEarly`,
-read only when the stream ended before the answer did) or the exception that broke it; the decoder's task returns how its stream ended (:class:`StreamEnd`), which tells whether a
-copy kept after the client's answer landed at main (landing.py). Every decoder's queue also receives the prefill's failure, or PREFILL_ANSWERED: prefill
-answers once its last KV copy has landed, main's across the WAN included, which is how the
-router knows main has the prompt (dispatch.py's relay-loss handling relies on it).
+A decoder's queue receives its chunks, put there by the connection's read callback as they
+arrive (upstream.UpstreamClient.stream_into: the decoder's task wakes only at the stream's end),
+then the end of its stream (:class:`StreamEndedEarly`, read only when the stream ended before the
+answer did) or the exception that broke it; the decoder's task returns how its stream ended
+(:class:`StreamEnd`), which tells whether a copy kept after the client's answer landed at main
+(landing.py). Every decoder's queue also receives the prefill's failure, or PREFILL_ANSWERED:
+prefill answers once its last KV copy has landed, main's across the WAN included, which is how
+the router knows main has the prompt (dispatch.py's relay-loss handling relies on it).
 """
 
 from __future__ import annotations
