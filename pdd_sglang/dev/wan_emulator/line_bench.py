@@ -133,7 +133,7 @@ def run_sender(args) -> None:
     session, dst_ptr = args.target_session, args.target_ptr
     _one_copy(wan, session, src_ptr, dst_ptr, 1 << 20, 0, ONE_SLICE.slice_bytes, args.blocks)
     span = packed_bytes(args.copy_bytes, args.block_bytes)  # a copy's room at the receiver
-    runs = []
+    runs, rings = [], []
     for rule, window in _rules(args):
         wan.window_bytes, wan.slice_bytes = window.window_bytes, window.slice_bytes
         wan.block_bytes = window.block_bytes
@@ -148,10 +148,15 @@ def run_sender(args) -> None:
         for concurrent in sorted({1, args.concurrent}):
             seconds: list[float] = [0.0] * concurrent
             start = threading.Barrier(concurrent + 1)
+            # A serving sender thread makes its ring once and lives as long as the server; these
+            # threads are new each run, so their rings are made here and outlive them (a freed
+            # ring's address, reused, could not be registered with Mooncake again).
+            while rule == "packed" and len(rings) < concurrent:
+                rings.append(wan_coded._Ring(wan, wan_coded.ring_bytes(wan)))
 
             def timed(i: int) -> None:
-                if rule == "packed":  # a sender thread's ring is made once, before its copies
-                    wan_coded._ring(wan)
+                if rule == "packed":
+                    wan_coded._THREAD.ring = rings[i]
                 start.wait()
                 seconds[i] = copy_at(i)
             threads = [threading.Thread(target=timed, args=(i,)) for i in range(concurrent)]
