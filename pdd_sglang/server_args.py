@@ -100,8 +100,9 @@ class PddArgs(msgspec.Struct):
     pdd_wan_staging_mb: A[
         float,
         "PDD main: MiB of host memory registered with its Mooncake engine that prefill writes "
-        "coded KV into (one range per room, freed once it has landed or failed); a room that "
-        "does not fit is sent raw. 0: no staging, every copy raw. Default: 64.",
+        "coded KV, or raw KV packed into records, into (one range per room, freed once it has "
+        "landed or failed); a room that does not fit is sent raw into main's pages. 0: no "
+        "staging, every copy raw. Default: 64.",
     ] = 64.0
     pdd_relay_bootstrap_timeout: A[
         float,
