@@ -158,7 +158,7 @@ class RelayHandoff:
             elif (active.state is Handing.AWAITING_FINAL_ACK
                   and now - active.last_sent_at > FINAL_ACK_WAIT_S):
                 del self.active[room]
-                self._refuse(active.peer, room, "final_ack_timeout")
+                self._refuse(active.peer, room, "final_ack_timeout", chunks_out=True)
                 self._resume(active.req, "main did not acknowledge the last chunk")
             elif active.state is Handing.AWAITING_ACK and (
                     active.req.finished() or now - active.last_sent_at > FINAL_ACK_WAIT_S):
@@ -166,7 +166,7 @@ class RelayHandoff:
                 # goes back in): it just stops being handed.
                 del self.active[room]
                 why = FINISHED_AT_RELAY if active.req.finished() else "ack_timeout"
-                self._refuse(active.peer, room, why)
+                self._refuse(active.peer, room, why, chunks_out=True)
                 logger.warning("PDD relay: room %s left mid Catch-Up (%s); decoded here", room, why)
                 if room in self.out_of_batch:
                     self._resume(active.req, "main did not acknowledge a Catch-Up chunk")
@@ -186,7 +186,7 @@ class RelayHandoff:
             if abort_req.abort_all or req.rid.startswith(abort_req.rid):
                 active = self.active.pop(room, None)
                 if active is not None:
-                    self._refuse(active.peer, room, "aborted_at_relay")
+                    self._refuse(active.peer, room, "aborted_at_relay", chunks_out=True)
                 self._abort(req, "aborted by the client")
 
     def _abort(self, req: Any, message: str) -> None:
@@ -270,10 +270,13 @@ class RelayHandoff:
                      "copy; the relay finishes the request", ready.room, ready.kv_digest_start)
         return "kv_digest_mismatch"
 
-    def _refuse(self, peer: bytes, room: int, reason: str) -> None:
+    def _refuse(self, peer: bytes, room: int, reason: str, chunks_out: bool = False) -> None:
         self.stats.refuse(reason)
         self.loop.send(peer, HandoffRefused(room=room, reason=reason))
-        # main may have acknowledged a chunk before it reads this: that ack is no fault
+        if not chunks_out:
+            return
+        # a room given up mid handoff: main may have acknowledged a chunk before it reads this,
+        # and that ack is no fault
         self.refused_rooms[room] = reason
         while len(self.refused_rooms) > REFUSED_ROOMS_KEPT:
             self.refused_rooms.popitem(last=False)
@@ -311,7 +314,7 @@ class RelayHandoff:
             # and main drops the chunks it absorbed.
             self.active.pop(room, None)
             self._refuse(active.peer, room, "aborted_at_relay" if _is_abort(req)
-                         else FINISHED_AT_RELAY)
+                         else FINISHED_AT_RELAY, chunks_out=True)
             return
         chunk = policy.next_handoff_chunk(len(req.output_ids), active.handed, active.mode, self.cfg)
         if chunk.tokens == 0 and chunk.start > 0:
@@ -389,7 +392,7 @@ class RelayHandoff:
         for room, pending in self.pending.items():
             self._refuse(pending.peer, room, "relay_shutting_down")
         for room, active in self.active.items():
-            self._refuse(active.peer, room, "relay_shutting_down")
+            self._refuse(active.peer, room, "relay_shutting_down", chunks_out=True)
         for req in list(self.out_of_batch.values()):
             self._abort(req, "PDD relay is shutting down")
         self.pending.clear()
