@@ -26,10 +26,11 @@ both: its /server_info carries ``pdd.wan_line``, bytes queued and in flight per 
 session and the throughput over its recent batches (pdd_sglang/prefill/wan_line.py), by class
 (``needed_now_bytes_ahead``, ``cache_only_bytes_ahead``; ``bytes_ahead`` their sum, all a prefill
 older than the classes reports, read as needed-now). The router polls it (``report``, summed
-over prefills). A fresh report adds what it shows beyond the router's own open needed-now
-copies at the poll (other routers' copies, prefill's queue), so a copy the router saw land since
-the poll no longer counts, and one it placed since counts once; the report's rate replaces the
-router's.
+over prefills). A fresh report adds what it shows beyond the router's own needed-now copies
+that were open when the poll was sent or begun before its answer came (other routers' copies,
+prefill's queue), so a copy the router saw land since the poll no longer counts, and one it
+placed since counts once, whether or not the prefill saw it before answering; the report's rate
+replaces the router's.
 
 The poll reads ``GET /pdd/line``, the prefill's compact report (about 200 bytes per main,
 written by a PDD thread of its scheduler process: pdd_sglang/diagnostics/line_report.py), which
@@ -80,6 +81,7 @@ class LineAccounting:
         self._clock = clock
         self._open: dict[str, list[Copy]] = {}
         self._needed_bytes: dict[str, int] = {}  # the open needed-now copies' bytes, by main
+        self._begun_bytes: dict[str, int] = {}  # every copy's bytes ever begun, by main
         self._recent: dict[str, deque] = {}
         # url -> measured_bytes_per_s of _recent, until a copy lands there: every placement
         # reads it, a landing changes it.
@@ -110,6 +112,7 @@ class LineAccounting:
                     self._clock() if started is None else started)
         self._open.setdefault(main_url, []).append(copy)
         self._needed_bytes[main_url] = self._needed_bytes.get(main_url, 0) + copy.kv_bytes
+        self._begun_bytes[main_url] = self._begun_bytes.get(main_url, 0) + copy.kv_bytes
         return copy
 
     def on_wire(self, copy: Copy | None, at: float | None = None) -> None:
@@ -144,6 +147,11 @@ class LineAccounting:
         """The router's own open copies to ``main_url`` (every worker's) that a new copy waits
         behind."""
         return self._needed_bytes.get(main_url, 0)  # kept as copies open and close: O(1)
+
+    def begun_bytes(self, main_url: str) -> int:
+        """Every copy's bytes ever begun to ``main_url`` (a running total: what two readings
+        differ by was begun between them)."""
+        return self._begun_bytes.get(main_url, 0)
 
     def measured_bytes_per_s(self, main_url: str) -> float | None:
         if main_url in self._rates:
@@ -227,7 +235,12 @@ async def poll_prefill_lines(lines: LineAccounting, prefills, mains, get_json,
     any of them measured."""
     without_report: set[str] = set()  # prefills that answered /pdd/line with 404
     while True:
-        own_at_poll = {main.url: lines.bytes_ahead(main.url) for main in mains}
+        # The router's own copies the reports may show: those open when the poll is sent, and
+        # those begun before the answers are in (a prefill may have seen them before it
+        # answered; subtracting them all counts no copy twice, at worst misses another
+        # router's bytes of the same size until the next poll).
+        at_poll = {main.url: (lines.bytes_ahead(main.url), lines.begun_bytes(main.url))
+                   for main in mains}
         totals: dict[str, list] = {}
         out: set[str] = set()
         for prefill in [p for p in prefills if p.healthy]:
@@ -246,8 +259,10 @@ async def poll_prefill_lines(lines: LineAccounting, prefills, mains, get_json,
                         total[1].append(entry["recent_bytes_per_s"])
                     total[2].append(float(entry.get("kv_codec_ratio") or 1.0))
         for url, (ahead, rates, ratios) in totals.items():
+            open_at_poll, begun_at_poll = at_poll[url]
+            own = open_at_poll + lines.begun_bytes(url) - begun_at_poll
             # the copy is predicted in wire bytes: at the lowest ratio any prefill reports
-            lines.report(url, ahead, min(rates) if rates else None, own_at_poll[url],
+            lines.report(url, ahead, min(rates) if rates else None, own,
                          wire_ratio=min(ratios))
         mark_mains_out(mains, out)
         await asyncio.sleep(interval_s)

@@ -141,6 +141,38 @@ def test_the_poller_sums_prefills_per_main_by_mooncake_session():
                          ("http://p2", "/server_info"), ("http://p1", "/pdd/line")]
 
 
+def test_a_copy_begun_while_the_poll_is_out_and_seen_by_the_prefill_counts_once():
+    """The race of the 2-worker test (tests/router/test_workers.py): the router places a copy
+    after its poll went out and the prefill sees it before answering. Deterministic: the copy
+    is begun inside the poll's own request, before the answer that shows it."""
+    import asyncio
+
+    from pdd_sglang.router.line_state import poll_prefill_lines
+    from pdd_sglang.router.servers import Upstream
+
+    prefills = [Upstream("prefill", "http://p")]
+    mains = [Upstream("main", "http://m", mooncake_session="10.0.0.2:7000")]
+    lines = LineAccounting(FakeClock())
+    lines.begin("http://m", 300)  # open when the poll is sent
+    answered = asyncio.Event()
+
+    async def get_json(upstream, path):
+        if not answered.is_set():
+            lines.begin("http://m", 200)  # placed while the poll is out ...
+        answered.set()  # ... and the prefill's report holds both, and 50 of another router's
+        return {"version": "1", "wan_line": {"10.0.0.2:7000": {"needed_now_bytes_ahead": 550}},
+                "mains_out": []}
+
+    async def one_poll():
+        task = asyncio.create_task(poll_prefill_lines(lines, prefills, mains, get_json, 3600))
+        await answered.wait()
+        await asyncio.sleep(0)  # the report is applied before the poller sleeps
+        task.cancel()
+        return lines.state("http://m").bytes_ahead
+
+    assert asyncio.run(one_poll()) == 550  # not 750: the 200 counted once
+
+
 def test_a_main_a_prefill_lists_as_out_takes_no_placement_until_it_is_back():
     """#22 race 9: the prefill publishes the mains it took out after a failed WAN copy
     (``pdd.fanout.mains_out``); the router keeps off them until the prefill's WAN probe succeeds."""

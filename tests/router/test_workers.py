@@ -28,13 +28,19 @@ ANSWER = [10, 11, 12, 13]
 class Backends:
     """A prefill and two mains. Each main holds a request's first token ``hold_s`` (its copy
     is on the line until then); the prefill's /pdd/line reports, by main, the bytes of every
-    request it has whose main has not started streaming (all needed-now)."""
+    request it has whose main has not started streaming (all needed-now). Like a real main,
+    each keeps what it answered (prompt and answer but its last token) and copies only what it
+    lacks: its copy's bytes and its ``cached_tokens`` are the prompt less its longest cached
+    prefix, which is what the router's mirror predicts (a copy sized otherwise differs from the
+    router's own count, and a report taken while it is out adds the difference as somebody
+    else's bytes for a poll interval: 1,006,000 bytes ahead of a probe, once in a CI run)."""
 
     def __init__(self, model_path: str):
         self.model_path = model_path
         self.ports = {name: free_port() for name in ("prefill", "m1", "m2")}
         self.polls: Counter = Counter()  # (server, path) -> GETs of /health and /server_info
         self.pending: dict[str, tuple[str, int]] = {}  # rid -> (main, bytes) not yet streamed
+        self.held: dict[str, list[list[int]]] = {"m1": [], "m2": []}  # main -> token lists kept
         self.hold_s = 0.0
         self.runners: list[web.AppRunner] = []
 
@@ -100,19 +106,31 @@ class Backends:
         prompt = len(body["input_ids"])
         if name == "prefill":
             return web.json_response({"text": "", "output_ids": [], "meta_info": {}})
-        self.pending[body["rid"]] = (name, prompt * KV_BYTES_PER_TOKEN)
+        ids = body["input_ids"]
+        cached = max((common_prefix(ids, kept) for kept in self.held[name]), default=0)
+        self.pending[body["rid"]] = (name, (prompt - cached) * KV_BYTES_PER_TOKEN)
         response = web.StreamResponse()
         await response.prepare(request)
         await asyncio.sleep(self.hold_s)
         self.pending.pop(body["rid"], None)  # main has the KV: the copy landed
         for k, token in enumerate(ANSWER):
             last = k == len(ANSWER) - 1
-            meta = {"prompt_tokens": prompt, "completion_tokens": k + 1, "cached_tokens": 0,
+            meta = {"prompt_tokens": prompt, "completion_tokens": k + 1, "cached_tokens": cached,
                     "finish_reason": {"type": "length", "length": 4} if last else None}
             out = {"text": f"w{token - 4}", "output_ids": [token], "meta_info": meta}
             await response.write(b"data: " + orjson.dumps(out) + b"\n\n")
         await response.write(b"data: [DONE]\n\n")
+        self.held[name].append(ids + ANSWER[:-1])
         return response
+
+
+def common_prefix(a: list, b: list) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 async def generate(url: str, input_ids: list) -> dict:
@@ -133,7 +151,7 @@ async def conversation(url: str, seed: int, turns: int) -> list[dict]:
     prompt, metas = [rng.randrange(4, 1000) for _ in range(1000)], []
     for _ in range(turns):
         meta = await generate(url, prompt)
-        metas.append(meta["pdd"])
+        metas.append(dict(meta["pdd"], main_cached_tokens=meta.get("cached_tokens")))
         prompt = prompt + ANSWER + [rng.randrange(4, 1000) for _ in range(50)]
     return metas
 
@@ -176,6 +194,9 @@ def test_two_workers_share_affinity_and_the_line_and_poll_each_server_once_per_w
     for conv in conversations:
         assert len({turn["main"] for turn in conv}) == 1, conv  # its main, whoever placed it
         assert all(turn["predicted_main_cached_tokens"] >= 1000 for turn in conv[1:]), conv
+        # the router's count of each copy is main's: the line's reports add nothing to it
+        assert all(turn["predicted_main_cached_tokens"] == turn["main_cached_tokens"]
+                   for turn in conv), conv
 
     # The line: each probe's copy stays on the line (main holds its first token); the next
     # probe, whichever worker places it, has every earlier probe's bytes to that main ahead.
