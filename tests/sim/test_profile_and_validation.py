@@ -101,11 +101,18 @@ def test_profile_cpu_quick_then_validate_end_to_end(tmp_path):
     assert profiles.missing() == []
     hardware = load_hardware(profiles.hardware)
     assert hardware.prefill_s_per_token > 0
-    assert hardware.decode_fixed_s + hardware.decode_s_per_request > 0
     text = profiles.hardware.read_text()
     assert "[sources]" in text and "MEASURED" in text
     raw = json.loads(profiles.hardware.with_suffix(".json").read_text())
     assert raw["server"]["prefill_points"] and raw["server"]["decode_points"]
+    # The fitted step at each measured decode point is near what was measured. (Not "a fixed
+    # or per-request cost > 0": the tiny model's step is mostly its attention over the context,
+    # 4.5 ms at 256 tokens and 17 ms at 1,024, so a fit may put all of it per context token; a
+    # fresh-clone CI run did, 0 and 0 beside 14.4 us per token.)
+    for point in raw["server"]["decode_points"]:
+        fitted = (hardware.decode_fixed_s + hardware.decode_s_per_request * point["batch"]
+                  + hardware.decode_s_per_context_token * point["batch"] * point["context"])
+        assert 0.5 <= fitted / point["step_s"] <= 2.0, (point, hardware)
     demo = tmp_path / "demo.json"
     shutil.copy(DEMO, demo)
     validate = subprocess.run([sys.executable, "scripts/validate_sim.py", "--measured", str(demo),
