@@ -10,8 +10,14 @@ run under three rules:
 - ``window``: one-sided into main's pages, slices of four BDPs with twelve more in flight
   (:func:`~pdd_sglang.prefill.wan_engine.window_for_line`), each slice one Mooncake request per
   KV buffer (``--kv-buffers``: a layer's K and V each, so the model's depth divides the slice);
-- ``packed``: the same window, the copy as raw records of half a BDP packed into main's staging
+- ``packed``: the same window, the copy as raw records of two BDPs packed into main's staging
   range through the sender's real ring (:mod:`pdd_sglang.prefill.wan_coded`).
+
+Then, as a reference that is not the product, the same copy over one warm ZMQ TCP stream with one
+acknowledgement at its end (:mod:`~pdd_sglang.dev.wan_emulator.stream_reference`,
+``stream_reference``, the median of three copies): the best a TCP transport can do for one copy
+on that line, so what a rule misses beside it is the transport's and what the reference misses
+is the line's and the congestion control's.
 
 Each point says which of the last two the product takes for that model
 (:func:`~pdd_sglang.policy.wan_codec.stage_raw`, ``product_rule``). Before each rule's timed copies, ``--warm-copies``
@@ -101,6 +107,16 @@ def bench(args) -> dict:
                            "line_goodput_mbit": point["goodput_mbit"],
                            "utilization": run["achieved_mbit"] / point["goodput_mbit"],
                            "copy_s": run["copy_s"]})
+        # The reference: the median of its timed copies (each rule above is one copy).
+        stream_s = sorted(point["stream_copy_s"])[len(point["stream_copy_s"]) // 2]
+        points.append({"rate_mbit": rate, "rtt_ms": rtt, "bdp_bytes": bdp,
+                       "copy_bytes": copy_bytes, "concurrent": 1, "rule": "stream_reference",
+                       "product_rule": product, "window_bytes": 0, "slice_bytes": 0,
+                       "request_bytes": copy_bytes,
+                       "achieved_mbit": copy_bytes * 8 / stream_s / 1e6,
+                       "line_goodput_mbit": point["goodput_mbit"],
+                       "utilization": copy_bytes * 8 / stream_s / 1e6 / point["goodput_mbit"],
+                       "copy_s": point["stream_copy_s"]})
     result = {"points": points, "kv_buffers": args.kv_buffers,
               "bdp_multiple": args.bdp_multiple, "warm_copies": args.warm_copies,
               "mooncake_tcp_env": TCP_TRANSPORT_ENV, "sysctls": LONG_FAT_LINE_SYSCTLS,

@@ -304,3 +304,22 @@ def test_cli_up_then_down_leaves_nothing():
                               text=True, env=env, timeout=30)
     assert down.returncode == 0, down.stderr
     _assert_gone(info["namespaces"], [info["pid"]])
+
+
+# the WAN line bench's stream reference ------------------------------------------------------
+def test_the_stream_reference_acknowledges_a_copy_only_once_it_has_crossed(steady_line, tmp_path):
+    """scripts/bench_wan_line.py's reference (stream_reference.py): each timed copy's seconds
+    cover its bytes at no more than the line's rate (an acknowledgement sent before the bytes
+    landed would time a copy faster than the line), and the processes are gone after."""
+    from pdd_sglang.dev.wan_emulator import stream_reference
+
+    copy_bytes = 4 << 20
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
+        REPO_ROOT, os.environ.get("PYTHONPATH")]))}
+    seconds = stream_reference.measure(steady_line, copy_bytes, 2, 1, tmp_path, "test", env)
+    assert len(seconds) == 2
+    for s in seconds:
+        assert copy_bytes * 8 / s / 1e6 <= RATE_MBIT * 1.05, seconds
+    leftovers = subprocess.run(["pgrep", "-f", "wan_emulator.stream_reference"],
+                               capture_output=True, text=True).stdout.split()
+    assert leftovers == [], leftovers

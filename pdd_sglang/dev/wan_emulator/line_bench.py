@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from pdd_sglang.dev.wan_emulator import WanLine
+from pdd_sglang.dev.wan_emulator import WanLine, stream_reference
 from pdd_sglang.dev.wan_emulator.handoff_peers import _mooncake, _report, _stdin_closed
 from pdd_sglang.dev.wan_emulator.line import stop_process
 
@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 
 PEER_READY_TIMEOUT_S = 120.0
 RULES = ("one_slice", "window", "packed")
+STREAM_COPIES = 3  # timed copies of the stream reference (stream_reference.py), after one warm
 PAGE_BYTES = 64 << 10  # the notional page a packed record names (its header's page ids)
 
 
@@ -169,7 +170,7 @@ def run_sender(args) -> None:
             wall = time.perf_counter() - began
             runs.append({"rule": rule, "window_bytes": window.window_bytes,
                          "slice_bytes": window.slice_bytes,
-                         "request_bytes": (window.block_bytes if rule == "packed"
+                         "request_bytes": (wan_coded.record_bytes(wan) if rule == "packed"
                                            else window.slice_bytes // args.blocks),
                          "concurrent": concurrent, "copy_bytes": args.copy_bytes,
                          "wall_s": wall, "copy_s": seconds,
@@ -204,7 +205,9 @@ def run_point(out_dir: Path, *, rate_mbit: float, rtt_ms: float, copy_bytes: int
               warm_copies: int = 0) -> dict:
     """One grid point: a fresh line (``sysctls`` set in both namespaces), its bulk TCP goodput
     (the forwarder's own figure, as ``scripts/wan_check.py`` measures it), then a receiver in B
-    and the sender in A; returns ``{"goodput_mbit", "runs"}``."""
+    and the sender in A, then the stream reference (:mod:`stream_reference`: the same copy over
+    one warm ZMQ TCP stream, acknowledged once); returns ``{"goodput_mbit", "runs",
+    "stream_copy_s"}``."""
     from pdd_sglang.dev.wan_emulator.handoff_bench import REPO, _read_json_line
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -243,6 +246,9 @@ def run_point(out_dir: Path, *, rate_mbit: float, rtt_ms: float, copy_bytes: int
         budget = 3 * (2 * copied * 8 / (rate_mbit * 1e6)
                       + 2 * slices * (rtt_ms / 1e3 + 0.05)) + 120
         report = _read_json_line(sender, "sender", budget)
+        stop_process(sender)
+        stop_process(receiver)
+        stream_s = stream_reference.measure(line, copy_bytes, STREAM_COPIES, 1, out_dir, tag, env)
     finally:
         stop_process(sender)
         stop_process(receiver)
@@ -252,7 +258,9 @@ def run_point(out_dir: Path, *, rate_mbit: float, rtt_ms: float, copy_bytes: int
     for run in report["runs"]:
         log(f"  {rate_mbit:g} Mbit/s {rtt_ms:g} ms {run['rule']:>9} x{run['concurrent']}: "
             f"{run['achieved_mbit']:.1f} Mbit/s of {goodput_mbit:.1f} ({run['wall_s']:.1f} s)")
-    return {"goodput_mbit": goodput_mbit, "runs": report["runs"]}
+    log(f"  {rate_mbit:g} Mbit/s {rtt_ms:g} ms stream reference: "
+        + ", ".join(f"{copy_bytes * 8 / s / 1e6:.1f}" for s in stream_s) + " Mbit/s")
+    return {"goodput_mbit": goodput_mbit, "runs": report["runs"], "stream_copy_s": stream_s}
 
 
 def main(argv=None) -> None:
