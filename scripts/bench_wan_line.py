@@ -10,7 +10,7 @@ run under three rules:
 - ``window``: one-sided into main's pages, slices of four BDPs with twelve more in flight
   (:func:`~pdd_sglang.prefill.wan_engine.window_for_line`), each slice one Mooncake request per
   KV buffer (``--kv-buffers``: a layer's K and V each, so the model's depth divides the slice);
-- ``packed``: the same window, the copy as raw records of two BDPs packed into main's staging
+- ``packed``: the same window, the copy as raw records of half a BDP packed into main's staging
   range through the sender's real ring (:mod:`pdd_sglang.prefill.wan_coded`).
 
 Then, as a reference that is not the product, the same copy over one warm ZMQ TCP stream with one

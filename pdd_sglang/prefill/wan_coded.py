@@ -47,17 +47,15 @@ from pdd_sglang.prefill.ledger import LEDGER
 
 logger = logging.getLogger(__name__)
 
-# A record holds the raw bytes of one Mooncake request: RECORD_BLOCKS of the engine's
-# ``block_bytes`` (the smallest request that keeps the line full, half a bandwidth-delay product:
-# so two BDPs), at least MIN_RECORD_BYTES so a slow line's records stay few, and never more than a
-# slice (a cancel or a yield acts between slices). Why more than one block: fewer, longer
-# requests keep Mooncake's lanes from finishing together and idling for their acknowledgements
-# at once. Measured, one packed copy of 20 BDPs (bench_wan_line's packed rule, 2 runs each,
-# records of 0.5 / 2 / 4 BDPs): 400 Mbit/s x 100 ms 0.76, 0.78 / 0.85, 0.86 / 0.86, 0.86;
-# 200 x 200 0.78, 0.83 / 0.89, 0.88 / 0.83, 0.81; 400 x 200 0.77, 0.74 / 0.83, 0.73 / 0.81, 0.81
-# (docs/measurements.md). A sender's ring holds at least RING_BYTES and always the copy's window
-# plus two records, so the ring never holds a copy below its window.
-RECORD_BLOCKS = 4
+# A record holds the raw bytes of one Mooncake request the line needs (the engine's
+# ``block_bytes``, half a bandwidth-delay product), at least MIN_RECORD_BYTES so a slow line's
+# records stay few, and never more than a slice (a cancel or a yield acts between slices). Tried
+# and not kept: records of two BDPs. In 2 runs of one 20-BDP copy they moved 0.85-0.89 of a
+# 400 x 100 and a 200 x 200 line against 0.76-0.83, but a fresh-clone bench of all five points
+# (docs/results/wan_line_bench_records_2bdp_fresh_clone_ad93d7c_2026-12-05.json) gave one copy
+# -0.07 to +0.08 beside the run before and four copies at once 0.66-0.67 where they had moved
+# 0.87-0.89 (docs/measurements.md). A sender's ring holds at least RING_BYTES and always the
+# copy's window plus two records, so the ring never holds a copy below its window.
 MIN_RECORD_BYTES = 1 << 20
 RING_BYTES = 40 << 20
 # staged.codec of a destination whose copies go one-sided into main's pages, not as records.
@@ -172,8 +170,7 @@ _THREAD = threading.local()  # .ring: this sender thread's _Ring
 
 def record_bytes(wan: Any) -> int:
     """The raw bytes a record of a copy through ``wan`` holds at most (even: whole elements)."""
-    return max(min(wan.slice_bytes, max(RECORD_BLOCKS * wan.block_bytes, MIN_RECORD_BYTES))
-               & ~1, 2)
+    return max(min(wan.slice_bytes, max(wan.block_bytes, MIN_RECORD_BYTES)) & ~1, 2)
 
 
 def ring_bytes(wan: Any) -> int:
