@@ -69,13 +69,16 @@ WAN_LINES = ("profile", "classed")
 @dataclass(frozen=True)
 class ClusterConfig:
     """One simulated deployment.  Decode runs on main_hardware, except in same_dc_pd, which is
-    homogeneous (decode on prefill_hardware)."""
+    homogeneous (decode on prefill_hardware, or on same_dc_decode_hardware where given)."""
 
     setup: Setup = Setup.PDD
     model: str = "moe_1t_50kb"
     prefill_hardware: str = "gpu_a"
     relay_hardware: str = "gpu_a"
     main_hardware: str = "gpu_b"
+    # same_dc_pd's decode server where it is not prefill's kind: the CPU demo runs it as a server
+    # of its own under main's quota, so validate_sim.py scales it as main (None: prefill's).
+    same_dc_decode_hardware: str | None = None
     wan_link: str = "wan_10g"
     rdma_link: str = "rdma_intra_dc"
     wan_bandwidth_scale: float = 1.0
@@ -139,7 +142,9 @@ class ClusterConfig:
 
     @property
     def decode_hardware(self) -> str:
-        return self.prefill_hardware if self.setup is Setup.SAME_DC_PD else self.main_hardware
+        if self.setup is Setup.SAME_DC_PD:
+            return self.same_dc_decode_hardware or self.prefill_hardware
+        return self.main_hardware
 
     @property
     def drc(self) -> bool:

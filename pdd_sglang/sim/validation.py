@@ -191,6 +191,8 @@ class Validator:
             prefill_hardware=self._hardware("prefill", c.prefill_compute_scale),
             relay_hardware=self._hardware("relay", c.relay_compute_scale),
             main_hardware=self._hardware("main", c.main_compute_scale),
+            # same-DC's decode server is the demo's main kind, under main's quota, beside prefill
+            same_dc_decode_hardware=self._hardware("main", c.main_compute_scale),
             wan_link=self._link(self.profiles.wan, c.wan_fixed_s, "wan"),
             rdma_link=self._link(self.profiles.loopback, c.loopback_fixed_s, "loopback"),
             prefill_instances=1, relay_instances=1, main_instances=1,

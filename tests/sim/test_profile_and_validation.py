@@ -125,6 +125,21 @@ def test_profile_cpu_quick_then_validate_end_to_end(tmp_path):
     assert set(shape["load"]["pdd"]) == set(QUANTITIES)
 
 
+def test_same_dc_decode_follows_mains_compute_scale_not_prefills(tmp_path):
+    """The demo's same-DC decode server is its own server under main's quota: the fitted main
+    scale must reach it. (It decoded on prefill's scaled profile: a fitted main scale of 0.63 left
+    same-DC's simulated ITL P50 at 36.8 ms, 1.42x and 1.60x the measured one.)"""
+    measured = json.loads(DEMO.read_text())
+    validator = Validator(measured, _write_profile(tmp_path / "profile"), "tiny_cpu", tmp_path)
+    calibration = validator.calibrate()
+    entry = measured["latency_setups"]["same_dc_pd"]
+    itl = {}
+    for scale in (1.0, 0.5):
+        calibration.main_compute_scale = calibration.relay_compute_scale = scale
+        itl[scale] = validator.simulate("same_dc_pd", entry)[0].itl_p50_ms
+    assert itl[0.5] == pytest.approx(itl[1.0] * 0.5, rel=0.1), itl
+
+
 def test_report_section_carries_the_calibration_and_both_tables(tmp_path):
     from pdd_sglang.sim.validation import report_section
     measured = json.loads(DEMO.read_text())
