@@ -12,7 +12,9 @@ Order (issue 34): work is queued per main session (one WAN line each), so a slow
 holds up no other main's copies. A line is served by one WAN sender at a time, so its window
 (:meth:`~pdd_sglang.prefill.wan_engine.WanTransferEngine.copy`) is one copy's. Within a line,
 needed-now goes before cache-only, and the copy (a room's chunks) with the least remaining
-bytes first within a class, the one queued first among equals. A
+bytes first within a class, the one queued first among equals; but a copy that later copies of
+its class have overtaken MAX_OVERTAKES times goes next (least-left alone starves a larger copy
+behind a stream of smaller ones). A
 needed-now copy overtakes a cache-only one on the line at the cache-only copy's next slice: the
 sender asks :meth:`WanLines.should_yield` between slices, puts the copy back with its progress
 (:attr:`Work.pages_done`) and takes the needed-now one once the window in flight has landed.
@@ -43,10 +45,19 @@ class CopyClass(enum.Enum):
     CACHE_ONLY = "cache_only"
 
 
+# How often later copies of its class may go before a queued copy. Least-left first alone let a
+# relay death's first request (a 764-page copy, nothing cached at main) wait 30 s at 20 Mbit/s
+# while nine 700-page copies queued after it went first, until main gave up on it
+# (scripts/fault_suite.py --quick, docs/measurements.md). Two keeps most of least-left's gain
+# (a short copy still passes a long one) and bounds a copy's wait to its own place plus two.
+MAX_OVERTAKES = 2
+
+
 @dataclass
 class _Line:
     queued: list = field(default_factory=list)  # Work, in arrival order
     holder: Any = None  # the Work a sender is writing on this line, if any
+    overtaken: dict = field(default_factory=dict)  # room -> copies of its class taken before it
 
 
 def remaining_bytes(work: Any) -> int:
@@ -56,28 +67,51 @@ def remaining_bytes(work: Any) -> int:
     return work.nbytes * (work.pages - work.pages_done) // work.pages
 
 
+def _first_queued(line: _Line) -> dict:
+    """room -> when its first live work on ``line`` was queued."""
+    first: dict = {}
+    for work in [*line.queued, line.holder]:
+        if work is not None and not work.cancelled:
+            first[work.room] = min(first.get(work.room, work.queued_at), work.queued_at)
+    return first
+
+
 def _ranker(line: _Line):
     """The order of ``line``'s queued works: cancelled work first (a sender only skips and reports
     it, and its room's conclusion, which frees prefill's KV, waits for that report), then
-    needed-now, then the copy (the room) with the least left, then the copy that came first.
+    needed-now, then copies overtaken MAX_OVERTAKES times (the first queued first), then the copy
+    (the room) with the least left, then the copy that came first.
 
     A copy is a room's works (chunked prefill queues one per chunk as its forward ends), so the
     least left is the room's, queued and being written: ranking the chunks alone would interleave
     concurrent copies chunk by chunk, and every one of them would land as late as the last.
     """
     left: dict = {}
-    first_queued: dict = {}
     for work in [*line.queued, line.holder]:
         if work is not None and not work.cancelled:
             left[work.room] = left.get(work.room, 0) + remaining_bytes(work)
-            first_queued[work.room] = min(first_queued.get(work.room, work.queued_at),
-                                          work.queued_at)
+    first_queued = _first_queued(line)
 
     def rank(work: Any) -> tuple:
-        return (not work.cancelled, work.copy_class is CopyClass.CACHE_ONLY,
-                left.get(work.room, 0), first_queued.get(work.room, work.queued_at),
-                work.queued_at)
+        first = first_queued.get(work.room, work.queued_at)
+        starved = line.overtaken.get(work.room, 0) >= MAX_OVERTAKES
+        return (not work.cancelled, work.copy_class is CopyClass.CACHE_ONLY, not starved,
+                first if starved else left.get(work.room, 0), first, work.queued_at)
     return rank
+
+
+def _count_overtakes(line: _Line, taken: Any) -> None:
+    """``taken`` goes now: every live copy of its class queued before it has been overtaken once
+    more (a copy is its room's works; the room's own chunks overtake nothing)."""
+    first_queued = _first_queued(line)
+    taken_first = min(first_queued.get(taken.room, taken.queued_at), taken.queued_at)
+    waiting = {w.room for w in line.queued
+               if not w.cancelled and w.copy_class is taken.copy_class and w.room != taken.room
+               and first_queued.get(w.room, w.queued_at) < taken_first}
+    line.overtaken = {room: count for room, count in line.overtaken.items()
+                      if any(w.room == room for w in line.queued)}
+    for room in waiting:
+        line.overtaken[room] = line.overtaken.get(room, 0) + 1
 
 
 class WanLines:
@@ -144,6 +178,7 @@ class WanLines:
                 if best is not None:
                     _, line, work = best
                     line.queued.remove(work)
+                    _count_overtakes(line, work)
                     line.holder = work
                     return work
                 self._cond.wait()

@@ -14,8 +14,10 @@ What the sender does, and how it is modelled here:
    with W the bytes on the wire, docs/measurements.md. So this cap is optimistic by up to a
    quarter on a long fat line, and by more for a deep model's copy written one-sided.)
 3. **Order**: needed-now before cache-only, and within a class the least remaining bytes first
-   (ties: the earlier copy). Every copy starts needed-now; :meth:`ClassedLink.set_cache_only`
-   turns one cache-only (its relay answered alone).
+   (ties: the earlier copy), but a copy later copies of its class have passed
+   ``MAX_OVERTAKES`` times goes next (prefill/wan_lines.py's bound on starvation). Every copy
+   starts needed-now; :meth:`ClassedLink.set_cache_only` turns one cache-only (its relay
+   answered alone).
 4. **Preemption at a slice boundary.** A needed-now copy queued behind a cache-only holder takes
    the line once the holder reaches its next slice boundary after the bytes it already handed to
    the transport (the window): bytes ``ceil((sent + window) / slice) x slice``, at most its size.
@@ -35,6 +37,8 @@ from __future__ import annotations
 
 import math
 
+from pdd_sglang.prefill.wan_lines import MAX_OVERTAKES
+
 from .engine import Callback, Simulator
 from .link import TIME_STEPS_TOLERANCE, FairShareLink, FlowDelivered, LinkCheck
 from .profiles import LinkProfile
@@ -47,7 +51,7 @@ class Copy:
     """One main-bound copy on a classed line (the link's flow)."""
 
     __slots__ = ("flow_id", "size_bytes", "sent", "copy_class", "dest", "on_delivered",
-                 "on_dropped", "active", "delivered_bytes", "yield_at", "dropped")
+                 "on_dropped", "active", "delivered_bytes", "yield_at", "dropped", "overtaken")
 
     def __init__(self, flow_id, size_bytes, dest, on_delivered, on_dropped):
         self.flow_id = flow_id
@@ -61,13 +65,16 @@ class Copy:
         self.delivered_bytes = 0.0
         self.yield_at = None          # bytes at which it leaves the line for a needed-now copy
         self.dropped = False
+        self.overtaken = 0            # later copies of its class served before it
 
     @property
     def remaining(self) -> float:
         return self.size_bytes - self.sent
 
     def rank(self) -> tuple:
-        return (self.copy_class == CACHE_ONLY, self.remaining, self.flow_id)
+        starved = self.overtaken >= MAX_OVERTAKES
+        return (self.copy_class == CACHE_ONLY, not starved,
+                self.flow_id if starved else self.remaining, self.flow_id)
 
 
 class _Line:
@@ -229,6 +236,9 @@ class ClassedLink(FairShareLink):
         if line.holder is None and line.queued:
             best = min(line.queued, key=Copy.rank)
             line.queued.remove(best)
+            for waiting in line.queued:
+                if waiting.copy_class == best.copy_class and waiting.flow_id < best.flow_id:
+                    waiting.overtaken += 1
             line.holder = best
         if line.holder is None and not line.queued:
             for dest, other in list(self._lines.items()):

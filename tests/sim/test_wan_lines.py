@@ -47,6 +47,20 @@ def test_needed_now_goes_first_then_the_least_remaining_within_a_class():
     assert line.sent_by_class == {NEEDED_NOW: 9000.0, CACHE_ONLY: 500.0}
 
 
+def test_a_larger_copy_is_passed_at_most_twice_by_later_smaller_ones():
+    """The sender's bound on least-left's starvation (prefill/wan_lines.py MAX_OVERTAKES): a
+    1,100-byte copy behind a holder, then a 1,000-byte copy arriving each second."""
+    sim, line = _line()
+    done = []
+    _copy(sim, line, 1000, "holder", done)
+    _copy(sim, line, 1100, "big", done)
+    for k in range(4):
+        sim.at(0.5 + k, Callback(_copy, sim, line, 1000, f"small{k}", done))
+    sim.run()
+    assert [name for name, _ in done] == ["holder", "small0", "small1", "big", "small2",
+                                          "small3"]
+
+
 @pytest.mark.parametrize("window, yield_at_s", [(0.0, 3.0), (1500.0, 4.0)])
 def test_a_needed_now_copy_overtakes_a_cache_only_one_at_its_next_slice_after_the_window(
         window, yield_at_s):

@@ -79,6 +79,24 @@ def test_a_copy_is_a_rooms_chunks_served_together_the_least_left_then_the_first_
     assert lines.take().room == 4
 
 
+def test_a_larger_copy_is_overtaken_at_most_twice_by_later_smaller_ones():
+    """Least-left alone starved a relay death's first request: its 764-page copy waited 30 s
+    while nine 700-page copies queued after it went first, until main gave up on it (the quick
+    fault suite at 20 Mbit/s). Now later copies of its class pass it at most MAX_OVERTAKES
+    times; a cache-only copy passed by needed-now ones is not counted."""
+    lines = WanLines()
+    lines.put(_work(1), 7640, 764, CopyClass.NEEDED_NOW)
+    lines.put(_work(90), 9000, 900, CopyClass.CACHE_ONLY)
+    taken = []
+    for room in (2, 3, 4, 5):  # a steady stream of smaller needed-now copies, one per copy sent
+        lines.put(_work(room), 7000, 700, CopyClass.NEEDED_NOW)
+        work = lines.take()
+        taken.append(work.room)
+        lines.release(work)
+    assert taken == [2, 3, 1, 4]
+    assert [lines.take().room for _ in range(1)] == [5]
+
+
 def test_a_needed_now_copy_overtakes_a_cache_only_one_between_its_slices():
     lines = WanLines()
     lines.put(_work(1), 8000, 8, CopyClass.CACHE_ONLY)
