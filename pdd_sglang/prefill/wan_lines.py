@@ -108,8 +108,9 @@ def _count_overtakes(line: _Line, taken: Any) -> None:
     waiting = {w.room for w in line.queued
                if not w.cancelled and w.copy_class is taken.copy_class and w.room != taken.room
                and first_queued.get(w.room, w.queued_at) < taken_first}
+    queued_rooms = {w.room for w in line.queued}
     line.overtaken = {room: count for room, count in line.overtaken.items()
-                      if any(w.room == room for w in line.queued)}
+                      if room in queued_rooms}
     for room in waiting:
         line.overtaken[room] = line.overtaken.get(room, 0) + 1
 

@@ -186,13 +186,14 @@ class Validator:
         registration = c.registration_remote_s if setup.behind_wan else c.registration_local_s
         budget = (entry or {}).get("ttft_budget_s") if setup.has_relay else None
         rate = (entry or {}).get("router_prefill_tokens_per_s") if budget else None
+        main_hardware = self._hardware("main", c.main_compute_scale)
         return ClusterConfig(
             setup=setup, model=str(self.model_path),
             prefill_hardware=self._hardware("prefill", c.prefill_compute_scale),
             relay_hardware=self._hardware("relay", c.relay_compute_scale),
-            main_hardware=self._hardware("main", c.main_compute_scale),
+            main_hardware=main_hardware,
             # same-DC's decode server is the demo's main kind, under main's quota, beside prefill
-            same_dc_decode_hardware=self._hardware("main", c.main_compute_scale),
+            same_dc_decode_hardware=main_hardware,
             wan_link=self._link(self.profiles.wan, c.wan_fixed_s, "wan"),
             rdma_link=self._link(self.profiles.loopback, c.loopback_fixed_s, "loopback"),
             prefill_instances=1, relay_instances=1, main_instances=1,
