@@ -7,11 +7,12 @@ Life cycle (scripts/validate_sim.py drives it):
 2. ``calibrate`` fits what no microbenchmark measures, on the demo's latency point only
    (``latency_setups``: one conversation at a time): the hops that occupy no server
    (client -> router, router -> prefill registration with a local or a remote main, router ->
-   client) from the medians of the demo's own stage split; one compute-scale factor per role
+   client) from the medians of the demo's own stage split; one compute-scale factor per server
    (the profile was measured on one machine, the demo runs on another): prefill's from the
-   median prefill_forward, main's from the ITL P50 of the setups where main decodes every token
-   (the relay, the same server under the same quota, whose tokens the demo's ITL does not tell
-   apart from main's, takes main's); the window one copy moves per RTT, from naive cross-DC
+   median prefill_forward, each decode server's from the ITL P50 of the setup where it decodes
+   every token (main-b: naive cross-DC PD; same-DC's main-a: same-DC PD; the relay, the same
+   server kind under the same quota, whose tokens the demo's ITL does not tell apart from
+   main's, takes main's); the window one copy moves per RTT, from naive cross-DC
    PD's copies (where under the sender's declared window); then the per-transfer fixed cost of each link (loopback:
    same-DC, WAN: cross-DC) from the median kv_and_first_token left over after the copy and
    decode step, and the line's A->B bytes per KV byte (its counters over the prefill's ledger).
@@ -104,6 +105,9 @@ class Calibration:
     prefill_compute_scale: float = 1.0
     relay_compute_scale: float = 1.0
     main_compute_scale: float = 1.0
+    # The demo's same-DC decode server (main-a) is a server of its own beside main (main-b):
+    # fitted on its own, from same-DC PD's ITL at the latency point.
+    same_dc_decode_compute_scale: float = 1.0
     notes: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
@@ -186,14 +190,15 @@ class Validator:
         registration = c.registration_remote_s if setup.behind_wan else c.registration_local_s
         budget = (entry or {}).get("ttft_budget_s") if setup.has_relay else None
         rate = (entry or {}).get("router_prefill_tokens_per_s") if budget else None
-        main_hardware = self._hardware("main", c.main_compute_scale)
         return ClusterConfig(
             setup=setup, model=str(self.model_path),
             prefill_hardware=self._hardware("prefill", c.prefill_compute_scale),
             relay_hardware=self._hardware("relay", c.relay_compute_scale),
-            main_hardware=main_hardware,
-            # same-DC's decode server is the demo's main kind, under main's quota, beside prefill
-            same_dc_decode_hardware=main_hardware,
+            main_hardware=self._hardware("main", c.main_compute_scale),
+            # same-DC's decode server is the demo's main-a: main's kind, under main's quota,
+            # beside prefill, with the scale fitted on its own ITL
+            same_dc_decode_hardware=self._hardware("same_dc_decode",
+                                                   c.same_dc_decode_compute_scale),
             wan_link=self._link(self.profiles.wan, c.wan_fixed_s, "wan"),
             rdma_link=self._link(self.profiles.loopback, c.loopback_fixed_s, "loopback"),
             prefill_instances=1, relay_instances=1, main_instances=1,
@@ -362,13 +367,20 @@ class Validator:
             self.calibration.wan_window_bytes = window
 
     def fit_compute_scales(self, latency: dict) -> None:
-        """One compute-scale factor per role, FITTED at the latency point with the profile's
+        """One compute-scale factor per server, FITTED at the latency point with the profile's
         coefficients (scale 1): prefill's, the geometric mean over the latency setups of the
-        measured median prefill_forward over the simulated; main's, of the measured ITL P50 over
-        the simulated where main decodes every token (same-DC and naive cross-DC PD); the
-        relay's is main's (the demo's ITL does not tell their tokens apart)."""
+        measured median prefill_forward over the simulated; each decode server's, its measured
+        ITL P50 over the simulated where it decodes every token: main (main-b) from naive
+        cross-DC PD, same-DC's decode server (main-a) from same-DC PD. Each falls back to the
+        other where its setup is missing. The relay's is main's (the demo's PDD ITL does not
+        tell their tokens apart).
+
+        main-a and main-b run under the same quota, yet one run measured main-a 1.40x slower
+        than main-b at the latency point and 1.63x at the load point (fresh clone of 8079366;
+        another run 1.10x and 1.00x): a shared machine's servers differ, and one main scale for
+        both, their geometric mean, mispredicted both at load."""
         c = self.calibration
-        prefill, main = [], []
+        prefill, decode = [], {}
         for name, entry in latency.items():
             summary, _ = self.simulate(name, entry)
             measured = _median(_stage_values([entry], "prefill_forward"))
@@ -378,18 +390,26 @@ class Validator:
             itl = entry.get("itl_p50_ms")
             if (name in ("same_dc_pd", "cross_dc_pd") and isinstance(itl, (int, float))
                     and itl > 0 and summary.itl_p50_ms > 0):
-                main.append((name, itl / summary.itl_p50_ms))
-        for attribute, ratios, what in (
-                ("prefill_compute_scale", prefill, "median prefill_forward"),
-                ("main_compute_scale", main, "ITL P50")):
-            if ratios:
-                setattr(c, attribute, math.exp(statistics.fmean(math.log(r) for _, r in ratios)))
-                c.notes[attribute] = (f"FITTED at the latency point: geometric mean of measured "
-                                      f"/ simulated {what} at the profile's coefficients ("
-                                      + ", ".join(f"{n} {r:.3f}" for n, r in ratios) + ")")
+                decode[name] = itl / summary.itl_p50_ms
+        if prefill:
+            c.prefill_compute_scale = math.exp(statistics.fmean(math.log(r) for _, r in prefill))
+            c.notes["prefill_compute_scale"] = (
+                "FITTED at the latency point: geometric mean of measured / simulated median "
+                "prefill_forward at the profile's coefficients ("
+                + ", ".join(f"{n} {r:.3f}" for n, r in prefill) + ")")
+        for attribute, own, other in (("main_compute_scale", "cross_dc_pd", "same_dc_pd"),
+                                      ("same_dc_decode_compute_scale", "same_dc_pd",
+                                       "cross_dc_pd")):
+            setup = own if own in decode else other if other in decode else None
+            if setup is None:
+                continue
+            setattr(c, attribute, decode[setup])
+            c.notes[attribute] = (f"FITTED at the latency point: measured / simulated ITL P50 of "
+                                  f"{setup} at the profile's coefficients, {decode[setup]:.3f}"
+                                  + ("" if setup == own else f" ({own} not measured)"))
         c.relay_compute_scale = c.main_compute_scale
-        c.notes["relay_compute_scale"] = ("DECLARED = main_compute_scale: the same server under "
-                                          "the same quota; the demo's ITL mixes both")
+        c.notes["relay_compute_scale"] = ("DECLARED = main_compute_scale: the same server kind "
+                                          "under the same quota; the demo's PDD ITL mixes both")
 
     # --- comparing -----------------------------------------------------------------------
     def run_point(self, setups: dict) -> dict:

@@ -125,19 +125,44 @@ def test_profile_cpu_quick_then_validate_end_to_end(tmp_path):
     assert set(shape["load"]["pdd"]) == set(QUANTITIES)
 
 
-def test_same_dc_decode_follows_mains_compute_scale_not_prefills(tmp_path):
-    """The demo's same-DC decode server is its own server under main's quota: the fitted main
-    scale must reach it. (It decoded on prefill's scaled profile: a fitted main scale of 0.63 left
-    same-DC's simulated ITL P50 at 36.8 ms, 1.42x and 1.60x the measured one.)"""
+def test_same_dc_decode_follows_its_own_compute_scale_not_prefills_or_mains(tmp_path):
+    """The demo's same-DC decode server (main-a) is its own server under main's quota: its own
+    fitted scale must reach it, and main-b's must not. (It decoded on prefill's scaled profile: a
+    fitted main scale of 0.63 left same-DC's simulated ITL P50 at 36.8 ms, 1.42x and 1.60x the
+    measured one.)"""
     measured = json.loads(DEMO.read_text())
     validator = Validator(measured, _write_profile(tmp_path / "profile"), "tiny_cpu", tmp_path)
     calibration = validator.calibrate()
     entry = measured["latency_setups"]["same_dc_pd"]
     itl = {}
-    for scale in (1.0, 0.5):
-        calibration.main_compute_scale = calibration.relay_compute_scale = scale
-        itl[scale] = validator.simulate("same_dc_pd", entry)[0].itl_p50_ms
-    assert itl[0.5] == pytest.approx(itl[1.0] * 0.5, rel=0.1), itl
+    for own, main in ((1.0, 1.0), (0.5, 1.0), (1.0, 0.5)):
+        calibration.same_dc_decode_compute_scale = own
+        calibration.main_compute_scale = calibration.relay_compute_scale = main
+        itl[own, main] = validator.simulate("same_dc_pd", entry)[0].itl_p50_ms
+    assert itl[0.5, 1.0] == pytest.approx(itl[1.0, 1.0] * 0.5, rel=0.1), itl
+    assert itl[1.0, 0.5] == pytest.approx(itl[1.0, 1.0], rel=0.02), itl
+
+
+def test_each_decode_server_is_fitted_on_its_own_setup_at_the_latency_point(tmp_path):
+    """main-a (same-DC's decode) and main-b (cross-DC's main) under the same quota measured 1.40x
+    apart at the latency point and 1.63x at load in one fresh-clone demo (8079366): one main scale,
+    their geometric mean, left same-DC's load ITL at 0.73 of measured. A same-DC ITL 1.4x as
+    long is fitted a same-DC decode scale 1.4x as large, and main's scale does not move."""
+    fitted = []
+    for slower in (1.0, 1.4):
+        variant = json.loads(DEMO.read_text())
+        variant["latency_setups"]["same_dc_pd"]["itl_p50_ms"] *= slower
+        (tmp_path / f"v{slower}").mkdir()
+        validator = Validator(variant, _write_profile(tmp_path / f"profile{slower}"), "tiny_cpu",
+                              tmp_path / f"v{slower}")
+        fitted.append(validator.calibrate())
+    base, slow = fitted
+    assert slow.same_dc_decode_compute_scale == pytest.approx(
+        base.same_dc_decode_compute_scale * 1.4, rel=1e-6)
+    assert slow.main_compute_scale == pytest.approx(base.main_compute_scale, rel=1e-6)
+    assert slow.relay_compute_scale == slow.main_compute_scale
+    assert "same_dc_pd" in slow.notes["same_dc_decode_compute_scale"]
+    assert "cross_dc_pd" in slow.notes["main_compute_scale"]
 
 
 def test_report_section_carries_the_calibration_and_both_tables(tmp_path):
