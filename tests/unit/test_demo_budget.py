@@ -169,10 +169,14 @@ def test_same_dc_runs_before_every_budgeted_setup_of_its_point(argv):
         assert budgeted == sorted(budget.FRONTIER_X) and set(seen) == {"load"}
         assert seen["load"][:2] == ["same_dc_pd", "cross_dc_pd"]
     else:
-        assert budgeted == ([1.15] * 3 if args.ttft_slo_x else [])
-        # The budget-free PDD runs beside the budget run at the load point, without a budget.
-        free = [(point, slo_x) for point, name, *_, slo_x in plan if name == demo.NO_BUDGET]
-        assert free == [("load", None)] and "pdd" in seen["load"]
+        assert budgeted == ([1.15] * 2 if args.ttft_slo_x else [])
+        # The budget-free PDD runs beside the budget run at the load point, without a budget,
+        # and so does the other placement's (its P->MD requests test the line's class order).
+        free = [(point, name, placement, slo_x) for point, name, _m, _r, placement, slo_x in plan
+                if name in (demo.NO_BUDGET, "pdd_idle_line")]
+        assert free == [("load", demo.NO_BUDGET, "congestion-aware", None),
+                        ("load", "pdd_idle_line", "idle-line", None)]
+        assert "pdd" in seen["load"]
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -26,14 +26,23 @@ def _setup(rows, placement="congestion-aware"):
     return {"rows": rows, "placement": placement}
 
 
-def _same_dc():
+def _same_dc(step=STEP):
     stages = {"requests_with_split": 3,
-              "all": {s: {"p50_s": 0.0} for s in STAGES} | {"kv_and_first_token": {"p50_s": STEP}}}
+              "all": {s: {"p50_s": 0.0} for s in STAGES} | {"kv_and_first_token": {"p50_s": step}}}
     return {"rows": [], "placement": None, "stages": stages}
 
 
-def _figures(setups, codec=None):
-    return wan_wait.wait_over_alone({"same_dc_pd": _same_dc(), **setups}, LINE, KV, codec)
+def _figures(setups, codec=None, latency=None):
+    return wan_wait.wait_over_alone({"same_dc_pd": _same_dc(), **setups}, LINE, KV, codec,
+                                    latency)
+
+
+def _latency(uncached_tokens, fixed_s=0.3, s_per_token=0.002, step=0.04):
+    """The latency point: naive cross-DC PD's copies alone on the line, kv_and_first_token =
+    fixed_s + s_per_token x uncached tokens; same-DC's first step ``step`` (STEP at load)."""
+    rows = [_row(f"x{n}", fixed_s + s_per_token * n, prompt=100 + n, cached=100,
+                 pipeline="prefill_main") for n in uncached_tokens]
+    return {"same_dc_pd": _same_dc(step), "cross_dc_pd": {"rows": rows, "placement": None}}
 
 
 def test_only_p_to_md_requests_main_answered_count_and_alone_adds_up():
@@ -57,6 +66,44 @@ def test_only_p_to_md_requests_main_answered_count_and_alone_adds_up():
     assert s["wait_over_alone_p90"] == pytest.approx(1.892, abs=1e-3)
     assert figures["inputs"]["main_first_step_s"] == STEP
     assert wan_wait.idle_line_check(figures) is False
+
+
+def test_alone_is_measured_on_the_latency_points_copies_alone_on_the_line():
+    """alone = the latency point's fit (0.3 s + 2 ms a token) + main's load at this point
+    (same-DC's first step 0.06 s at load less 0.04 s at latency); the line floor beside it."""
+    idle = _setup([_row("a", 2.3), _row("b", 1.0, prompt=600, cached=100)], "idle-line")
+    figures = _figures({"pdd_idle_line": idle}, latency=_latency((20, 80, 400, 1500)))
+    model = figures["inputs"]["alone_model"]
+    assert model == {"fixed_s": pytest.approx(0.3), "s_per_token": pytest.approx(0.002),
+                     "main_load_s": pytest.approx(0.02)}
+    assert "MEASURED" in figures["inputs"]["alone_model_from"]
+    a, b = figures["setups"]["pdd_idle_line"]["requests"]
+    assert a["alone_s"] == pytest.approx(0.3 + 2.0 + 0.02)
+    assert a["line_floor_s"] == pytest.approx(1.1)          # 1 s + 0.04 + 0.06, as before
+    assert a["wait_over_alone"] == pytest.approx(2.3 / 2.32, abs=1e-3)
+    assert b["alone_s"] == pytest.approx(0.3 + 1.0 + 0.02)
+    s = figures["setups"]["pdd_idle_line"]
+    # numpy's linear percentile over wait / floor [1.0 / 0.6, 2.3 / 1.1]
+    assert s["wait_over_line_floor_p90"] == pytest.approx(1 / 0.6 + 0.9 * (2.3 / 1.1 - 1 / 0.6),
+                                                          abs=1e-3)
+    assert wan_wait.idle_line_check(figures) is True
+
+
+def test_a_copy_that_waited_behind_others_still_fails_against_the_measured_alone():
+    idle = _setup([_row("a", 7.0, prompt=200, cached=100)], "idle-line")  # alone 0.52 s
+    figures = _figures({"pdd_idle_line": idle}, latency=_latency((20, 80, 400, 1500)))
+    assert figures["setups"]["pdd_idle_line"]["wait_over_alone_p90"] > 10
+    assert wan_wait.idle_line_check(figures) is False
+
+
+@pytest.mark.parametrize("sizes, fixed, per_token", [((50, 50, 50, 900), 0.3, 0.002),  # 2 sizes
+                                                     ((20, 80, 400), 2.0, -0.001)])   # shrinks
+def test_without_a_usable_latency_point_alone_is_the_line_floor(sizes, fixed, per_token):
+    figures = _figures({"pdd_idle_line": _setup([_row("a", 2.2)], "idle-line")},
+                       latency=_latency(sizes, fixed, per_token))
+    assert figures["inputs"]["alone_model"] is None
+    request = figures["setups"]["pdd_idle_line"]["requests"][0]
+    assert request["alone_s"] == request["line_floor_s"] == pytest.approx(1.1)
 
 
 def test_the_codecs_ratio_shortens_the_copy():
@@ -95,7 +142,7 @@ def test_no_p_to_md_request_is_count_0_and_not_measured():
                         "pdd_idle_line": _setup([], "idle-line")})
     assert figures["setups"]["pdd_idle_line"] == {
         "p_to_md_requests": 0, "measured": 0, "wait_over_alone_p50": None,
-        "wait_over_alone_p90": None, "requests": []}
+        "wait_over_alone_p90": None, "wait_over_line_floor_p90": None, "requests": []}
     assert figures["setups"]["pdd"]["p_to_md_requests"] == 1
     assert wan_wait.idle_line_check(figures) is None
     assert "pdd_idle_line 0 P->MD" in wan_wait.summary_line(figures)
