@@ -151,7 +151,8 @@ def check_machine(cgroup_root: Path, cpu_layout: str = "shared") -> str | None:
     return None
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The demo's options, checked (argparse exits 2 with the reason on bad ones)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=REPO / "out" / "demo")
     parser.add_argument("--quick", action="store_true",
@@ -170,10 +171,10 @@ def main(argv: list[str] | None = None) -> int:
                              "less 0.5 core of headroom, over the 3 servers PDD runs at once)")
     slo = parser.add_mutually_exclusive_group()
     slo.add_argument("--ttft-slo-ms", type=float, default=None, metavar="MS",
-                     help="TTFT budget of every PDD setup's router but pdd_no_budget's (its "
-                          "--ttft-slo-ms)")
+                     help="TTFT budget of pdd's router (its --ttft-slo-ms); pdd_no_budget and "
+                          "the other placement's setup run without one")
     slo.add_argument("--ttft-slo-x", type=float, default=None, metavar="F",
-                     help="TTFT budget of every PDD setup but pdd_no_budget: F x same-DC PD's "
+                     help="TTFT budget of pdd's router: F x same-DC PD's "
                           f"TTFT P50 at the same point, measured first in the same run (default "
                           f"{budget.BAR_X}, unless --ttft-slo-ms)")
     parser.add_argument("--prefill-tokens-per-s", type=float, default=None,
@@ -207,7 +208,96 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--frontier-x must be positive multiples, got {args.frontier_x}")
     if not args.frontier and args.ttft_slo_ms is None and args.ttft_slo_x is None:
         args.ttft_slo_x = budget.BAR_X  # PDD as we recommend deploying it: by the TTFT budget
+    return args
 
+
+def make_servers(args, line: WanLine, groups: dict, model, log_dir: Path,
+                 bootstrap_port: int) -> tuple:
+    """(prefill, main_a, main_b, relay), not started: each in its cluster's namespace and its own
+    CPU group. One torch thread per server, as every dev-tool server (cluster.CPU_SERVER_ENV)."""
+    ns_a, ns_b = line.namespace("a"), line.namespace("b")
+    common = dict(model_path=model, log_dir=log_dir, max_total_tokens=MAX_TOTAL_TOKENS)
+
+    def where(side: str, name: str) -> tuple:
+        return (*groups[name].exec_prefix(), *line.exec_prefix(side))
+
+    prefill = NetnsServer("prefill", host=line.address("a"), exec_prefix=where("a", "prefill"),
+                          netns=ns_a, extra_args=(
+                              "--pdd-role", "prefill", "--disaggregation-bootstrap-port",
+                              str(bootstrap_port), *TRANSPORT, *TIME_STATS,
+                              *NON_OVERLAP_LOOP_ARGS, *line.prefill_flags(),
+                              "--pdd-wan-kv-codec", args.wan_kv_codec), **common)
+    main_a = NetnsServer("main-a", host="127.0.0.1", exec_prefix=where("a", "main-a"),
+                         netns=ns_a, extra_args=("--pdd-role", "main", *TRANSPORT, *METRICS),
+                         **common)
+    main_b = NetnsServer("main-b", host=line.address("b"), exec_prefix=where("b", "main-b"),
+                         netns=ns_b, extra_args=("--pdd-role", "main", *TRANSPORT, *METRICS),
+                         **common)
+    # Beside prefill in cluster A; it binds cluster A's line address, so main-b reaches its
+    # control channel only across the line.
+    relay = NetnsServer("relay", host=line.address("a"), exec_prefix=where("a", "relay"),
+                        netns=ns_a, extra_args=("--pdd-role", "relay", *TRANSPORT, *METRICS,
+                                                *RELAY_CPU_ARGS), **common)
+    return prefill, main_a, main_b, relay
+
+
+def run_plan(args, plan: list, points: dict, workloads: dict, line: WanLine, prefill,
+             servers: list, groups: dict, log_dir: Path, bootstrap_port: int, other: str | None,
+             results: dict, timings: dict) -> None:
+    """Every setup of ``plan`` in order, into ``results[point][setup]``; shared servers start each
+    setup with an empty cache. The budget-free setups (pdd_no_budget, the other placement's) get
+    no budget; the rest theirs, from same-DC PD's P50 measured earlier at the same point."""
+    for index, (point, name, main_server, relay_server, placement, slo_x) in enumerate(plan):
+        if index:  # shared servers start each setup with an empty cache
+            for server in (prefill, main_server):
+                server.wait_idle(60)
+                if server.post_raw("/flush_cache") != 200:
+                    raise Aborted(f"{server.name} /flush_cache failed")
+        spec = points[point]
+        if name == "same_dc_pd":
+            print(f"{point} point: {spec.conversations} conversations x {spec.turns} turns, "
+                  f"{spec.concurrency} at a time", flush=True)
+        started = time.perf_counter()
+        try:
+            budget_s, rate = budget.setup_budget(
+                None if name in (NO_BUDGET, other) else args.ttft_slo_ms, slo_x,
+                args.prefill_tokens_per_s,
+                results[point].get("same_dc_pd"), len(workloads[point][0]))
+        except ValueError as err:
+            raise Aborted(f"{point}-{name}: {err}") from None
+        results[point][name] = run_setup(
+            f"{point}-{name}", line, prefill, main_server, relay_server, placement, servers,
+            groups, workloads[point], log_dir, bootstrap_port,
+            args.inject_crash if index == 0 else None, budget_s, rate)
+        timings[f"{point}_{name}_s"] = round(time.perf_counter() - started, 1)
+
+
+def announce_and_pin(args, server_cpu: float, machine_cores: int, cores: dict | None,
+                     log_dir: Path) -> None:
+    """Say the fairness rule and the line; under a pinned layout, pin this process (the line,
+    the router and the clients inherit it) to the second half of the cores."""
+    print(f"CPU budget: every SGLang server {server_cpu:g} core (cgroup cpu quota, "
+          f"{cpu_budget.PERIOD_US // 1000} ms period) of {machine_cores}; "
+          f"the rest for the router, the line and the clients", flush=True)
+    if cores:
+        rest = cpu_budget.pinned_layout()["b"]
+        print(f"CPU layout {args.cpu_layout}: {cores}; the router, the clients and the line "
+              f"on {rest}", flush=True)
+        cpu_budget.pin_self(rest)
+    print(f"starting the WAN line ({args.rate_mbit:g} Mbit/s, RTT {args.rtt_ms:g} ms "
+          f"+-{args.jitter_ms:g} ms) and the servers (logs: {log_dir}) ...", flush=True)
+
+
+def codec_state(prefill) -> dict:
+    """What --pdd-wan-kv-codec did over the run (copies coded and raw, KV and wire bytes)."""
+    try:
+        return prefill.pdd_state().get("wan_codec")
+    except Exception as err:  # a figure, never the run's outcome
+        return {"unread": repr(err)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     reason = check_machine(args.cgroup_cpu_root, args.cpu_layout)
     if reason:
         print(f"demo: cannot run here: {reason}", file=sys.stderr)
@@ -239,44 +329,14 @@ def main(argv: list[str] | None = None) -> int:
     failure = None
     other = None if args.frontier else f"pdd_{OTHER_PLACEMENT[args.placement].replace('-', '_')}"
     try:
-        print(f"CPU budget: every SGLang server {server_cpu:g} core (cgroup cpu quota, "
-              f"{cpu_budget.PERIOD_US // 1000} ms period) of {len(own_cpus)}; "
-              f"the rest for the router, the line and the clients", flush=True)
-        if cores:
-            rest = cpu_budget.pinned_layout()["b"]
-            print(f"CPU layout {args.cpu_layout}: {cores}; the router, the clients and the line "
-                  f"on {rest}", flush=True)
-            cpu_budget.pin_self(rest)  # the line, the router and the clients inherit it
-        print(f"starting the WAN line ({args.rate_mbit:g} Mbit/s, RTT {args.rtt_ms:g} ms "
-              f"+-{args.jitter_ms:g} ms) and the servers (logs: {log_dir}) ...", flush=True)
+        announce_and_pin(args, server_cpu, len(own_cpus), cores, log_dir)
         for group in groups.values():  # unthrottled while the servers start
             group.create()
         line.start(log_path=str(log_dir / "wan.log"))
-        ns_a, ns_b = line.namespace("a"), line.namespace("b")
         bootstrap_port = free_port()
-        # One torch thread per server, as every dev-tool server (cluster.CPU_SERVER_ENV).
-        common = dict(model_path=model, log_dir=log_dir, max_total_tokens=MAX_TOTAL_TOKENS)
 
-        def where(side: str, name: str) -> tuple:
-            return (*groups[name].exec_prefix(), *line.exec_prefix(side))
-
-        prefill = NetnsServer("prefill", host=line.address("a"), exec_prefix=where("a", "prefill"),
-                              netns=ns_a, extra_args=(
-                                  "--pdd-role", "prefill", "--disaggregation-bootstrap-port",
-                                  str(bootstrap_port), *TRANSPORT, *TIME_STATS,
-                                  *NON_OVERLAP_LOOP_ARGS, *line.prefill_flags(),
-                                  "--pdd-wan-kv-codec", args.wan_kv_codec), **common)
-        main_a = NetnsServer("main-a", host="127.0.0.1", exec_prefix=where("a", "main-a"),
-                             netns=ns_a, extra_args=("--pdd-role", "main", *TRANSPORT, *METRICS),
-                             **common)
-        main_b = NetnsServer("main-b", host=line.address("b"), exec_prefix=where("b", "main-b"),
-                             netns=ns_b, extra_args=("--pdd-role", "main", *TRANSPORT, *METRICS),
-                             **common)
-        # Beside prefill in cluster A; it binds cluster A's line address, so main-b reaches its
-        # control channel only across the line.
-        relay = NetnsServer("relay", host=line.address("a"), exec_prefix=where("a", "relay"),
-                            netns=ns_a, extra_args=("--pdd-role", "relay", *TRANSPORT, *METRICS,
-                                                    *RELAY_CPU_ARGS), **common)
+        prefill, main_a, main_b, relay = make_servers(args, line, groups, model, log_dir,
+                                                      bootstrap_port)
         plan = plan_setups(args, main_a, main_b, relay, other)
         if args.inject_crash is not None:  # the crash run ends in its first setup: start only
             plan = plan[:1]                # that setup's servers
@@ -287,38 +347,13 @@ def main(argv: list[str] | None = None) -> int:
             group.limit()
         timings["startup_s"] = round(time.perf_counter() - t0, 1)
         print(f"servers ready in {timings['startup_s']:.0f} s", flush=True)
-        for index, (point, name, main_server, relay_server, placement, slo_x) in enumerate(plan):
-            if index:  # shared servers start each setup with an empty cache
-                for server in (prefill, main_server):
-                    server.wait_idle(60)
-                    if server.post_raw("/flush_cache") != 200:
-                        raise Aborted(f"{server.name} /flush_cache failed")
-            spec = points[point]
-            if name == "same_dc_pd":
-                print(f"{point} point: {spec.conversations} conversations x {spec.turns} turns, "
-                      f"{spec.concurrency} at a time", flush=True)
-            started = time.perf_counter()
-            try:
-                budget_s, rate = budget.setup_budget(
-                    None if name in (NO_BUDGET, other) else args.ttft_slo_ms, slo_x,
-                    args.prefill_tokens_per_s,
-                    results[point].get("same_dc_pd"), len(workloads[point][0]))
-            except ValueError as err:
-                raise Aborted(f"{point}-{name}: {err}") from None
-            results[point][name] = run_setup(
-                f"{point}-{name}", line, prefill, main_server, relay_server, placement, servers,
-                groups, workloads[point], log_dir, bootstrap_port,
-                args.inject_crash if index == 0 else None, budget_s, rate)
-            timings[f"{point}_{name}_s"] = round(time.perf_counter() - started, 1)
+        run_plan(args, plan, points, workloads, line, prefill, servers, groups, log_dir,
+                 bootstrap_port, other, results, timings)
         dead = [s.name for s in servers if not s.alive()]
         if dead:
             raise Aborted(f"{', '.join(dead)} died during the run")
         pools = {s.name: s.wait_idle(60) for s in servers}
-        # what --pdd-wan-kv-codec did over the run (copies coded and raw, KV and wire bytes)
-        try:
-            args.wan_codec_state = prefill.pdd_state().get("wan_codec")
-        except Exception as err:  # a figure, never the run's outcome
-            args.wan_codec_state = {"unread": repr(err)}
+        args.wan_codec_state = codec_state(prefill)
     except Aborted as err:
         failure = str(err)
     except BaseException as err:
