@@ -27,7 +27,7 @@ from pdd_sglang.prefill.wan_coded import codec_for, finish_staged, send_coded
 
 logger = logging.getLogger(__name__)
 
-YIELDED = "yielded"  # a cache-only copy put back on its line for a needed-now one
+YIELDED = "yielded"  # a copy put back on its line for a needed-now one that ranks ahead
 
 
 
@@ -56,8 +56,8 @@ def _send_and_judge(kv_mgr: Any, work: Work, executor: Any, lines: Any) -> Any:
 
 def run_wan_sender(kv_mgr: Any, lines: Any, executor: Any, report: Callable[[Any], None]) -> None:
     """A WAN sender's loop until the lines stop: the best work of a free line
-    (:class:`~pdd_sglang.prefill.wan_lines.WanLines`); a cache-only copy a needed-now one
-    overtakes goes back to its line between two slices, unreported."""
+    (:class:`~pdd_sglang.prefill.wan_lines.WanLines`); a copy a needed-now one overtakes goes
+    back to its line between two slices, unreported."""
     while True:
         work = lines.take()
         if work is None:
@@ -103,7 +103,7 @@ def _send_to_main(kv_mgr: Any, work: Work, peer: Any, src: Any, dst: Any, execut
     copy of the WAN engine (:meth:`~pdd_sglang.prefill.wan_engine.WanTransferEngine.copy`), so the line
     stays full while the window holds, from ``work.pages_done`` on. True once every block
     landed, False if one failed, None when the owner cancelled it, YIELDED when a needed-now
-    copy waits behind this cache-only one (:meth:`WanLines.should_yield`). A cancel or a yield
+    copy that ranks ahead of this one waits behind it (:meth:`WanLines.should_yield`). A cancel or a yield
     stops it within one window: what is in flight is waited out. The slices exist for those
     two: a whole chunk (up to --chunked-prefill-size tokens) handed to Mooncake at once could
     not be called back."""

@@ -15,9 +15,10 @@ needed-now goes before cache-only, and the copy (a room's chunks) with the least
 bytes first within a class, the one queued first among equals; but a copy that later copies of
 its class have overtaken MAX_OVERTAKES times goes next (least-left alone starves a larger copy
 behind a stream of smaller ones). A
-needed-now copy overtakes a cache-only one on the line at the cache-only copy's next slice: the
-sender asks :meth:`WanLines.should_yield` between slices, puts the copy back with its progress
-(:attr:`Work.pages_done`) and takes the needed-now one once the window in flight has landed.
+needed-now copy that ranks ahead of the copy on the line (any cache-only one; a needed-now one
+with more left) takes the line at that copy's next slice: the sender asks
+:meth:`WanLines.should_yield` between slices, puts the copy back with its progress
+(:attr:`Work.pages_done`) and takes the other once the window in flight has landed.
 
 Past a backlog bound (``--pdd-wan-cache-only-backlog-s``, seconds of the line at its measured
 rate), the owner drops a line's queued cache-only copies (:meth:`WanLines.drop_cache_only`):
@@ -185,13 +186,21 @@ class WanLines:
                 self._cond.wait()
 
     def should_yield(self, work: Any) -> bool:
-        """Between two slices of ``work``: a needed-now work waits on its line behind it."""
-        if work.copy_class is CopyClass.NEEDED_NOW:
-            return False
+        """Between two slices of ``work``: a needed-now work of another copy waits on its line
+        and ranks ahead of it (any needed-now one, when ``work`` is cache-only; within
+        needed-now, one with less left, or one overtaken MAX_OVERTAKES times, unless ``work``
+        itself has been). Within needed-now the holder used to keep the line to its end: a P->MD
+        request's 60-token copy waited 7.1 s behind a document's 9.9 MB copy for a handoff (the
+        demo's idle-line setup, fresh clone of 347a3d3). Each yield counts as an overtake of
+        ``work``, so after MAX_OVERTAKES it keeps the line."""
         with self._cond:
             line = self._lines.get(work.session)
-            return line is not None and any(
-                w.copy_class is CopyClass.NEEDED_NOW and not w.cancelled for w in line.queued)
+            if line is None:
+                return False
+            rank = _ranker(line)
+            own = rank(work)
+            return any(w.copy_class is CopyClass.NEEDED_NOW and not w.cancelled
+                       and w.room != work.room and rank(w) < own for w in line.queued)
 
     def put_back(self, work: Any) -> None:
         """A yielded work goes back to its line, with its progress, and the line is free. It is

@@ -18,10 +18,12 @@ What the sender does, and how it is modelled here:
    ``MAX_OVERTAKES`` times goes next (prefill/wan_lines.py's bound on starvation). Every copy
    starts needed-now; :meth:`ClassedLink.set_cache_only` turns one cache-only (its relay
    answered alone).
-4. **Preemption at a slice boundary.** A needed-now copy queued behind a cache-only holder takes
-   the line once the holder reaches its next slice boundary after the bytes it already handed to
-   the transport (the window): bytes ``ceil((sent + window) / slice) x slice``, at most its size.
-   The yielded copy goes back to its line with its progress.
+4. **Preemption at a slice boundary.** A needed-now copy queued behind a holder it ranks ahead
+   of (any cache-only holder; a needed-now one with more left that has not been passed
+   ``MAX_OVERTAKES`` times) takes the line once the holder reaches its next slice boundary after
+   the bytes it already handed to the transport (the window): bytes
+   ``ceil((sent + window) / slice) x slice``, at most its size. The yielded copy goes back to
+   its line with its progress, and counts the pass.
 5. **Dropping.** When the bytes ahead on a line (queued and the holder's remaining) exceed
    ``backlog_s`` seconds of the line alone (min(rate, window / RTT), what the sender measures
    when nothing else shares the line), its queued cache-only copies are dropped, newest first,
@@ -246,11 +248,13 @@ class ClassedLink(FairShareLink):
                     del self._lines[dest]
 
     def _preempt(self, line: _Line) -> None:
-        """A cache-only holder with a needed-now copy waiting leaves at its next slice boundary
-        after its window in flight."""
+        """A holder with a needed-now copy waiting that ranks ahead of it (any, for a cache-only
+        holder) leaves at its next slice boundary after its window in flight (the sender's
+        WanLines.should_yield)."""
         holder = line.holder
-        if (holder is None or holder.copy_class != CACHE_ONLY or holder.yield_at is not None
-                or not any(c.copy_class == NEEDED_NOW for c in line.queued)):
+        if (holder is None or holder.yield_at is not None
+                or not any(c.copy_class == NEEDED_NOW and c.rank() < holder.rank()
+                           for c in line.queued)):
             return
         handed = holder.sent + self.window_bytes
         boundary = math.ceil(handed / self.slice_bytes) * self.slice_bytes

@@ -41,10 +41,11 @@ def test_needed_now_goes_first_then_the_least_remaining_within_a_class():
     line.set_cache_only(cache)
     assert (big.copy_class, cache.copy_class) == (NEEDED_NOW, CACHE_ONLY)
     sim.run()
-    # The holder is not preempted by needed-now copies; then small, big, and cache-only last
-    # though it is the shortest.
-    assert done == [("holder", 5.0), ("small", 6.0), ("big", 9.0), ("cache-only", 9.5)]
-    assert line.sent_by_class == {NEEDED_NOW: 9000.0, CACHE_ONLY: 500.0}
+    # Needed-now copies with less left take the line from the needed-now holder at its next
+    # slice (the sender's should_yield): small, then big; passed twice, the holder goes next;
+    # cache-only last though it is the shortest.
+    assert done == [("small", 1.0), ("big", 4.0), ("holder", 9.0), ("cache-only", 9.5)]
+    assert line.sent_by_class == pytest.approx({NEEDED_NOW: 9000.0, CACHE_ONLY: 500.0})
 
 
 def test_a_larger_copy_is_passed_at_most_twice_by_later_smaller_ones():
@@ -89,7 +90,7 @@ def test_queued_cache_only_copies_past_the_backlog_are_dropped_newest_first_neve
     line.set_cache_only(second)                                  # 2800: drop newer too
     sim.run()
     assert dropped == ["older", "newer"]
-    assert [name for name, _ in done] == ["holder", "needed-now"]
+    assert [name for name, _ in done] == ["needed-now", "holder"]   # 900 left against 1500
     assert line.dropped_cache_only_bytes == 700 and line.dropped_copies == 2
     assert line.bytes_received == 2400
 

@@ -110,6 +110,34 @@ def test_a_needed_now_copy_overtakes_a_cache_only_one_between_its_slices():
     assert lines.queued_by_class()["main-a"] == {"needed_now": 100, "cache_only": 5000}
 
 
+def test_a_smaller_needed_now_copy_takes_the_line_from_a_needed_now_one_at_most_twice():
+    """A P->MD request's 60-token copy waited 7.1 s behind a document's 9.9 MB copy for a
+    handoff (the demo's idle-line setup): within needed-now the holder kept the line to its end.
+    Now it yields between slices to a copy of less left, and after MAX_OVERTAKES yields it keeps
+    the line; its own room's next chunk never takes it."""
+    lines = WanLines()
+    lines.put(_work(1), 9_900_000, 1210, CopyClass.NEEDED_NOW)
+    document = lines.take()
+    same_room = _work(1)
+    lines.put(same_room, 5_000_000, 600, CopyClass.NEEDED_NOW)
+    assert not lines.should_yield(document)     # its own next chunk
+    lines.put(_work(2), 30_000_000, 3600, CopyClass.NEEDED_NOW)
+    assert not lines.should_yield(document)     # more left than the document's copy
+    for room in (3, 4, 5):
+        lines.put(_work(room), 490_000, 60, CopyClass.NEEDED_NOW)
+        if room == 5:
+            break
+        assert lines.should_yield(document)
+        document.pages_done = 100 * (room - 2)
+        lines.put_back(document)
+        small = lines.take()
+        assert small.room == room
+        lines.release(small)
+        document = lines.take()
+        assert document.room == 1 and document.pages_done == 100 * (room - 2)
+    assert not lines.should_yield(document)     # overtaken twice: it keeps the line
+
+
 def test_a_relay_that_finished_makes_its_rooms_copy_cache_only_queued_or_being_written():
     lines = WanLines()
     lines.put(_work(7), 1000, 10, CopyClass.NEEDED_NOW)
