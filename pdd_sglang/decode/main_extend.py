@@ -53,6 +53,21 @@ class _RunningExtend:
     parked: list = field(default_factory=list)
 
 
+def extend_candidates(ready: list, room_for: int) -> list:
+    """The queued chunks one extend batch takes: at most ONE middle Catch-Up chunk, and last
+    chunks while the running batch has room (a last chunk joins it; a middle one does not).
+
+    SGLang streams nothing of a request whose extend is a middle chunk only for one request a
+    batch (``batch_result_processor``: "at most one request being currently chunked", its
+    ``skip_stream_req``). A second middle chunk in the same batch streamed its output ids from
+    position 0, the relay's handed tokens, and the router, counting main's start as
+    completion_tokens less the ids it got, placed main's stream 64 or 128 positions early and
+    refused the splice ("servers disagree on positions 42..170"): one request a PDD setup at
+    the demo's load point, every run, each re-placed after a 10 s stall."""
+    middle = [p for p in ready if not p.is_last][:1]
+    return middle + [p for p in ready if p.is_last][:max(0, room_for)]
+
+
 class ExtendSteps:
     """The EXTEND half of :class:`pdd_sglang.decode.main.MainHandoff` (its state lives there)."""
 
@@ -63,9 +78,7 @@ class ExtendSteps:
         scheduler = self.scheduler
         room_for = min(scheduler.req_to_token_pool.size, scheduler.max_running_requests)
         room_for -= running_batch.batch_size()
-        ready = [p for p in ready if not p.is_last] + [p for p in ready if p.is_last][
-            :max(0, room_for)]
-        ready = self._fit_memory(ready)
+        ready = self._fit_memory(extend_candidates(ready, room_for))
         if not ready:
             return None
         from sglang.srt.managers.schedule_batch import ScheduleBatch

@@ -236,3 +236,18 @@ def test_close_handoff_closes_only_what_was_built():
     close_handoff(SimpleNamespace(_pdd_handoff=None))  # a server without a relay/main role
     close_handoff(SimpleNamespace(_pdd_handoff=SimpleNamespace(close=lambda: closed.append(1))))
     assert closed == [1]
+
+
+def test_an_extend_batch_takes_at_most_one_middle_catch_up_chunk():
+    """SGLang keeps only one middle-chunk request a batch from streaming (its skip_stream_req):
+    a second one streamed the relay's handed tokens from position 0, and the router refused the
+    splice ("servers disagree on positions 42..170"), once a PDD setup in every demo run."""
+    from pdd_sglang.decode.main_extend import extend_candidates
+
+    middle = [SimpleNamespace(name=f"middle{i}", is_last=False) for i in range(3)]
+    last = [SimpleNamespace(name=f"last{i}", is_last=True) for i in range(3)]
+    ready = [middle[0], last[0], middle[1], last[1], middle[2], last[2]]
+    assert [p.name for p in extend_candidates(ready, room_for=2)] == [
+        "middle0", "last0", "last1"]
+    assert [p.name for p in extend_candidates(ready, room_for=0)] == ["middle0"]
+    assert [p.name for p in extend_candidates(middle[1:], room_for=5)] == ["middle1"]
