@@ -44,6 +44,14 @@ def test_router_verdicts_and_their_delta():
     assert budget.counter_delta(before, after) == {"within": 7, "over": 2}
 
 
+def test_router_retries_by_cause():
+    text = ('pdd_router_retries_total{cause="splice"} 1.0\n'
+            'pdd_router_retries_total{cause="relay_lost"} 2.0\n'
+            'pdd_router_retries_created{cause="splice"} 17.0\n')
+    assert budget.router_retries(text) == {"splice": 1.0, "relay_lost": 2.0}
+    assert budget.router_retries("") == {}
+
+
 @pytest.mark.parametrize("relay, main, share", [
     (300, 700, 0.3), (0, 500, 0.0), (None, 500, 0.0), (500, 0, 1.0),
     (None, None, None), (0, 0, None), (10, None, None)])

@@ -23,6 +23,7 @@ from typing import Iterable, Optional
 
 DECODE_TOKENS = "sglang:realtime_tokens_total"
 ROUTER_VERDICTS = "pdd_router_ttft_budget_total"
+ROUTER_RETRIES = "pdd_router_retries_total"
 FRONTIER_X = (1.0, 1.15, 1.5, 3.0)  # x same-DC P50
 BAR_X = 1.15  # the budget at which the load point must meet its bar
 _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)')
@@ -51,10 +52,20 @@ def decode_tokens(metrics_text: str) -> Optional[float]:
 
 def router_verdicts(metrics_text: str) -> dict:
     """The router's placements by verdict against the TTFT budget (pdd_router_ttft_budget)."""
+    return _by_label(metrics_text, ROUTER_VERDICTS, "verdict")
+
+
+def router_retries(metrics_text: str) -> dict:
+    """The router's re-placements by cause (pdd_router_retries: a server failed a request, or
+    its servers disagreed on a token, ``splice``): requests the client got whole, late."""
+    return _by_label(metrics_text, ROUTER_RETRIES, "cause")
+
+
+def _by_label(metrics_text: str, name: str, label: str) -> dict:
     counts: dict = {}
-    for labels, value in samples(metrics_text, ROUTER_VERDICTS):
-        verdict = labels.get("verdict", "")
-        counts[verdict] = counts.get(verdict, 0) + value
+    for labels, value in samples(metrics_text, name):
+        key = labels.get(label, "")
+        counts[key] = counts.get(key, 0) + value
     return counts
 
 
@@ -197,12 +208,14 @@ def print_budget_table(setups: dict) -> None:
     if not any(s.get("within_budget_of_s") for s in setups.values()):
         return
     pct = lambda v: "-" if v is None else f"{v:.0%}"  # noqa: E731
-    print(f"\n{'setup':<22} {'budget':>9} {'within':>7} {'relay busy':>10} router verdicts")
+    print(f"\n{'setup':<22} {'budget':>9} {'within':>7} {'relay busy':>10} router verdicts "
+          "(re-placed)")
     for name, s in setups.items():
         budget = s.get("within_budget_of_s")
         shown = "-" if budget is None else f"{budget:.2f}s" + ("" if s.get("ttft_budget_s") else "*")
         print(f"{name:<22} {shown:>9} {pct(s.get('within_budget_share')):>7} "
-              f"{pct(s.get('relay_busy_share')):>10} {s.get('router_verdicts') or ''}")
+              f"{pct(s.get('relay_busy_share')):>10} {s.get('router_verdicts') or ''}"
+              + (f" (re-placed {s['router_retries']})" if s.get("router_retries") else ""))
     print("(* the run's reference budget: the setup's router had none)")
 
 

@@ -64,11 +64,13 @@ def decode_tokens(servers: dict) -> dict:
     return counts
 
 
-def router_verdicts(router: RouterProcess) -> dict:
+def router_counts(router: RouterProcess) -> tuple[dict, dict]:
+    """(placements by budget verdict, re-placements by cause) from the router's /metrics."""
     try:
-        return budgets.router_verdicts(router.get_text("/metrics"))
+        text = router.get_text("/metrics")
     except OSError:
-        return {}
+        return {}, {}
+    return budgets.router_verdicts(text), budgets.router_retries(text)
 
 
 def run_setup(label: str, line: WanLine, prefill: NetnsServer, main: NetnsServer,
@@ -110,7 +112,8 @@ def run_setup(label: str, line: WanLine, prefill: NetnsServer, main: NetnsServer
         host_pids = {"router": router.process.pid, "line_forwarder": line.forwarder_pid,
                      "clients": os.getpid()}
         host_before = {name: cpu_budget.process_cpu_s(pid) for name, pid in host_pids.items()}
-        decode_before, verdicts_before = decode_tokens(decoders), router_verdicts(router)
+        decode_before, (verdicts_before, retries_before) = (decode_tokens(decoders),
+                                                            router_counts(router))
         progress = Progress(label, spec.conversations * spec.turns)
         crashed: list[str] = []
 
@@ -148,7 +151,8 @@ def run_setup(label: str, line: WanLine, prefill: NetnsServer, main: NetnsServer
         wan_after, kv_after = line_bytes(line), ledger_main_bytes(prefill)
         for server in (main, *([relay] if relay else [])):  # every decode step counted
             server.wait_idle(60)
-        decode_after, verdicts_after = decode_tokens(decoders), router_verdicts(router)
+        decode_after, (verdicts_after, retries_after) = (decode_tokens(decoders),
+                                                          router_counts(router))
         classes_after = line_by_class(prefill)
     finally:
         router.stop()
@@ -167,6 +171,7 @@ def run_setup(label: str, line: WanLine, prefill: NetnsServer, main: NetnsServer
             "decode_tokens": decoded,
             "relay_busy_share": budgets.busy_share(decoded["relay"], decoded["main"]),
             "router_verdicts": budgets.counter_delta(verdicts_before, verdicts_after),
+            "router_retries": budgets.counter_delta(retries_before, retries_after),
             "wan_line_by_class": {k: classes_after[k] - classes_before[k] for k in LINE_CLASSES}}
 
 
