@@ -103,15 +103,16 @@ def _ranker(line: _Line):
 
 def _count_overtakes(line: _Line, taken: Any) -> None:
     """``taken`` goes now: every live copy of its class queued before it has been overtaken once
-    more (a copy is its room's works; the room's own chunks overtake nothing)."""
+    more (a copy is its room's works; the room's own chunks overtake nothing). A room's count
+    lasts while it has work on the line, queued or taken: a copy taken and then yielded keeps
+    its count, else should_yield could take the line from it without end."""
     first_queued = _first_queued(line)
     taken_first = min(first_queued.get(taken.room, taken.queued_at), taken.queued_at)
     waiting = {w.room for w in line.queued
                if not w.cancelled and w.copy_class is taken.copy_class and w.room != taken.room
                and first_queued.get(w.room, w.queued_at) < taken_first}
-    queued_rooms = {w.room for w in line.queued}
-    line.overtaken = {room: count for room, count in line.overtaken.items()
-                      if room in queued_rooms}
+    on_line = {w.room for w in line.queued} | {taken.room}
+    line.overtaken = {room: count for room, count in line.overtaken.items() if room in on_line}
     for room in waiting:
         line.overtaken[room] = line.overtaken.get(room, 0) + 1
 

@@ -138,6 +138,30 @@ def test_a_smaller_needed_now_copy_takes_the_line_from_a_needed_now_one_at_most_
     assert not lines.should_yield(document)     # overtaken twice: it keeps the line
 
 
+def test_a_needed_now_holder_yields_at_most_twice_though_its_room_has_no_other_chunk():
+    """The count of passes must outlive the copy's being taken: pruned to the queued rooms only,
+    it was cleared each time the copy took the line again, and it yielded to every smaller copy
+    without end."""
+    lines = WanLines()
+    lines.put(_work(1), 9_900_000, 1210, CopyClass.NEEDED_NOW)
+    document = lines.take()
+    yields = 0
+    for room in (3, 4, 5, 6, 7):
+        lines.put(_work(room), 490_000, 60, CopyClass.NEEDED_NOW)
+        if not lines.should_yield(document):
+            break
+        yields += 1
+        lines.put_back(document)
+        small = lines.take()
+        assert small.room == room
+        lines.release(small)
+        document = lines.take()
+        assert document.room == 1
+    assert yields == 2
+    lines.release(document)
+    assert [lines.take().room for _ in range(1)] == [room]
+
+
 def test_a_relay_that_finished_makes_its_rooms_copy_cache_only_queued_or_being_written():
     lines = WanLines()
     lines.put(_work(7), 1000, 10, CopyClass.NEEDED_NOW)
