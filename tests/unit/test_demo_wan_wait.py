@@ -97,7 +97,8 @@ def test_a_copy_that_waited_behind_others_still_fails_against_the_measured_alone
 
 
 @pytest.mark.parametrize("sizes, fixed, per_token", [((50, 50, 50, 900), 0.3, 0.002),  # 2 sizes
-                                                     ((20, 80, 400), 2.0, -0.001)])   # shrinks
+                                                     ((20, 80, 400), 2.0, -0.001),    # shrinks
+                                                     ((20, 80, 400), -0.1, 0.002)])   # < 0 s
 def test_without_a_usable_latency_point_alone_is_the_line_floor(sizes, fixed, per_token):
     figures = _figures({"pdd_idle_line": _setup([_row("a", 2.2)], "idle-line")},
                        latency=_latency(sizes, fixed, per_token))

@@ -101,6 +101,8 @@ def measured_alone(latency_setups: dict | None, setups: dict) -> tuple[dict | No
              / sum((n - mean_n) ** 2 for n, _ in points))
     if not slope > 0:
         return None, "the latency point's cross_dc_pd copies do not grow with their size"
+    if mean_t - slope * mean_n < 0:  # no copy takes less than nothing: a line that bends
+        return None, "the latency point's cross_dc_pd copies fit a negative fixed part"
     step_latency, _ = first_step_s(latency_setups or {})
     step_load, _ = first_step_s(setups)
     main_load = (max(step_load - step_latency, 0.0)
