@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 import tomllib
@@ -75,22 +76,31 @@ def measure(torch, shape: dict, layers: int, plan: dict, iters: int, device, dty
         return [(torch.randn(batch, shape["kv_heads"], context, shape["head_dim"], device=device,
                              dtype=dtype),) * 2 for _ in range(layers)]
 
-    def run(batch, context, new):
+    def step(batch, context, new):
         kv = caches(batch, context)
         x = torch.randn(batch * new, shape["hidden"], device=device, dtype=dtype)
-        return time_step(torch, lambda: forward(torch, stack, x, kv, [new] * batch, shape["heads"],
-                                                shape["kv_heads"], shape["head_dim"]), iters, cuda)
-    prefill, decode = [], []
+        return lambda: forward(torch, stack, x, kv, [new] * batch, shape["heads"],
+                               shape["kv_heads"], shape["head_dim"])
+    points = ([("prefill", {"fresh": new, "cached": cached, "batch": batch}, (batch, cached, new))
+               for new, cached, batch in plan["prefill"]]
+              + [("decode", {"batch": batch, "context": context}, (batch, context, 1))
+                 for batch, context in plan["decode"]])
+    samples: list = [[] for _ in points]
     with torch.inference_mode():
-        for new, cached, batch in plan["prefill"]:
-            prefill.append({"fresh": new, "cached": cached, "batch": batch,
-                            "s": run(batch, cached, new)})
-            print(f"prefill N={new} C={cached} B={batch}: {prefill[-1]['s'] * 1e3:.2f} ms",
-                  file=sys.stderr)
-        for batch, context in plan["decode"]:
-            decode.append({"batch": batch, "context": context, "s": run(batch, context, 1)})
-            print(f"decode B={batch} L={context}: {decode[-1]['s'] * 1e3:.2f} ms", file=sys.stderr)
-    return {"prefill": prefill, "decode": decode}
+        steps = [step(*args) for _, _, args in points]
+        # Round-robin, one timed step a point a round, the median of the rounds: a stall of a
+        # shared machine then costs one sample of a few points, not every sample of one (which,
+        # point after point, once emptied the prefill fit of a CPU check).
+        for _ in range(iters):
+            for index, fn in enumerate(steps):
+                samples[index].append(time_step(torch, fn, 1, cuda))
+    out: dict = {"prefill": [], "decode": []}
+    for (kind, fields, _), times in zip(points, samples):
+        out[kind].append({**fields, "s": statistics.median(times)})
+        label = ("prefill N={fresh} C={cached} B={batch}" if kind == "prefill"
+                 else "decode B={batch} L={context}").format(**fields)
+        print(f"{label}: {out[kind][-1]['s'] * 1e3:.2f} ms", file=sys.stderr)
+    return out
 
 
 def main(argv=None) -> int:
