@@ -68,7 +68,8 @@ class PddArgs(msgspec.Struct):
         "PDD prefill: the WAN line's bandwidth to the mains, in Gbit/s, as leased. With "
         "--pdd-wan-rtt-ms it sizes each WAN copy's slices (four bandwidth-delay products) and "
         "window (twelve more in flight): enough to fill the line, and all a cancel or an urgent copy "
-        "waits behind. "
+        "waits behind; and it scales the copies' deadlines on a line (first queued plus twice "
+        "their time left). "
         "Default: 10.",
     ] = 10.0
     pdd_wan_rtt_ms: A[

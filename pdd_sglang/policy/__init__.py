@@ -7,8 +7,9 @@ stdlib only, no I/O, no clocks: every function is a deterministic function of it
 Its parts, each re-exported here: :mod:`~pdd_sglang.policy.config` (the pipelines, handoff modes
 and ``PolicyConfig``), :mod:`~pdd_sglang.policy.placement` (the WAN copy's predicted time, the
 pipeline, the main, whether main's copy goes on), :mod:`~pdd_sglang.policy.handoff` (the handoff's
-mode and chunks), :mod:`~pdd_sglang.policy.ttft_budget` (placement by a TTFT budget) and
-:mod:`~pdd_sglang.policy.wan_codec` (a WAN copy's codec).
+mode and chunks), :mod:`~pdd_sglang.policy.ttft_budget` (placement by a TTFT budget),
+:mod:`~pdd_sglang.policy.wan_codec` (a WAN copy's codec) and :mod:`~pdd_sglang.policy.wan_order`
+(which copy a WAN line serves next).
 
 Vocabulary (the brief's roles, spelled out):
   prefill  (P)   computes the prompt's KV, in datacenter A.
@@ -26,3 +27,4 @@ from pdd_sglang.policy.placement import (IDLE_LINE, LineState, MainCandidate,  #
                                          predict_wan_seconds, predict_wan_seconds_on_line)
 from pdd_sglang.policy.ttft_budget import (BudgetPlacement, BudgetVerdict,  # noqa: F401
                                            MainTtft, place_by_ttft_budget, prefill_seconds)
+from pdd_sglang.policy.wan_order import DEADLINE_STRETCH, copy_deadline  # noqa: F401

@@ -11,13 +11,13 @@ Every main-bound :class:`~pdd_sglang.prefill.room.Work` carries a :class:`CopyCl
 Order (issue 34): work is queued per main session (one WAN line each), so a slow main's line
 holds up no other main's copies. A line is served by one WAN sender at a time, so its window
 (:meth:`~pdd_sglang.prefill.wan_engine.WanTransferEngine.copy`) is one copy's. Within a line,
-needed-now goes before cache-only, and the copy (a room's chunks) with the least remaining
-bytes first within a class, the one queued first among equals; but a copy that later copies of
-its class have overtaken MAX_OVERTAKES times goes next (least-left alone starves a larger copy
-behind a stream of smaller ones). A
-needed-now copy that ranks ahead of the copy on the line (any cache-only one; a needed-now one
-with more left) takes the line at that copy's next slice: the sender asks
-:meth:`WanLines.should_yield` between slices, puts the copy back with its progress
+needed-now goes before cache-only, and within a class the copy (a room's chunks) with the
+earliest deadline first: when it was first queued plus twice its remaining bytes at the
+declared line's rate (:func:`pdd_sglang.policy.wan_order.copy_deadline`, which the simulator's
+line follows too). A short copy passes a long one; a copy queued after another's deadline never
+passes it. A needed-now copy that ranks ahead of the copy on the line (any cache-only one; a
+needed-now one with an earlier deadline) takes the line at that copy's next slice: the sender
+asks :meth:`WanLines.should_yield` between slices, puts the copy back with its progress
 (:attr:`Work.pages_done`) and takes the other once the window in flight has landed.
 
 Past a backlog bound (``--pdd-wan-cache-only-backlog-s``, seconds of the line at its measured
@@ -38,7 +38,9 @@ import enum
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
+
+from pdd_sglang.policy.wan_order import copy_deadline
 
 
 class CopyClass(enum.Enum):
@@ -46,19 +48,13 @@ class CopyClass(enum.Enum):
     CACHE_ONLY = "cache_only"
 
 
-# How often later copies of its class may go before a queued copy. Least-left first alone let a
-# relay death's first request (a 764-page copy, nothing cached at main) wait 30 s at 20 Mbit/s
-# while nine 700-page copies queued after it went first, until main gave up on it
-# (scripts/fault_suite.py --quick, docs/measurements.md). Two keeps most of least-left's gain
-# (a short copy still passes a long one) and bounds a copy's wait to its own place plus two.
-MAX_OVERTAKES = 2
-
-
 @dataclass
 class _Line:
     queued: list = field(default_factory=list)  # Work, in arrival order
     holder: Any = None  # the Work a sender is writing on this line, if any
-    overtaken: dict = field(default_factory=dict)  # room -> copies of its class taken before it
+    # room -> when its first work still on this line (or an earlier one, sent while its next was
+    # queued) was queued: a copy's deadline starts at its first chunk, not at the chunk now due.
+    first_queued: dict = field(default_factory=dict)
 
 
 def remaining_bytes(work: Any) -> int:
@@ -68,59 +64,40 @@ def remaining_bytes(work: Any) -> int:
     return work.nbytes * (work.pages - work.pages_done) // work.pages
 
 
-def _first_queued(line: _Line) -> dict:
-    """room -> when its first live work on ``line`` was queued."""
-    first: dict = {}
-    for work in [*line.queued, line.holder]:
-        if work is not None and not work.cancelled:
-            first[work.room] = min(first.get(work.room, work.queued_at), work.queued_at)
-    return first
-
-
-def _ranker(line: _Line):
+def _ranker(line: _Line, line_bytes_per_s: float):
     """The order of ``line``'s queued works: cancelled work first (a sender only skips and reports
     it, and its room's conclusion, which frees prefill's KV, waits for that report), then
-    needed-now, then copies overtaken MAX_OVERTAKES times (the first queued first), then the copy
-    (the room) with the least left, then the copy that came first.
+    needed-now, then the copy (the room) with the earliest deadline (its first work's queueing
+    plus its time left, stretched: :func:`~pdd_sglang.policy.wan_order.copy_deadline`), then the
+    copy that came first.
 
-    A copy is a room's works (chunked prefill queues one per chunk as its forward ends), so the
-    least left is the room's, queued and being written: ranking the chunks alone would interleave
-    concurrent copies chunk by chunk, and every one of them would land as late as the last.
+    A copy is a room's works (chunked prefill queues one per chunk as its forward ends), so its
+    time left is the room's, queued and being written, and its deadline starts at its first
+    chunk: ranking the chunks alone would interleave concurrent copies chunk by chunk, and every
+    one of them would land as late as the last.
     """
     left: dict = {}
     for work in [*line.queued, line.holder]:
         if work is not None and not work.cancelled:
             left[work.room] = left.get(work.room, 0) + remaining_bytes(work)
-    first_queued = _first_queued(line)
 
     def rank(work: Any) -> tuple:
-        first = first_queued.get(work.room, work.queued_at)
-        starved = line.overtaken.get(work.room, 0) >= MAX_OVERTAKES
-        return (not work.cancelled, work.copy_class is CopyClass.CACHE_ONLY, not starved,
-                first if starved else left.get(work.room, 0), first, work.queued_at)
+        first = line.first_queued.get(work.room, work.queued_at)
+        due = copy_deadline(first, left.get(work.room, 0), line_bytes_per_s)
+        return (not work.cancelled, work.copy_class is CopyClass.CACHE_ONLY, due, first,
+                work.queued_at)
     return rank
-
-
-def _count_overtakes(line: _Line, taken: Any) -> None:
-    """``taken`` goes now: every live copy of its class queued before it has been overtaken once
-    more (a copy is its room's works; the room's own chunks overtake nothing). A room's count
-    lasts while it has work on the line, queued or taken: a copy taken and then yielded keeps
-    its count, else should_yield could take the line from it without end."""
-    first_queued = _first_queued(line)
-    taken_first = min(first_queued.get(taken.room, taken.queued_at), taken.queued_at)
-    waiting = {w.room for w in line.queued
-               if not w.cancelled and w.copy_class is taken.copy_class and w.room != taken.room
-               and first_queued.get(w.room, w.queued_at) < taken_first}
-    on_line = {w.room for w in line.queued} | {taken.room}
-    line.overtaken = {room: count for room, count in line.overtaken.items() if room in on_line}
-    for room in waiting:
-        line.overtaken[room] = line.overtaken.get(room, 0) + 1
 
 
 class WanLines:
     """Main-bound work per main session, served best first (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, line_bytes_per_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not line_bytes_per_s > 0:
+            raise ValueError(f"the WAN line's rate must be positive, got {line_bytes_per_s!r}")
+        self.line_bytes_per_s = float(line_bytes_per_s)  # the declared line: deadlines' scale
+        self.clock = clock
         self._cond = threading.Condition()
         self._lines: dict[str, _Line] = {}
         self._stopped = False
@@ -128,9 +105,11 @@ class WanLines:
     # ---- the owner -------------------------------------------------------------------------
     def put(self, work: Any, nbytes: int, pages: int, copy_class: CopyClass) -> None:
         work.nbytes, work.pages, work.copy_class = int(nbytes), int(pages), copy_class
-        work.queued_at = time.monotonic()
+        work.queued_at = self.clock()
         with self._cond:
-            self._lines.setdefault(work.session, _Line()).queued.append(work)
+            line = self._lines.setdefault(work.session, _Line())
+            line.queued.append(work)
+            line.first_queued.setdefault(work.room, work.queued_at)
             self._cond.notify_all()
 
     def reclassify(self, room: int, copy_class: CopyClass) -> int:
@@ -174,14 +153,13 @@ class WanLines:
                 best = None  # (rank, line, work): the lines' best works compared across lines
                 for line in self._lines.values():
                     if line.holder is None and line.queued:
-                        rank = _ranker(line)
+                        rank = _ranker(line, self.line_bytes_per_s)
                         candidate = min(line.queued, key=rank)
                         if best is None or rank(candidate) < best[0]:
                             best = (rank(candidate), line, candidate)
                 if best is not None:
                     _, line, work = best
                     line.queued.remove(work)
-                    _count_overtakes(line, work)
                     line.holder = work
                     return work
                 self._cond.wait()
@@ -189,16 +167,15 @@ class WanLines:
     def should_yield(self, work: Any) -> bool:
         """Between two slices of ``work``: a needed-now work of another copy waits on its line
         and ranks ahead of it (any needed-now one, when ``work`` is cache-only; within
-        needed-now, one with less left, or one overtaken MAX_OVERTAKES times, unless ``work``
-        itself has been). Within needed-now the holder used to keep the line to its end: a P->MD
-        request's 60-token copy waited 7.1 s behind a document's 9.9 MB copy for a handoff (the
-        demo's idle-line setup, fresh clone of 347a3d3). Each yield counts as an overtake of
-        ``work``, so after MAX_OVERTAKES it keeps the line."""
+        needed-now, one with an earlier deadline). Within needed-now the holder used to keep the
+        line to its end: a P->MD request's 60-token copy waited 7.1 s behind a document's
+        9.9 MB copy for a handoff (the demo's idle-line setup, fresh clone of 347a3d3). A
+        yielded copy keeps its deadline, so only copies due before it pass it."""
         with self._cond:
             line = self._lines.get(work.session)
             if line is None:
                 return False
-            rank = _ranker(line)
+            rank = _ranker(line, self.line_bytes_per_s)
             own = rank(work)
             return any(w.copy_class is CopyClass.NEEDED_NOW and not w.cancelled
                        and w.room != work.room and rank(w) < own for w in line.queued)
@@ -220,6 +197,8 @@ class WanLines:
             line = self._lines.get(work.session)
             if line is not None and line.holder is work:
                 line.holder = None
+                if not any(w.room == work.room for w in line.queued):
+                    line.first_queued.pop(work.room, None)
                 if not line.queued:
                     del self._lines[work.session]
             self._cond.notify_all()

@@ -152,7 +152,8 @@ def start_wan_path(kv_mgr: Any, args: Optional[Any] = None) -> WanPath:
     from pdd_sglang.prefill.wan_engine import open_wan_engine, wan_hostname, window_for_line
 
     args = get_server_args() if args is None else args
-    fanout = PrefillFanout(kv_mgr)
+    fanout = PrefillFanout(kv_mgr,
+                           wan_line_bytes_per_s=float(args.pdd_wan_bandwidth_gbps) * 1e9 / 8)
     fanout.relay_bootstrap_timeout_s = float(args.pdd_relay_bootstrap_timeout)
     fanout.main_bootstrap_timeout_s = float(args.pdd_main_bootstrap_timeout)
     # Every batch of a WAN chunk fails at --pdd-wan-transfer-timeout; a chunk still in a sender

@@ -13,17 +13,16 @@ What the sender does, and how it is modelled here:
    lanes finish together and wait a round trip for their acknowledgements, about W / (W + BDP)
    with W the bytes on the wire, docs/measurements.md. So this cap is optimistic by up to a
    quarter on a long fat line, and by more for a deep model's copy written one-sided.)
-3. **Order**: needed-now before cache-only, and within a class the least remaining bytes first
-   (ties: the earlier copy), but a copy later copies of its class have passed
-   ``MAX_OVERTAKES`` times goes next (prefill/wan_lines.py's bound on starvation). Every copy
-   starts needed-now; :meth:`ClassedLink.set_cache_only` turns one cache-only (its relay
-   answered alone).
+3. **Order**: needed-now before cache-only, and within a class the earliest deadline first:
+   arrival plus twice the remaining bytes at the line's rate
+   (:func:`pdd_sglang.policy.wan_order.copy_deadline`, the sender's rule; ties: the earlier
+   copy). Every copy starts needed-now; :meth:`ClassedLink.set_cache_only` turns one
+   cache-only (its relay answered alone).
 4. **Preemption at a slice boundary.** A needed-now copy queued behind a holder it ranks ahead
-   of (any cache-only holder; a needed-now one with more left that has not been passed
-   ``MAX_OVERTAKES`` times) takes the line once the holder reaches its next slice boundary after
-   the bytes it already handed to the transport (the window): bytes
-   ``ceil((sent + window) / slice) x slice``, at most its size. The yielded copy goes back to
-   its line with its progress, and counts the pass.
+   of (any cache-only holder; a needed-now one due after it) takes the line once the holder
+   reaches its next slice boundary after the bytes it already handed to the transport (the
+   window): bytes ``ceil((sent + window) / slice) x slice``, at most its size. The yielded copy
+   goes back to its line with its progress and keeps its deadline.
 5. **Dropping.** When the bytes ahead on a line (queued and the holder's remaining) exceed
    ``backlog_s`` seconds of the line alone (min(rate, window / RTT), what the sender measures
    when nothing else shares the line), its queued cache-only copies are dropped, newest first,
@@ -39,7 +38,7 @@ from __future__ import annotations
 
 import math
 
-from pdd_sglang.prefill.wan_lines import MAX_OVERTAKES
+from pdd_sglang.policy.wan_order import copy_deadline
 
 from .engine import Callback, Simulator
 from .link import TIME_STEPS_TOLERANCE, FairShareLink, FlowDelivered, LinkCheck
@@ -53,9 +52,9 @@ class Copy:
     """One main-bound copy on a classed line (the link's flow)."""
 
     __slots__ = ("flow_id", "size_bytes", "sent", "copy_class", "dest", "on_delivered",
-                 "on_dropped", "active", "delivered_bytes", "yield_at", "dropped", "overtaken")
+                 "on_dropped", "active", "delivered_bytes", "yield_at", "dropped", "queued_at")
 
-    def __init__(self, flow_id, size_bytes, dest, on_delivered, on_dropped):
+    def __init__(self, flow_id, size_bytes, dest, on_delivered, on_dropped, queued_at=0.0):
         self.flow_id = flow_id
         self.size_bytes = float(size_bytes)
         self.sent = 0.0
@@ -67,16 +66,15 @@ class Copy:
         self.delivered_bytes = 0.0
         self.yield_at = None          # bytes at which it leaves the line for a needed-now copy
         self.dropped = False
-        self.overtaken = 0            # later copies of its class served before it
+        self.queued_at = float(queued_at)  # the simulator's clock when it was queued
 
     @property
     def remaining(self) -> float:
         return self.size_bytes - self.sent
 
-    def rank(self) -> tuple:
-        starved = self.overtaken >= MAX_OVERTAKES
-        return (self.copy_class == CACHE_ONLY, not starved,
-                self.flow_id if starved else self.remaining, self.flow_id)
+    def rank(self, line_bytes_per_s: float) -> tuple:
+        return (self.copy_class == CACHE_ONLY,
+                copy_deadline(self.queued_at, self.remaining, line_bytes_per_s), self.flow_id)
 
 
 class _Line:
@@ -152,7 +150,7 @@ class ClassedLink(FairShareLink):
             raise ValueError("flow size must be >= 0")
         self._advance()
         self._next_id += 1
-        copy = Copy(self._next_id, size_bytes, dest, on_delivered, on_dropped)
+        copy = Copy(self._next_id, size_bytes, dest, on_delivered, on_dropped, self.sim.now)
         line = self._lines.setdefault(dest, _Line())
         line.queued.append(copy)
         self._preempt(line)
@@ -236,11 +234,8 @@ class ClassedLink(FairShareLink):
     # --- order, preemption, dropping -----------------------------------------------------
     def _serve(self, line: _Line) -> None:
         if line.holder is None and line.queued:
-            best = min(line.queued, key=Copy.rank)
+            best = min(line.queued, key=lambda copy: copy.rank(self.rate))
             line.queued.remove(best)
-            for waiting in line.queued:
-                if waiting.copy_class == best.copy_class and waiting.flow_id < best.flow_id:
-                    waiting.overtaken += 1
             line.holder = best
         if line.holder is None and not line.queued:
             for dest, other in list(self._lines.items()):
@@ -252,9 +247,10 @@ class ClassedLink(FairShareLink):
         holder) leaves at its next slice boundary after its window in flight (the sender's
         WanLines.should_yield)."""
         holder = line.holder
-        if (holder is None or holder.yield_at is not None
-                or not any(c.copy_class == NEEDED_NOW and c.rank() < holder.rank()
-                           for c in line.queued)):
+        if holder is None or holder.yield_at is not None:
+            return
+        own = holder.rank(self.rate)
+        if not any(c.copy_class == NEEDED_NOW and c.rank(self.rate) < own for c in line.queued):
             return
         handed = holder.sent + self.window_bytes
         boundary = math.ceil(handed / self.slice_bytes) * self.slice_bytes

@@ -1,5 +1,5 @@
 """Issue 34 item 4: the simulator's WAN line as prefill's sender drives it (sim/wan_lines.py):
-needed-now first, shortest remaining first within a class, preemption at a slice boundary after
+needed-now first, earliest deadline first within a class, preemption at a slice boundary after
 the window in flight, cache-only copies dropped past the backlog, each copy at most its window
 per RTT; and TTFT-budget placement taken from pdd_sglang.policy."""
 
@@ -32,7 +32,7 @@ def _copy(sim, line, size, name, done, dest=0, dropped=None):
                            else None)
 
 
-def test_needed_now_goes_first_then_the_least_remaining_within_a_class():
+def test_needed_now_goes_first_then_the_earliest_deadline_within_a_class():
     sim, line = _line()
     done = []
     _copy(sim, line, 5000, "holder", done)
@@ -41,24 +41,26 @@ def test_needed_now_goes_first_then_the_least_remaining_within_a_class():
     line.set_cache_only(cache)
     assert (big.copy_class, cache.copy_class) == (NEEDED_NOW, CACHE_ONLY)
     sim.run()
-    # Needed-now copies with less left take the line from the needed-now holder at its next
-    # slice (the sender's should_yield): small, then big; passed twice, the holder goes next;
-    # cache-only last though it is the shortest.
+    # Needed-now copies due before it (queued together, so the ones with less left) take the
+    # line from the needed-now holder at its next slice (the sender's should_yield): small,
+    # then big, then the holder; cache-only last though it is the shortest.
     assert done == [("small", 1.0), ("big", 4.0), ("holder", 9.0), ("cache-only", 9.5)]
     assert line.sent_by_class == pytest.approx({NEEDED_NOW: 9000.0, CACHE_ONLY: 500.0})
 
 
-def test_a_larger_copy_is_passed_at_most_twice_by_later_smaller_ones():
-    """The sender's bound on least-left's starvation (prefill/wan_lines.py MAX_OVERTAKES): a
-    1,100-byte copy behind a holder, then a 1,000-byte copy arriving each second."""
+def test_a_larger_copy_is_passed_only_by_smaller_copies_due_before_it():
+    """The sender's bound on least-left's starvation (policy.wan_order): a 1,100-byte copy
+    (due at 2.2 s) behind a holder, then a 1,000-byte copy arriving each second from 0.05 s.
+    Only the first is due before it (2.05 s); least-left would send it last, a bound of two
+    passes third."""
     sim, line = _line()
     done = []
     _copy(sim, line, 1000, "holder", done)
     _copy(sim, line, 1100, "big", done)
     for k in range(4):
-        sim.at(0.5 + k, Callback(_copy, sim, line, 1000, f"small{k}", done))
+        sim.at(0.05 + k, Callback(_copy, sim, line, 1000, f"small{k}", done))
     sim.run()
-    assert [name for name, _ in done] == ["holder", "small0", "small1", "big", "small2",
+    assert [name for name, _ in done] == ["holder", "small0", "big", "small1", "small2",
                                           "small3"]
 
 

@@ -18,6 +18,8 @@ from pdd_sglang.prefill.wan_engine import WanTransferEngine
 from pdd_sglang.prefill.wan_lines import WanLines
 from pdd_sglang.protocol.messages import DestinationHello, encode
 
+LINE_BYTES_PER_S = 10e9 / 8  # the declared line the harness's WAN lines order copies by
+
 RELAY, MAIN = "127.0.0.1:1001", "127.0.0.1:2002"
 
 
@@ -149,7 +151,7 @@ class ListLines(list):
 
     def __init__(self):
         super().__init__()
-        self.lines = WanLines()
+        self.lines = WanLines(LINE_BYTES_PER_S)
 
     def put(self, work, nbytes, pages, copy_class):
         self.lines.put(work, nbytes, pages, copy_class)

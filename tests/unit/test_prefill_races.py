@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import pdd_sglang.hooks as hooks
-from fanout_harness import (MAIN, RELAY, Kv, chunk, drain, hello_frames, make_fanout, poll_name,
+from fanout_harness import (LINE_BYTES_PER_S, MAIN, RELAY, Kv, chunk, drain, hello_frames, make_fanout, poll_name,
                             register, send_all)
 from pdd_sglang.prefill.events import ChunkSent, ProbeAnswered
 from pdd_sglang.prefill.wan_lines import WanLines
@@ -175,7 +175,7 @@ def test_race4_a_room_whose_relay_and_main_land_at_once_is_concluded_once(caplog
     kv = Kv()
     kv.executors = [None]
     fanout = make_fanout(kv)
-    fanout.local_queues, fanout.wan_lines = [], WanLines()
+    fanout.local_queues, fanout.wan_lines = [], WanLines(LINE_BYTES_PER_S)
     fanout.wan_line.queue_view = fanout.wan_lines.queued_by_class
     both_writing = threading.Barrier(2, timeout=10)
     send_aux, concluded = kv.send_aux, []
@@ -221,7 +221,7 @@ def test_race6_only_the_owner_thread_writes_sglangs_status_for_a_pdd_room():
     kv = Kv()
     kv.executors = [None]
     fanout = make_fanout(kv)
-    fanout.local_queues, fanout.wan_lines = [], WanLines()
+    fanout.local_queues, fanout.wan_lines = [], WanLines(LINE_BYTES_PER_S)
     fanout.wan_line.queue_view = fanout.wan_lines.queued_by_class
     path = WanPath(fanout)
     path.start(kv, workers=1, local_workers=1)

@@ -4,7 +4,7 @@ any more stops holding the WAN line at the next batch, not at the end of its chu
 import pytest
 
 import pdd_sglang.hooks as hooks
-from fanout_harness import MAIN, RELAY, Kv, chunk, drain, make_fanout, register
+from fanout_harness import LINE_BYTES_PER_S, MAIN, RELAY, Kv, chunk, drain, make_fanout, register
 from pdd_sglang.prefill import senders
 from pdd_sglang.prefill.events import ChunkSent
 
@@ -72,7 +72,7 @@ def test_a_cache_only_copy_yields_to_a_needed_now_one_at_its_next_slice_and_resu
     kv = Kv()
     fanout = make_fanout(kv)
     fanout.wan_engine.slice_bytes = 4 * PAGE_BYTES
-    lines = WanLines()
+    lines = WanLines(LINE_BYTES_PER_S)
     _, cache_only = _room_of_ten_pages(kv, fanout, 42)
     lines.put(cache_only, 10 * PAGE_BYTES, 10, CopyClass.CACHE_ONLY)
     assert lines.take() is cache_only

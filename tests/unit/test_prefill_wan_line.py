@@ -10,6 +10,8 @@ import pytest
 from pdd_sglang.prefill.wan_line import WanLine
 from pdd_sglang.prefill.wan_lines import CopyClass, WanLines
 
+LINE_BYTES_PER_S = 10e9 / 8  # the declared line, where a test does not depend on it
+
 
 class Clock:
     def __init__(self):
@@ -26,7 +28,7 @@ def _work(room, session="main-a", cancelled=False):
 
 
 def test_bytes_are_queued_then_in_flight_then_gone():
-    lines = WanLines()
+    lines = WanLines(LINE_BYTES_PER_S)
     line = WanLine(Clock())
     line.queue_view = lines.queued_by_class
     lines.put(_work(1), 500, 5, CopyClass.NEEDED_NOW)
@@ -45,8 +47,8 @@ def test_bytes_are_queued_then_in_flight_then_gone():
     assert (snap["in_flight_bytes"], snap["bytes_ahead"], snap["sent_bytes"]) == (0, 0, 500)
 
 
-def test_a_line_serves_needed_now_first_then_the_least_left_and_one_sender_at_a_time():
-    lines = WanLines()
+def test_a_line_serves_needed_now_first_then_the_least_left_when_queued_together_and_one_sender_at_a_time():
+    lines = WanLines(1e3, Clock())  # a slow line: bytes outweigh the queueing order
     lines.put(_work(1), 8000, 8, CopyClass.CACHE_ONLY)
     lines.put(_work(2), 900, 9, CopyClass.NEEDED_NOW)
     lines.put(_work(3), 400, 4, CopyClass.NEEDED_NOW)
@@ -61,7 +63,7 @@ def test_a_line_serves_needed_now_first_then_the_least_left_and_one_sender_at_a_
 def test_a_copy_is_a_rooms_chunks_served_together_the_least_left_then_the_first_queued():
     """Chunked prefill queues a copy chunk by chunk: ranking the chunks alone interleaved two
     copies (1a, 2a, 1b, 2b), so both landed as late as the last chunk."""
-    lines = WanLines()
+    lines = WanLines(1e3, Clock())  # a slow line: bytes outweigh the queueing order
     for room, chunk in ((1, "a"), (2, "a"), (1, "b"), (2, "b")):
         work = _work(room)
         work.chunk = chunk
@@ -79,26 +81,30 @@ def test_a_copy_is_a_rooms_chunks_served_together_the_least_left_then_the_first_
     assert lines.take().room == 4
 
 
-def test_a_larger_copy_is_overtaken_at_most_twice_by_later_smaller_ones():
-    """Least-left alone starved a relay death's first request: its 764-page copy waited 30 s
-    while nine 700-page copies queued after it went first, until main gave up on it (the quick
-    fault suite at 20 Mbit/s). Now later copies of its class pass it at most MAX_OVERTAKES
-    times; a cache-only copy passed by needed-now ones is not counted."""
-    lines = WanLines()
-    lines.put(_work(1), 7640, 764, CopyClass.NEEDED_NOW)
-    lines.put(_work(90), 9000, 900, CopyClass.CACHE_ONLY)
+def test_a_copy_about_as_large_passes_one_queued_before_it_only_within_its_deadline():
+    """Least-left alone starved a relay death's first request: its 764-page copy (6.3 MB) waited
+    30 s while nine 700-page copies (5.7 MB, one every 2.3 s) queued after it went first, until
+    main gave up on it (the quick fault suite at 20 Mbit/s). A deadline (first queued plus twice
+    its time alone) lets only the copy that came 0.2 s later pass; the next, 2.5 s later, is due
+    after it. A cache-only copy waits behind both."""
+    clock = Clock()
+    lines = WanLines(20e6 / 8, clock)
+    lines.put(_work(1), 6_300_000, 764, CopyClass.NEEDED_NOW)
+    lines.put(_work(90), 9_000_000, 900, CopyClass.CACHE_ONLY)
     taken = []
-    for room in (2, 3, 4, 5):  # a steady stream of smaller needed-now copies, one per copy sent
-        lines.put(_work(room), 7000, 700, CopyClass.NEEDED_NOW)
+    clock.now += 0.2
+    for room in (2, 3, 4):  # a steady stream of smaller needed-now copies, one per copy sent
+        lines.put(_work(room), 5_700_000, 700, CopyClass.NEEDED_NOW)
         work = lines.take()
         taken.append(work.room)
+        clock.now += 2.3
         lines.release(work)
-    assert taken == [2, 3, 1, 4]
-    assert [lines.take().room for _ in range(1)] == [5]
+    assert taken == [2, 1, 3]
+    assert [lines.take().room for _ in range(1)] == [4]
 
 
 def test_a_needed_now_copy_overtakes_a_cache_only_one_between_its_slices():
-    lines = WanLines()
+    lines = WanLines(LINE_BYTES_PER_S)
     lines.put(_work(1), 8000, 8, CopyClass.CACHE_ONLY)
     cache_only = lines.take()
     assert not lines.should_yield(cache_only)
@@ -110,60 +116,42 @@ def test_a_needed_now_copy_overtakes_a_cache_only_one_between_its_slices():
     assert lines.queued_by_class()["main-a"] == {"needed_now": 100, "cache_only": 5000}
 
 
-def test_a_smaller_needed_now_copy_takes_the_line_from_a_needed_now_one_at_most_twice():
+def test_a_smaller_needed_now_copy_takes_the_line_from_a_needed_now_one_until_its_deadline():
     """A P->MD request's 60-token copy waited 7.1 s behind a document's 9.9 MB copy for a
     handoff (the demo's idle-line setup): within needed-now the holder kept the line to its end.
-    Now it yields between slices to a copy of less left, and after MAX_OVERTAKES yields it keeps
-    the line; its own room's next chunk never takes it."""
-    lines = WanLines()
+    Then it yielded to a copy of less left at most twice, and a 46-token copy waited 5.05 s
+    behind a document two smaller ones had passed (fresh clone of 4d20877). Now it yields
+    between slices to every copy due before it (the document is due 2 x 7.9 s after it was
+    queued, less its progress), and to none queued after that; its own room's next chunk and a
+    larger copy never take it."""
+    clock = Clock()
+    lines = WanLines(10e6 / 8, clock)
     lines.put(_work(1), 9_900_000, 1210, CopyClass.NEEDED_NOW)
     document = lines.take()
+    clock.now += 0.1
     same_room = _work(1)
     lines.put(same_room, 5_000_000, 600, CopyClass.NEEDED_NOW)
     assert not lines.should_yield(document)     # its own next chunk
     lines.put(_work(2), 30_000_000, 3600, CopyClass.NEEDED_NOW)
-    assert not lines.should_yield(document)     # more left than the document's copy
-    for room in (3, 4, 5):
+    assert not lines.should_yield(document)     # due long after the document's copy
+    for room in (3, 4, 5, 6):                   # four P->MD copies, one a second
+        clock.now += 1.0
         lines.put(_work(room), 490_000, 60, CopyClass.NEEDED_NOW)
-        if room == 5:
-            break
         assert lines.should_yield(document)
-        document.pages_done = 100 * (room - 2)
+        document.pages_done += 50
         lines.put_back(document)
         small = lines.take()
         assert small.room == room
         lines.release(small)
         document = lines.take()
-        assert document.room == 1 and document.pages_done == 100 * (room - 2)
-    assert not lines.should_yield(document)     # overtaken twice: it keeps the line
-
-
-def test_a_needed_now_holder_yields_at_most_twice_though_its_room_has_no_other_chunk():
-    """The count of passes must outlive the copy's being taken: pruned to the queued rooms only,
-    it was cleared each time the copy took the line again, and it yielded to every smaller copy
-    without end."""
-    lines = WanLines()
-    lines.put(_work(1), 9_900_000, 1210, CopyClass.NEEDED_NOW)
-    document = lines.take()
-    yields = 0
-    for room in (3, 4, 5, 6, 7):
-        lines.put(_work(room), 490_000, 60, CopyClass.NEEDED_NOW)
-        if not lines.should_yield(document):
-            break
-        yields += 1
-        lines.put_back(document)
-        small = lines.take()
-        assert small.room == room
-        lines.release(small)
-        document = lines.take()
-        assert document.room == 1
-    assert yields == 2
-    lines.release(document)
-    assert [lines.take().room for _ in range(1)] == [room]
+        assert document.room == 1 and document.pages_done == 50 * (room - 2)
+    clock.now = 100.0 + 2 * 14_900_000 / (10e6 / 8)  # past the copy's deadline (both chunks)
+    lines.put(_work(7), 490_000, 60, CopyClass.NEEDED_NOW)
+    assert not lines.should_yield(document)     # queued after the document was due
 
 
 def test_a_relay_that_finished_makes_its_rooms_copy_cache_only_queued_or_being_written():
-    lines = WanLines()
+    lines = WanLines(LINE_BYTES_PER_S)
     lines.put(_work(7), 1000, 10, CopyClass.NEEDED_NOW)
     lines.put(_work(7), 1000, 10, CopyClass.NEEDED_NOW)
     held = lines.take()
@@ -175,7 +163,7 @@ def test_a_relay_that_finished_makes_its_rooms_copy_cache_only_queued_or_being_w
 def test_cancelled_work_counts_no_bytes_ahead_though_it_waits_for_a_sender():
     """Issue 34's hazard: cancelled work stayed counted as queued until a sender popped it, so
     /pdd/line over-reported what was ahead of a new copy."""
-    lines = WanLines()
+    lines = WanLines(LINE_BYTES_PER_S)
     line = WanLine(Clock())
     line.queue_view = lines.queued_by_class
     live, dead = _work(1), _work(2)
@@ -187,7 +175,7 @@ def test_cancelled_work_counts_no_bytes_ahead_though_it_waits_for_a_sender():
 
 
 def test_past_the_backlog_bound_the_newest_cache_only_copies_are_dropped():
-    lines = WanLines()
+    lines = WanLines(LINE_BYTES_PER_S)
     for room, cls in ((1, CopyClass.NEEDED_NOW), (2, CopyClass.CACHE_ONLY),
                       (3, CopyClass.CACHE_ONLY), (4, CopyClass.NEEDED_NOW)):
         lines.put(_work(room), 1000, 10, cls)
@@ -201,7 +189,7 @@ def _work_of(lines, room):
 
 
 def test_stopped_lines_wake_every_sender():
-    lines = WanLines()
+    lines = WanLines(LINE_BYTES_PER_S)
     got = []
     sender = threading.Thread(target=lambda: got.append(lines.take()))
     sender.start()

@@ -1,0 +1,40 @@
+"""Which copy a WAN line serves next, within a class: the order prefill's sender
+(``prefill/wan_lines.py``) and the simulator's line (``sim/wan_lines.py``) both follow.
+
+**Earliest deadline first**, a copy's deadline being when it was first queued plus
+:data:`DEADLINE_STRETCH` times its remaining bytes at the line's rate (its time alone on the
+line, stretched). So a copy queued later, at ``t_b`` with ``b`` bytes left, goes before one
+queued at ``t_a`` with ``a`` left only if ``t_b - t_a < DEADLINE_STRETCH x (a - b) / rate``:
+
+- a short copy passes a long one queued well before it (a P->MD request's 46-token copy and a
+  document's 9.9 MB copy for a handoff, 8 s of the demo's 10 Mbit/s line: passed while it
+  arrives within 16 s of the document);
+- a copy about as large as one queued before it passes it only if it arrives within twice their
+  difference (a relay death's 764-page probe at 20 Mbit/s against 700-page copies, one every
+  2.3 s: 0.4 s), so every copy's wait has an end: nothing queued after its deadline passes it.
+
+What came before, and why it went: least-left first alone (an unbounded stretch) let the
+relay-death probe wait 30 s while nine copies queued after it went first, until main gave up on
+it (``scripts/fault_suite.py --quick``, 20 Mbit/s); then least-left with at most two passes per
+copy (a bound by count) made a 46-token P->MD copy wait 5.05 s, x9 its time alone, behind a
+document two smaller copies had already passed (the demo's idle-line setup, fresh clone of
+4d20877, docs/measurements.md). A deadline bounds a copy's wait by time, whatever the count.
+
+Pure: no clock, no I/O. The callers give the times (``time.monotonic`` in prefill, the
+simulator's clock) and the rate (the declared line in prefill, the line's profile in the
+simulator).
+"""
+
+from __future__ import annotations
+
+# Declared, not fitted: how far a copy's time alone is stretched into its deadline. 0 is first
+# come, first served; the larger, the closer to least-left first (and the longer a large copy
+# may wait behind later, smaller ones).
+DEADLINE_STRETCH = 2.0
+
+
+def copy_deadline(first_queued_s: float, left_bytes: float, line_bytes_per_s: float) -> float:
+    """When a copy first queued at ``first_queued_s`` with ``left_bytes`` to send is due."""
+    if not line_bytes_per_s > 0:
+        raise ValueError(f"the line's rate must be positive, got {line_bytes_per_s!r} bytes/s")
+    return first_queued_s + DEADLINE_STRETCH * max(left_bytes, 0.0) / line_bytes_per_s
