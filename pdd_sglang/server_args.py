@@ -69,7 +69,7 @@ class PddArgs(msgspec.Struct):
         "--pdd-wan-rtt-ms it sizes each WAN copy's slices (four bandwidth-delay products) and "
         "window (twelve more in flight): enough to fill the line, and all a cancel or an urgent copy "
         "waits behind; and it scales the copies' deadlines on a line (first queued plus twice "
-        "their time left). "
+        "their time alone). "
         "Default: 10.",
     ] = 10.0
     pdd_wan_rtt_ms: A[

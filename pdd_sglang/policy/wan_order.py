@@ -2,9 +2,10 @@
 (``prefill/wan_lines.py``) and the simulator's line (``sim/wan_lines.py``) both follow.
 
 **Earliest deadline first**, a copy's deadline being when it was first queued plus
-:data:`DEADLINE_STRETCH` times its remaining bytes at the line's rate (its time alone on the
-line, stretched). So a copy queued later, at ``t_b`` with ``b`` bytes left, goes before one
-queued at ``t_a`` with ``a`` left only if ``t_b - t_a < DEADLINE_STRETCH x (a - b) / rate``:
+:data:`DEADLINE_STRETCH` times its bytes at the line's rate (its time alone on the line,
+stretched); fixed when it is queued, whatever it has sent since. So a copy queued later, at
+``t_b`` with ``b`` bytes, goes before one queued at ``t_a`` with ``a`` bytes only if
+``t_b - t_a < DEADLINE_STRETCH x (a - b) / rate``:
 
 - a short copy passes a long one queued well before it (a P->MD request's 46-token copy and a
   document's 9.9 MB copy for a handoff, 8 s of the demo's 10 Mbit/s line: passed while it
@@ -18,7 +19,10 @@ relay-death probe wait 30 s while nine copies queued after it went first, until 
 it (``scripts/fault_suite.py --quick``, 20 Mbit/s); then least-left with at most two passes per
 copy (a bound by count) made a 46-token P->MD copy wait 5.05 s, x9 its time alone, behind a
 document two smaller copies had already passed (the demo's idle-line setup, fresh clone of
-4d20877, docs/measurements.md). A deadline bounds a copy's wait by time, whatever the count.
+4d20877, docs/measurements.md). A deadline bounds a copy's wait by time, whatever the count. And it is the copy's whole size,
+not what it has left: a deadline from the bytes left moved a copy's deadline closer as it sent,
+so a document's copy 5 s into its 6 s kept the line from a 46-token P->MD copy, which waited
+4.38 s, x7 alone (fresh clone of 74d4114).
 
 Pure: no clock, no I/O. The callers give the times (``time.monotonic`` in prefill, the
 simulator's clock) and the rate (the declared line in prefill, the line's profile in the
@@ -33,8 +37,8 @@ from __future__ import annotations
 DEADLINE_STRETCH = 2.0
 
 
-def copy_deadline(first_queued_s: float, left_bytes: float, line_bytes_per_s: float) -> float:
-    """When a copy first queued at ``first_queued_s`` with ``left_bytes`` to send is due."""
+def copy_deadline(first_queued_s: float, copy_bytes: float, line_bytes_per_s: float) -> float:
+    """When a copy of ``copy_bytes`` first queued at ``first_queued_s`` is due."""
     if not line_bytes_per_s > 0:
         raise ValueError(f"the line's rate must be positive, got {line_bytes_per_s!r} bytes/s")
-    return first_queued_s + DEADLINE_STRETCH * max(left_bytes, 0.0) / line_bytes_per_s
+    return first_queued_s + DEADLINE_STRETCH * max(copy_bytes, 0.0) / line_bytes_per_s

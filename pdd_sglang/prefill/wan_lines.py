@@ -12,7 +12,7 @@ Order (issue 34): work is queued per main session (one WAN line each), so a slow
 holds up no other main's copies. A line is served by one WAN sender at a time, so its window
 (:meth:`~pdd_sglang.prefill.wan_engine.WanTransferEngine.copy`) is one copy's. Within a line,
 needed-now goes before cache-only, and within a class the copy (a room's chunks) with the
-earliest deadline first: when it was first queued plus twice its remaining bytes at the
+earliest deadline first: when it was first queued plus twice its bytes at the
 declared line's rate (:func:`pdd_sglang.policy.wan_order.copy_deadline`, which the simulator's
 line follows too). A short copy passes a long one; a copy queued after another's deadline never
 passes it. A needed-now copy that ranks ahead of the copy on the line (any cache-only one; a
@@ -55,6 +55,7 @@ class _Line:
     # room -> when its first work still on this line (or an earlier one, sent while its next was
     # queued) was queued: a copy's deadline starts at its first chunk, not at the chunk now due.
     first_queued: dict = field(default_factory=dict)
+    copy_bytes: dict = field(default_factory=dict)  # room -> the bytes of its works queued since
 
 
 def remaining_bytes(work: Any) -> int:
@@ -68,22 +69,17 @@ def _ranker(line: _Line, line_bytes_per_s: float):
     """The order of ``line``'s queued works: cancelled work first (a sender only skips and reports
     it, and its room's conclusion, which frees prefill's KV, waits for that report), then
     needed-now, then the copy (the room) with the earliest deadline (its first work's queueing
-    plus its time left, stretched: :func:`~pdd_sglang.policy.wan_order.copy_deadline`), then the
-    copy that came first.
+    plus its time alone, stretched: :func:`~pdd_sglang.policy.wan_order.copy_deadline`), then
+    the copy that came first.
 
     A copy is a room's works (chunked prefill queues one per chunk as its forward ends), so its
-    time left is the room's, queued and being written, and its deadline starts at its first
-    chunk: ranking the chunks alone would interleave concurrent copies chunk by chunk, and every
-    one of them would land as late as the last.
+    deadline is the room's: from its first chunk, for the bytes of all its chunks: ranking the
+    chunks alone would interleave concurrent copies chunk by chunk, and every one of them would
+    land as late as the last.
     """
-    left: dict = {}
-    for work in [*line.queued, line.holder]:
-        if work is not None and not work.cancelled:
-            left[work.room] = left.get(work.room, 0) + remaining_bytes(work)
-
     def rank(work: Any) -> tuple:
         first = line.first_queued.get(work.room, work.queued_at)
-        due = copy_deadline(first, left.get(work.room, 0), line_bytes_per_s)
+        due = copy_deadline(first, line.copy_bytes.get(work.room, work.nbytes), line_bytes_per_s)
         return (not work.cancelled, work.copy_class is CopyClass.CACHE_ONLY, due, first,
                 work.queued_at)
     return rank
@@ -110,6 +106,7 @@ class WanLines:
             line = self._lines.setdefault(work.session, _Line())
             line.queued.append(work)
             line.first_queued.setdefault(work.room, work.queued_at)
+            line.copy_bytes[work.room] = line.copy_bytes.get(work.room, 0) + work.nbytes
             self._cond.notify_all()
 
     def reclassify(self, room: int, copy_class: CopyClass) -> int:
@@ -199,6 +196,7 @@ class WanLines:
                 line.holder = None
                 if not any(w.room == work.room for w in line.queued):
                     line.first_queued.pop(work.room, None)
+                    line.copy_bytes.pop(work.room, None)
                 if not line.queued:
                     del self._lines[work.session]
             self._cond.notify_all()

@@ -14,7 +14,7 @@ What the sender does, and how it is modelled here:
    with W the bytes on the wire, docs/measurements.md. So this cap is optimistic by up to a
    quarter on a long fat line, and by more for a deep model's copy written one-sided.)
 3. **Order**: needed-now before cache-only, and within a class the earliest deadline first:
-   arrival plus twice the remaining bytes at the line's rate
+   arrival plus twice its bytes at the line's rate
    (:func:`pdd_sglang.policy.wan_order.copy_deadline`, the sender's rule; ties: the earlier
    copy). Every copy starts needed-now; :meth:`ClassedLink.set_cache_only` turns one
    cache-only (its relay answered alone).
@@ -74,7 +74,7 @@ class Copy:
 
     def rank(self, line_bytes_per_s: float) -> tuple:
         return (self.copy_class == CACHE_ONLY,
-                copy_deadline(self.queued_at, self.remaining, line_bytes_per_s), self.flow_id)
+                copy_deadline(self.queued_at, self.size_bytes, line_bytes_per_s), self.flow_id)
 
 
 class _Line:

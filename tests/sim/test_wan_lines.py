@@ -64,6 +64,18 @@ def test_a_larger_copy_is_passed_only_by_smaller_copies_due_before_it():
                                           "small3"]
 
 
+def test_a_holder_far_into_its_copy_still_yields_to_a_copy_due_before_it():
+    """A deadline from the bytes left moved the holder's closer as it sent: 6 s into its 8 s it
+    was due at 4 s and kept the line from a 0.5 s copy due at 7 s. Its deadline is its size's:
+    16 s."""
+    sim, line = _line()
+    done = []
+    _copy(sim, line, 8000, "holder", done)
+    sim.at(6.0, Callback(_copy, sim, line, 500, "small", done))
+    sim.run()
+    assert done == [("small", 6.5), ("holder", 8.5)]
+
+
 @pytest.mark.parametrize("window, yield_at_s", [(0.0, 3.0), (1500.0, 4.0)])
 def test_a_needed_now_copy_overtakes_a_cache_only_one_at_its_next_slice_after_the_window(
         window, yield_at_s):

@@ -60,13 +60,16 @@ def test_a_line_serves_needed_now_first_then_the_least_left_when_queued_together
     assert lines.should_yield(second) is False  # nothing needed-now waits on main-b
 
 
-def test_a_copy_is_a_rooms_chunks_served_together_the_least_left_then_the_first_queued():
+def test_a_copy_is_a_rooms_chunks_served_together_the_smaller_then_the_first_queued():
     """Chunked prefill queues a copy chunk by chunk: ranking the chunks alone interleaved two
-    copies (1a, 2a, 1b, 2b), so both landed as late as the last chunk."""
-    lines = WanLines(1e3, Clock())  # a slow line: bytes outweigh the queueing order
+    copies (1a, 2a, 1b, 2b), so both landed as late as the last chunk. A room's deadline is
+    its first chunk's, for all its chunks' bytes."""
+    clock = Clock()
+    lines = WanLines(1e3, clock)  # a slow line: bytes outweigh the queueing order
     for room, chunk in ((1, "a"), (2, "a"), (1, "b"), (2, "b")):
         work = _work(room)
         work.chunk = chunk
+        clock.now += 0.001
         lines.put(work, 1000, 1, CopyClass.NEEDED_NOW)
     order = []
     for _ in range(4):
@@ -74,7 +77,7 @@ def test_a_copy_is_a_rooms_chunks_served_together_the_least_left_then_the_first_
         order.append((work.room, work.chunk))
         lines.release(work)
     assert order == [(1, "a"), (1, "b"), (2, "a"), (2, "b")]
-    # The copy with less left goes first, though queued later.
+    # The smaller copy goes first, though queued later.
     lines.put(_work(3), 3000, 3, CopyClass.NEEDED_NOW)
     lines.put(_work(4), 1000, 1, CopyClass.NEEDED_NOW)
     lines.put(_work(3), 1000, 1, CopyClass.NEEDED_NOW)
@@ -121,9 +124,10 @@ def test_a_smaller_needed_now_copy_takes_the_line_from_a_needed_now_one_until_it
     handoff (the demo's idle-line setup): within needed-now the holder kept the line to its end.
     Then it yielded to a copy of less left at most twice, and a 46-token copy waited 5.05 s
     behind a document two smaller ones had passed (fresh clone of 4d20877). Now it yields
-    between slices to every copy due before it (the document is due 2 x 7.9 s after it was
-    queued, less its progress), and to none queued after that; its own room's next chunk and a
-    larger copy never take it."""
+    between slices to every copy due before it (the document is due twice its 11.9 s alone after
+    it was queued, however much it has sent: a deadline from its bytes left kept the line from a
+    46-token copy 5 s into the document's copy, fresh clone of 74d4114), and to none queued
+    after that; its own room's next chunk and a larger copy never take it."""
     clock = Clock()
     lines = WanLines(10e6 / 8, clock)
     lines.put(_work(1), 9_900_000, 1210, CopyClass.NEEDED_NOW)
@@ -145,6 +149,16 @@ def test_a_smaller_needed_now_copy_takes_the_line_from_a_needed_now_one_until_it
         lines.release(small)
         document = lines.take()
         assert document.room == 1 and document.pages_done == 50 * (room - 2)
+    clock.now = 112.0
+    document.pages_done = 1100                  # most of it sent: still due at 123.84
+    lines.put(_work(8), 490_000, 60, CopyClass.NEEDED_NOW)
+    assert lines.should_yield(document)
+    lines.put_back(document)
+    small = lines.take()
+    assert small.room == 8
+    lines.release(small)
+    document = lines.take()
+    assert document.room == 1 and document.pages_done == 1100
     clock.now = 100.0 + 2 * 14_900_000 / (10e6 / 8)  # past the copy's deadline (both chunks)
     lines.put(_work(7), 490_000, 60, CopyClass.NEEDED_NOW)
     assert not lines.should_yield(document)     # queued after the document was due
