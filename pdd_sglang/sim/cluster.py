@@ -183,17 +183,27 @@ class Cluster:
         job.router_to_prefill_s = self.cfg.router_to_prefill_s
         if self.cfg.setup.has_relay and self.cfg.policy.ttft_slo_s is not None:
             self._place_by_budget(job)      # the router places before it posts to prefill
-        if self.dispatch_latency_s > 0:
-            self.schedule(self.dispatch_latency_s, self._dispatch, job)
+        latency = self.dispatch_latency_s
+        if self._placed_through_relay(job) and self.cfg.relay_dispatch_latency_s is not None:
+            latency = self.cfg.relay_dispatch_latency_s
+        if latency > 0:
+            self.schedule(latency, self._dispatch, job)
         else:
             self._dispatch(job)
+
+    @staticmethod
+    def _placed_through_relay(job: Job) -> bool:
+        """The router placed it through the relay before posting it (a budget placement), so
+        prefill waits for the relay's registration only, not main's across the line."""
+        return job.budget_pipeline is not None and job.budget_pipeline is not Pipeline.PREFILL_MAIN
 
     def _dispatch(self, job: Job) -> None:
         if self.cfg.register_at_step_boundary and not job.registered:
             # SGLang's PD bootstrap: the decode side(s) take the request and reserve its KV in
             # their scheduler loop, between forwards; prefill starts it once they have.
             job.registered = True
-            sides = [self._pick_main(job)] + (self.relays[:1] if self.cfg.setup.has_relay else [])
+            sides = [] if self._placed_through_relay(job) else [self._pick_main(job)]
+            sides += self.relays[:1] if self.cfg.setup.has_relay else []
             wait = max(side.until_step_boundary() for side in sides)
             if wait > 0:
                 self.schedule(wait, self._dispatch, job)

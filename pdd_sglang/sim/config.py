@@ -103,6 +103,11 @@ class ClusterConfig:
     # Latency every request pays before prefill that occupies no server; None: the prefill
     # hardware's dispatch_latency_s.  The operating point fits it (configs/operating_point.toml).
     dispatch_latency_s: float | None = None
+    # The same for a request the router places through the relay before it posts to prefill (a
+    # TTFT-budget placement): prefill starts once the relay, next door, has registered, and main
+    # registers across the line meanwhile (the demo's PDD measured 8-9 ms of registration wait
+    # at the latency point against cross-DC PD's 69-71 ms). None: dispatch_latency_s.
+    relay_dispatch_latency_s: float | None = None
     # Parts of the demo's TTFT split that occupy no server (validate_sim.py calibrates them at
     # the latency point): the client -> router hop (the first router_to_prefill_s of the
     # dispatch latency; the rest is registration_wait) and router -> client after the first

@@ -6,8 +6,9 @@ Life cycle (scripts/validate_sim.py drives it):
    (hardware/cpu_demo_measured.toml), the WAN and the loopback (links/*_measured.toml).
 2. ``calibrate`` fits what no microbenchmark measures, on the demo's latency point only
    (``latency_setups``: one conversation at a time): the hops that occupy no server
-   (client -> router, router -> prefill registration with a local or a remote main, router ->
-   client) from the medians of the demo's own stage split; one compute-scale factor per server
+   (client -> router, router -> prefill registration with a local main, a remote one (cross-DC
+   PD's) or a relay (PDD's: a request placed through the relay waits for its registration, not
+   main's), router -> client) from the medians of the demo's own stage split; one compute-scale factor per server
    (the profile was measured on one machine, the demo runs on another): prefill's from the
    median prefill_forward, each decode server's from the ITL P50 of the setup where it decodes
    every token (main-b: naive cross-DC PD; same-DC's main-a: same-DC PD; the relay, the same
@@ -92,6 +93,9 @@ class Calibration:
     router_to_prefill_s: float = 0.0
     registration_local_s: float = 0.0
     registration_remote_s: float = 0.0
+    # PDD's registration wait where the router placed through the relay (budget runs): the
+    # relay's, next door; None where the latency point has no PDD setup.
+    registration_relay_s: float | None = None
     router_to_client_s: float = 0.0
     loopback_fixed_s: float = 0.0      # per-transfer fixed cost, loopback (replaces measured)
     wan_fixed_s: float = 0.0           # per-transfer fixed cost, WAN (replaces measured)
@@ -206,6 +210,8 @@ class Validator:
             prefill_cache_tokens=self.pool_tokens, main_cache_tokens=self.pool_tokens,
             block_tokens=1, placement=placement,
             dispatch_latency_s=c.router_to_prefill_s + registration,
+            relay_dispatch_latency_s=(None if c.registration_relay_s is None
+                                      else c.router_to_prefill_s + c.registration_relay_s),
             router_to_prefill_s=c.router_to_prefill_s, router_to_client_s=c.router_to_client_s,
             register_at_step_boundary=True, shared_host=True,
             policy=PolicyConfig(ttft_slo_s=budget or None, prefill_tokens_per_s=rate or None),
@@ -298,8 +304,11 @@ class Validator:
             router_to_client_s=_median(_stage_values(list(latency.values()), "router_to_client")),
             registration_local_s=_median(_stage_values([latency["same_dc_pd"]],
                                                        "registration_wait")),
+            # main across the line: cross-DC PD's (PDD's prefill waits for its relay instead)
             registration_remote_s=_median(_stage_values(
-                [latency[n] for n in REMOTE_MAIN if n in latency], "registration_wait")),
+                [latency[n] for n in REMOTE_MAIN if n in latency][:1], "registration_wait")),
+            registration_relay_s=(_median(_stage_values([latency["pdd"]], "registration_wait"))
+                                  if "pdd" in latency else None),
             loopback_fixed_s=self.measured_fixed(self.profiles.loopback),
             wan_fixed_s=self.measured_fixed(self.profiles.wan))
         self.calibration = c

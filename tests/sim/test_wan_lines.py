@@ -182,6 +182,22 @@ def test_budget_placement_is_the_policys_and_follows_the_budget(monkeypatch):
     assert {job.budget_verdict for job in cluster.jobs} == {policy.BudgetVerdict.OVER}
 
 
+def test_a_request_placed_through_the_relay_waits_for_the_relays_registration_only():
+    """The demo's PDD by the budget registered in 8-9 ms at the latency point, cross-DC PD in
+    69-71 ms: prefill starts once the relay, next door, has registered. A request placed
+    P->MD still waits for main's registration across the line."""
+    from dataclasses import replace
+
+    base = replace(_budget_cluster(0.001), dispatch_latency_s=0.07, relay_dispatch_latency_s=0.009)
+    _, cluster = simulate(base, _requests(count=2, gap_s=5.0))
+    assert _pipelines(cluster) == {Pipeline.PREFILL_RELAY_MAIN.value: 2}
+    assert [round(j.dispatched_s - j.request.arrival_s, 6) for j in cluster.jobs] == [0.009, 0.009]
+    _, cluster = simulate(replace(base, policy=replace(base.policy, ttft_slo_s=60.0)),
+                          _requests(count=2, gap_s=5.0))
+    assert _pipelines(cluster) == {Pipeline.PREFILL_MAIN.value: 2}
+    assert [round(j.dispatched_s - j.request.arrival_s, 6) for j in cluster.jobs] == [0.07, 0.07]
+
+
 def test_a_full_relay_sends_requests_through_main_over_budget():
     summary, cluster = simulate(_budget_cluster(0.001, relay_max_running=1), _requests(gap_s=0.0))
     pipelines = [job.pipeline for job in cluster.jobs]
