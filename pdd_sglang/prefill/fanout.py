@@ -81,15 +81,14 @@ logger = logging.getLogger(__name__)
 
 # Mooncake's metadata message has 10 positional frames; a PDD destination appends its hello.
 HELLO_FRAME_INDEX = 10
-CONCLUDED_ROOMS_KEPT = 65536
-DECLARED_LINE_BYTES_PER_S = 10e9 / 8  # --pdd-wan-bandwidth-gbps's default  # to refuse a registration that comes after its room ended
+CONCLUDED_ROOMS_KEPT = 65536  # to refuse a registration that comes after its room ended
 
 
 class PrefillFanout(FanoutDeadlines, FanoutAborts):
     """The owner of every PDD room of one prefill KV manager (see the module docstring)."""
 
-    def __init__(self, kv_mgr: Any, clock: Callable[[], float] = time.monotonic,
-                 wan_line_bytes_per_s: float = DECLARED_LINE_BYTES_PER_S):
+    def __init__(self, kv_mgr: Any, wan_line_bytes_per_s: float,
+                 clock: Callable[[], float] = time.monotonic):
         self.kv_mgr = kv_mgr
         # Mooncake's status message leaves out its reason frame (NIXL's and Mori's carry it), so
         # a decode told Failed reported SGLang's "it might be dead" whatever PDD said. SGLang's

@@ -134,7 +134,7 @@ def poll_name(status) -> str:
 
 def make_fanout(kv, local=2):
     """A fan-out whose queues are lists and whose peer jobs run inline."""
-    fanout = PrefillFanout(kv)
+    fanout = PrefillFanout(kv, LINE_BYTES_PER_S)
     fanout.local_queues = [ListQueue() for _ in range(local)]
     fanout.wan_lines = ListLines()
     fanout.wan_line.queue_view = fanout.wan_lines.queued_by_class
