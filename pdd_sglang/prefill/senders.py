@@ -24,6 +24,7 @@ from pdd_sglang.prefill.ledger import LEDGER
 from pdd_sglang.prefill.room import Work
 from pdd_sglang.prefill.tp_slices import SAME_THREAD, LedgerScoped, is_sliced, page_bytes_to
 from pdd_sglang.prefill.wan_coded import codec_for, finish_staged, send_coded
+from pdd_sglang.prefill.wan_lines import CopyClass
 
 logger = logging.getLogger(__name__)
 
@@ -112,14 +113,16 @@ def _send_to_main(kv_mgr: Any, work: Work, peer: Any, src: Any, dst: Any, execut
     codec = codec_for(kv_mgr, work, is_sliced(kv_mgr, peer), len(src) * page_bytes)
     if codec is not None:  # into main's staging range, decoded there (prefill/wan_coded.py)
         return send_coded(kv_mgr, work, src, dst, codec, lines, _let_go, YIELDED)
-    step = max(wan.slice_bytes // page_bytes, 1)
     with wan.copy(work.session) as copy:
-        for start in range(work.pages_done, len(src), step):
+        start = work.pages_done
+        while start < len(src):
             if start:
                 if _let_go(kv_mgr, work):  # free the line now, not after the chunk
                     return None
                 if lines is not None and lines.should_yield(work):
                     return YIELDED if copy.finish() else False
+            window = copy.window_for_next_slice(work.copy_class is CopyClass.CACHE_ONLY)
+            step = max(window.slice_bytes // page_bytes, 1)
             if _send_pages(kv_mgr, work, peer, src[start:start + step], dst[start:start + step],
                            executor) != 0:
                 return False
@@ -127,7 +130,7 @@ def _send_to_main(kv_mgr: Any, work: Work, peer: Any, src: Any, dst: Any, execut
                 kv_mgr.pdd_fanout.wan_line.handed(
                     work.session, work.copy_class.value,
                     (min(start + step, len(src)) - start) * page_bytes)
-            work.pages_done = min(start + step, len(src))
+            start = work.pages_done = min(start + step, len(src))
         return copy.finish()
 
 

@@ -44,6 +44,7 @@ from pdd_sglang.kv_codec.pool import CODABLE_DTYPES, PoolPages
 from pdd_sglang.kv_codec.wire import END_BYTES, pack_end, pack_record
 from pdd_sglang.policy.wan_codec import LOSSLESS_MEASURED, CodecCost, choose_wan_codec, stage_raw
 from pdd_sglang.prefill.ledger import LEDGER
+from pdd_sglang.prefill.wan_lines import CopyClass
 
 logger = logging.getLogger(__name__)
 
@@ -168,9 +169,10 @@ _REGISTER_LOCK = threading.Lock()
 _THREAD = threading.local()  # .ring: this sender thread's _Ring
 
 
-def record_bytes(wan: Any) -> int:
-    """The raw bytes a record of a copy through ``wan`` holds at most (even: whole elements)."""
-    return max(min(wan.slice_bytes, max(wan.block_bytes, MIN_RECORD_BYTES)) & ~1, 2)
+def record_bytes(window: Any) -> int:
+    """The raw bytes a record of a copy holds at most (even: whole elements), for ``window``
+    (a :class:`~pdd_sglang.prefill.wan_engine.CopyWindow`, or the engine: its own window)."""
+    return max(min(window.slice_bytes, max(window.block_bytes, MIN_RECORD_BYTES)) & ~1, 2)
 
 
 def ring_bytes(wan: Any) -> int:
@@ -255,21 +257,24 @@ def send_coded(kv_mgr: Any, work: Any, src: Any, dst: Any, codec_name: str, line
     fanout = kv_mgr.pdd_fanout
     wan, pool, staged = fanout.wan_engine, pool_pages(kv_mgr), work.staged
     codec = CODECS[codec_name]
-    step = max(record_bytes(wan) // pool.page_bytes, 1)
     ring = _ring(wan)
     with wan.copy(work.session) as copy:
         ring.reset()
-        for start in range(work.pages_done, len(src), step):
+        start = work.pages_done
+        while start < len(src):
             if start:
                 if let_go(kv_mgr, work):
                     return None
                 if lines is not None and lines.should_yield(work):
                     return yielded if copy.finish() else False
+            window = copy.window_for_next_slice(
+                getattr(work, "copy_class", None) is CopyClass.CACHE_ONLY)
+            step = max(record_bytes(window) // pool.page_bytes, 1)
             pages = np.asarray(src[start:start + step])
             if not _write_record(kv_mgr, work, copy, ring, codec, pages,
                                  np.asarray(dst[start:start + step])):
                 return False
-            work.pages_done = min(start + step, len(src))
+            start = work.pages_done = min(start + step, len(src))
         if staged.last_work() and not _write_end(work, copy, ring):
             return False
         return copy.finish()

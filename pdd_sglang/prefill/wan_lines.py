@@ -18,7 +18,9 @@ line follows too). A short copy passes a long one; a copy queued after another's
 passes it. A needed-now copy that ranks ahead of the copy on the line (any cache-only one; a
 needed-now one with an earlier deadline) takes the line at that copy's next slice: the sender
 asks :meth:`WanLines.should_yield` between slices, puts the copy back with its progress
-(:attr:`Work.pages_done`) and takes the other once the window in flight has landed.
+(:attr:`Work.pages_done`) and takes the other once the window in flight has landed. A
+cache-only copy keeps a smaller window (:func:`~pdd_sglang.prefill.wan_engine.cache_only_window`),
+so a needed-now copy waits at most a tenth of a second of the line behind one.
 
 Past a backlog bound (``--pdd-wan-cache-only-backlog-s``, seconds of the line at its measured
 rate), the owner drops a line's queued cache-only copies (:meth:`WanLines.drop_cache_only`):

@@ -149,7 +149,8 @@ def start_wan_path(kv_mgr: Any, args: Optional[Any] = None) -> WanPath:
     from pdd_sglang.diagnostics.line_report import start_line_report
     from pdd_sglang.diagnostics.metrics import start_prefill_exporter
     from pdd_sglang.prefill.wan_coded import CodecChoice
-    from pdd_sglang.prefill.wan_engine import open_wan_engine, wan_hostname, window_for_line
+    from pdd_sglang.prefill.wan_engine import (cache_only_window, open_wan_engine, wan_hostname,
+                                               window_for_line)
 
     args = get_server_args() if args is None else args
     fanout = PrefillFanout(kv_mgr,
@@ -164,13 +165,14 @@ def start_wan_path(kv_mgr: Any, args: Optional[Any] = None) -> WanPath:
     # A room prefill never computed: its decode servers stop waiting after SGLang's timeout.
     fanout.abandon_after_s = float(getattr(kv_mgr, "waiting_timeout", None)
                                    or envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get()) + STUCK_MARGIN_S
+    window = window_for_line(float(args.pdd_wan_bandwidth_gbps), float(args.pdd_wan_rtt_ms),
+                             float(args.pdd_wan_window_mb))
     fanout.wan_engine = open_wan_engine(
         kv_mgr, args.pdd_wan_transfer_protocol, args.pdd_wan_ib_device,
-        timeout_s=float(args.pdd_wan_transfer_timeout), line=fanout.wan_line,
-        window=window_for_line(float(args.pdd_wan_bandwidth_gbps),
-                                     float(args.pdd_wan_rtt_ms), float(args.pdd_wan_window_mb)),
+        timeout_s=float(args.pdd_wan_transfer_timeout), line=fanout.wan_line, window=window,
         hostname=wan_hostname(kv_mgr, getattr(args, "pdd_wan_hostname", None),
-                              getattr(args, "pdd_advertise_host", None)))
+                              getattr(args, "pdd_advertise_host", None)),
+        cache_only=cache_only_window(window, fanout.wan_lines.line_bytes_per_s))
     seam.aids.wan_engine_opened(fanout.wan_engine)
     fanout.codec_choice = CodecChoice(str(getattr(args, "pdd_wan_kv_codec", "auto")),
                                       float(args.pdd_wan_bandwidth_gbps) * 1e9 / 8)

@@ -16,7 +16,7 @@ from .engine import Callback, Event, Simulator
 from .handoff import HandoffProtocol
 from .link import FairShareLink, make_link
 from .wan_lines import ClassedLink
-from ..prefill.wan_engine import window_for_line
+from ..prefill.wan_engine import cache_only_window, window_for_line
 from ..policy.wan_codec import RAW, CodecCost, choose_wan_codec, coded_copy_seconds
 from .profiles import InstanceCost, load_codec, load_hardware, load_link, load_model
 from .records import Job, summarise
@@ -115,13 +115,14 @@ class Cluster:
         cfg = self.cfg
         if cfg.wan_line != "classed":
             return make_link(self.sim, profile, "wan")
-        slice_bytes = cfg.wan_slice_bytes
-        if slice_bytes is None:
-            rate = cfg.router_wan_bytes_per_s or min(profile.bytes_per_s,
-                                                     profile.per_flow_bytes_per_s)
-            rtt = cfg.router_wan_rtt_s or profile.rtt_s
-            slice_bytes = window_for_line(rate * 8 / 1e9, rtt * 1e3).slice_bytes
-        return ClassedLink(self.sim, profile, slice_bytes, cfg.wan_cache_only_backlog_s)
+        rate = cfg.router_wan_bytes_per_s or min(profile.bytes_per_s,
+                                                 profile.per_flow_bytes_per_s)
+        rtt = cfg.router_wan_rtt_s or profile.rtt_s
+        sender = window_for_line(rate * 8 / 1e9, rtt * 1e3)
+        slice_bytes = cfg.wan_slice_bytes or sender.slice_bytes
+        cache_only = cache_only_window(sender, rate)
+        return ClassedLink(self.sim, profile, slice_bytes, cfg.wan_cache_only_backlog_s,
+                           cache_only_window=(cache_only.slice_bytes, cache_only.window_bytes))
 
     # --- running -------------------------------------------------------------------------
     def run(self, requests, warmup=(), traced_ids=(), progress=None, follows=None):

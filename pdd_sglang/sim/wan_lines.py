@@ -22,7 +22,11 @@ What the sender does, and how it is modelled here:
    of (any cache-only holder; a needed-now one due after it) takes the line once the holder
    reaches its next slice boundary after the bytes it already handed to the transport (the
    window): bytes ``ceil((sent + window) / slice) x slice``, at most its size. The yielded copy
-   goes back to its line with its progress and keeps its deadline.
+   goes back to its line with its progress and keeps its deadline. A cache-only holder keeps the
+   sender's smaller window and slices (``prefill.wan_engine.cache_only_window``: at most
+   ``policy.wan_order.CACHE_ONLY_IN_FLIGHT_S`` of the declared line), so it yields that much
+   sooner; its rate is modelled as any copy's (one copy's measured shortfall under a small
+   window, 0.71 of the demo's line against 0.87, is not: see point 2).
 5. **Dropping.** When the bytes ahead on a line (queued and the holder's remaining) exceed
    ``backlog_s`` seconds of the line alone (min(rate, window / RTT), what the sender measures
    when nothing else shares the line), its queued cache-only copies are dropped, newest first,
@@ -91,14 +95,20 @@ class ClassedLink(FairShareLink):
     plus a copy's destination and class, dropping, and the bytes ahead per class."""
 
     def __init__(self, sim: Simulator, profile: LinkProfile, slice_bytes: float,
-                 backlog_s: float | None, name: str = "wan"):
+                 backlog_s: float | None, name: str = "wan",
+                 cache_only_window: tuple[float, float] | None = None):
+        """cache_only_window: (slice, window) bytes of a cache-only holder; None: as any."""
         super().__init__(sim, profile, name)
         if not slice_bytes > 0:
             raise ValueError(f"{name}: slice_bytes must be > 0, got {slice_bytes!r}")
         if backlog_s is not None and not backlog_s > 0:
             raise ValueError(f"{name}: backlog_s must be > 0 or None, got {backlog_s!r}")
+        if cache_only_window is not None and not min(cache_only_window) > 0:
+            raise ValueError(f"{name}: a cache-only slice and window must be > 0, got "
+                             f"{cache_only_window!r}")
         self.window_bytes = profile.window_bytes
         self.slice_bytes = float(slice_bytes)
+        self.cache_only_window = cache_only_window
         self.backlog_s = backlog_s
         self._lines: dict = {}
         self._last = 0.0
@@ -139,8 +149,16 @@ class ClassedLink(FairShareLink):
         holder = line.holder
         if holder is not None:
             ahead += (holder.remaining if holder.copy_class == NEEDED_NOW
-                      else min(holder.remaining, self.window_bytes or self.slice_bytes))
+                      else min(holder.remaining, self._window_of(holder)[1] or self.slice_bytes))
         return ahead
+
+    def _window_of(self, holder: Copy) -> tuple[float, float]:
+        """(slice, window) bytes the holder goes out with."""
+        window = self.window_bytes or 0.0
+        if holder.copy_class == CACHE_ONLY and self.cache_only_window is not None:
+            return (min(self.cache_only_window[0], self.slice_bytes),
+                    min(self.cache_only_window[1], window or self.cache_only_window[1]))
+        return self.slice_bytes, window
 
     # --- copies --------------------------------------------------------------------------
     def start_flow(self, size_bytes: float, on_delivered, dest=0, on_dropped=None) -> Copy:
@@ -252,8 +270,9 @@ class ClassedLink(FairShareLink):
         own = holder.rank(self.rate)
         if not any(c.copy_class == NEEDED_NOW and c.rank(self.rate) < own for c in line.queued):
             return
-        handed = holder.sent + self.window_bytes
-        boundary = math.ceil(handed / self.slice_bytes) * self.slice_bytes
+        slice_bytes, window_bytes = self._window_of(holder)
+        handed = holder.sent + window_bytes
+        boundary = math.ceil(handed / slice_bytes) * slice_bytes
         holder.yield_at = min(max(boundary, holder.sent), holder.size_bytes)
 
     def _drop_past_backlog(self, line: _Line) -> None:

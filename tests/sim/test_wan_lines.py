@@ -92,6 +92,31 @@ def test_a_needed_now_copy_overtakes_a_cache_only_one_at_its_next_slice_after_th
     assert done == [("needed-now", yield_at_s + 0.5), ("cache-only", 10.5)]
 
 
+def test_a_cache_only_holder_yields_within_its_smaller_window_and_a_needed_now_one_within_its_own():
+    """The sender's cache-only window (prefill.wan_engine.cache_only_window): a needed-now copy
+    that takes the line from a cache-only copy waits for that window, not the full one."""
+    def run(holder_class):
+        sim = Simulator(0)
+        profile = LinkProfile("test line", "test", bytes_per_s=1000.0, rtt_s=1e-9, jitter_s=0.0,
+                              cost_per_hour=0.0, window_bytes=3000.0)
+        line = ClassedLink(sim, profile, 1000.0, None, cache_only_window=(100.0, 300.0))
+        done = []
+        holder = _copy(sim, line, 10_000, "holder", done)
+        if holder_class == CACHE_ONLY:
+            line.set_cache_only(holder)
+        sim.at(2.5, Callback(_copy, sim, line, 500, "needed-now", done))
+        sim.run()
+        return done, line
+    done, _ = run(CACHE_ONLY)
+    assert done[0] == ("needed-now", 2.8 + 0.5)  # 2500 sent + 300 in flight, then its own 500
+    # A needed-now holder due after the newcomer yields too, after its full window.
+    done, _ = run(NEEDED_NOW)
+    assert done[0] == ("needed-now", 6.0 + 0.5)  # 2500 + 3000, at the next 1000-byte slice
+    with pytest.raises(ValueError, match="cache-only"):
+        ClassedLink(Simulator(0), LinkProfile("x", "x", 1.0, 0.0, 0.0, 0.0), 1.0, None,
+                    cache_only_window=(0.0, 1.0))
+
+
 def test_queued_cache_only_copies_past_the_backlog_are_dropped_newest_first_never_needed_now():
     sim, line = _line(backlog_s=2.0)          # 2 s of a 1000 B/s line: 2000 bytes ahead
     done, dropped = [], []

@@ -18,7 +18,8 @@ from pdd_sglang.kv_codec.staging import ALIGN, StagingAllocator
 from pdd_sglang.kv_codec.wire import END_BYTES, RECORD, pack_end, pack_record, read_end, records
 from pdd_sglang.prefill import wan_coded
 from pdd_sglang.policy.wan_codec import stage_raw
-from pdd_sglang.prefill.wan_engine import WanTransferEngine
+from pdd_sglang.prefill.wan_engine import CopyWindow, WanTransferEngine
+from pdd_sglang.prefill.wan_lines import CopyClass
 from pdd_sglang.prefill.wan_line import WanLine
 
 LAYERS, PAGE, HEADS, HEAD_DIM, PAGES = 2, 4, 2, 8, 32
@@ -174,6 +175,38 @@ def test_a_coded_copy_lands_in_mains_pages_only_when_it_is_decoded(mode):
     assert staging.state()["in_use_bytes"] == 0 and staging.counters["landed_coded"] == 1
     if mode == "lossless":
         assert 0 < staged.wire_bytes < staged.raw_bytes + staged.records * 128
+
+
+class RelayFinishesAfterTheFirstRecord:
+    """The WAN lines as a sender asks them between records: the copy's relay answered alone
+    after its first record (the owner made it cache-only), and nothing waits behind it."""
+
+    def should_yield(self, work):
+        work.copy_class = CopyClass.CACHE_ONLY
+        return False
+
+
+def test_a_copy_that_turns_cache_only_goes_on_in_the_smaller_records_and_lands_bit_exact():
+    src_pool, dst_pool = pool(1), pool(2)
+    staging = main_with_staging(dst_pool)
+    receiver = Receiver()
+    src, dst = np.arange(8), np.arange(8, 16)
+    addr, nbytes = staging.offer(receiver, 79, dst)
+    staged = wan_coded.StagedCopy(addr, nbytes)
+    staged.total = 1
+    kv = prefill(src_pool)
+    page_bytes = kv.pdd_coded_pool.page_bytes
+    kv.pdd_fanout.wan_engine.cache_only_window = CopyWindow(page_bytes, 2 * page_bytes, 64)
+    work = SimpleNamespace(room=79, session="main-1", staged=staged, pages_done=0,
+                           copy_class=CopyClass.NEEDED_NOW)
+    codec = wan_coded.codec_for(kv, work, False, len(src) * page_bytes)
+    assert wan_coded.send_coded(kv, work, src, dst, codec, RelayFinishesAfterTheFirstRecord(),
+                                lambda *a: False, "yielded") is True
+    assert wan_coded.finish_staged(kv, work)
+    assert staged.records == 1 + 5  # 3 pages needed-now, then a page a record
+    assert staging.land(receiver, 79, landed=True) is None
+    for s_buf, d_buf in zip(src_pool, dst_pool):
+        assert torch.equal(d_buf[dst], s_buf[src])
 
 
 def test_a_damaged_record_fails_the_room_with_no_page_written_and_frees_its_range():
