@@ -30,6 +30,7 @@ from pdd_sglang.sim.report import write_report  # noqa: E402
 from pdd_sglang.sim.workload import TRACE_PATH, generate_agentic  # noqa: E402
 from pdd_sglang.sim.cluster import simulate  # noqa: E402
 from pdd_sglang.prefill.wan_engine import ONE_SLICE, window_for_line  # noqa: E402
+from pdd_sglang.policy.wan_order import CACHE_ONLY_IN_FLIGHT_S  # noqa: E402
 
 PAPER = {
     "ttft_s": {"same_dc_pd": {"p50": 4.2}, "cross_dc_pd": {"p50": 6.7, "p90": 18.3, "p99": 29.7}},
@@ -185,9 +186,49 @@ def task_wan_codec(quick):
     return out
 
 
+# A cache-only copy's window (issue 34): what the copy a request waits for pays behind one, at
+# the same point as task_sender_window, on the classed line (sim/wan_lines.py) with the router
+# placing from an idle line (P->MD wherever the suffix's copy alone is short), so P->MD copies
+# arrive behind relay-finished (cache-only) ones. DECLARED from the sender's code: the full
+# window (the sender before the cache-only bound) against policy.wan_order.CACHE_ONLY_IN_FLIGHT_S.
+CACHE_ONLY_IN_FLIGHT = {"full_window": None, "cache_only_bound": CACHE_ONLY_IN_FLIGHT_S}
+
+
+def task_cache_only_window(quick):
+    """PDD's P->MD copies at the operating point on the brief's line, under each bound."""
+    from pdd_sglang.policy import Pipeline
+    from pdd_sglang.sim.records import percentile
+    point = OP.operating_point(quick)
+    line = load_link("wan_10g")
+    scale = line.bytes_per_s / load_link(point.base.wan_link).bytes_per_s
+    workload = replace(point.workload, rate_per_s=point.workload.rate_per_s * scale)
+    requests, warmup = generate_agentic(workload)
+    out = {"load_scale": scale}
+    for label, in_flight_s in CACHE_ONLY_IN_FLIGHT.items():
+        config = point.cluster(Setup.PDD, wan_link="wan_10g", wan_line="classed",
+                               wan_window_bytes=float(SENDER_WINDOWS["window"]),
+                               wan_cache_only_in_flight_s=in_flight_s)
+        summary, cluster = simulate(config, requests, warmup)
+        p_md = [j for j in cluster.jobs if j.completions and j.pipeline is Pipeline.PREFILL_MAIN]
+        # the copy's floor: its bytes alone on the line, one way, the transfer's fixed cost
+        floors = [j.wan_bytes / line.bytes_per_s + line.rtt_s / 2 + line.per_transfer_fixed_s
+                  for j in p_md]
+        waits = [j.stages()["kv_and_first_token"] for j in p_md]
+        over = [w / f for w, f in zip(waits, floors) if f > 0]
+        out[label] = dict(percentiles(summary), in_flight_s=in_flight_s, p_md=len(p_md),
+                          requests=sum(1 for j in cluster.jobs if j.completions),
+                          p_md_wait_p50_s=percentile(waits, 50),
+                          p_md_wait_p90_s=percentile(waits, 90),
+                          p_md_wait_over_floor_p90=percentile(over, 90),
+                          sent_by_class=dict(cluster.wan.sent_by_class),
+                          dropped_cache_only_bytes=cluster.wan.dropped_cache_only_bytes)
+    return out
+
+
 TASKS = {"f4": task_f4, "f6": task_f6, "f1": task_f1, "f9": task_f9, "sweep": task_sweep,
          "f7": task_f7, "f5": task_f5, "f8": task_f8, "f3": task_f3,
-         "sender_window": task_sender_window, "wan_codec": task_wan_codec}
+         "sender_window": task_sender_window, "wan_codec": task_wan_codec,
+         "cache_only_window": task_cache_only_window}
 
 
 # --- results.json ---------------------------------------------------------------------------
@@ -267,6 +308,7 @@ def build_results(data: dict, measured_handoff: dict | None) -> dict:
                             for name, s in data["f7"].items()},
         "sender_window": data["sender_window"],
         "wan_codec": data["wan_codec"],
+        "cache_only_window": data["cache_only_window"],
         "trace": {name: dict(percentiles_from(s), wan_bytes=s["wan_bytes"],
                              finished_at=s["finished_at"], prefill_hit=s["prefill_hit"])
                   for name, s in data["f9"].items()},

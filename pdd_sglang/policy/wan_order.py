@@ -61,8 +61,12 @@ def copy_deadline(first_queued_s: float, copy_bytes: float, line_bytes_per_s: fl
     return first_queued_s + DEADLINE_STRETCH * max(copy_bytes, 0.0) / line_bytes_per_s
 
 
-def cache_only_in_flight_bytes(line_bytes_per_s: float) -> float:
-    """The most bytes a cache-only copy keeps in flight on a line of ``line_bytes_per_s``."""
+def cache_only_in_flight_bytes(line_bytes_per_s: float,
+                               in_flight_s: float = CACHE_ONLY_IN_FLIGHT_S) -> float:
+    """The most bytes a cache-only copy keeps in flight on a line of ``line_bytes_per_s``
+    (``in_flight_s`` other than the policy's: the simulator's sweeps)."""
     if not line_bytes_per_s > 0:
         raise ValueError(f"the line's rate must be positive, got {line_bytes_per_s!r} bytes/s")
-    return CACHE_ONLY_IN_FLIGHT_S * line_bytes_per_s
+    if not in_flight_s > 0:
+        raise ValueError(f"a cache-only copy's time in flight must be positive, got {in_flight_s!r}")
+    return in_flight_s * line_bytes_per_s

@@ -53,7 +53,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, List, Optional
 
-from pdd_sglang.policy.wan_order import cache_only_in_flight_bytes
+from pdd_sglang.policy.wan_order import CACHE_ONLY_IN_FLIGHT_S, cache_only_in_flight_bytes
 from pdd_sglang.prefill.wan_line import WanLine
 
 logger = logging.getLogger(__name__)
@@ -138,12 +138,13 @@ def window_for_line(bandwidth_gbps: float, rtt_ms: float, window_mb: float = 0.0
     return CopyWindow(slice_bytes, int(WINDOW_BDPS * bdp_bytes) + slice_bytes, block_bytes)
 
 
-def cache_only_window(window: CopyWindow, line_bytes_per_s: float) -> CopyWindow:
+def cache_only_window(window: CopyWindow, line_bytes_per_s: float,
+                      in_flight_s: float = CACHE_ONLY_IN_FLIGHT_S) -> CopyWindow:
     """The window of a copy no request waits for: at most the policy's bound in flight, its
     slice included (:func:`pdd_sglang.policy.wan_order.cache_only_in_flight_bytes`), in slices
     of a third of it, so a needed-now copy that takes the line from it waits that long at most;
     ``window`` itself where it is smaller."""
-    bound = int(cache_only_in_flight_bytes(line_bytes_per_s))
+    bound = int(cache_only_in_flight_bytes(line_bytes_per_s, in_flight_s))
     if window.window_bytes <= bound:
         return window
     slice_bytes = max(min(window.slice_bytes, bound // 3), MIN_BLOCK_BYTES)

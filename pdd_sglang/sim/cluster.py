@@ -120,9 +120,12 @@ class Cluster:
         rtt = cfg.router_wan_rtt_s or profile.rtt_s
         sender = window_for_line(rate * 8 / 1e9, rtt * 1e3)
         slice_bytes = cfg.wan_slice_bytes or sender.slice_bytes
-        cache_only = cache_only_window(sender, rate)
+        cache_only = None
+        if cfg.wan_cache_only_in_flight_s is not None:
+            window = cache_only_window(sender, rate, cfg.wan_cache_only_in_flight_s)
+            cache_only = (window.slice_bytes, window.window_bytes)
         return ClassedLink(self.sim, profile, slice_bytes, cfg.wan_cache_only_backlog_s,
-                           cache_only_window=(cache_only.slice_bytes, cache_only.window_bytes))
+                           cache_only_window=cache_only)
 
     # --- running -------------------------------------------------------------------------
     def run(self, requests, warmup=(), traced_ids=(), progress=None, follows=None):

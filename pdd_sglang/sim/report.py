@@ -350,6 +350,33 @@ def wan_codec_section(runs: dict | None) -> list:
     return lines + [""]
 
 
+def cache_only_window_section(runs: dict | None) -> list:
+    """PDD's P->MD copies on the brief's line behind cache-only copies, by their window."""
+    if not runs:
+        return []
+    lines = ["## The copy a request waits for behind a cache-only copy, at the brief's line", "",
+             f"As the sections above (load x{runs['load_scale']:.3f}, the windowed sender), on the "
+             "classed line (`sim/wan_lines.py`): a P->MD copy that takes the line from a "
+             "cache-only copy waits for that copy's window in flight. `full_window`: the window "
+             "every copy keeps (16 round trips, 0.32 s); `cache_only_bound`: a cache-only copy "
+             "keeps at most `policy.wan_order.CACHE_ONLY_IN_FLIGHT_S` of the line. A P->MD "
+             "copy's wait is its first token less its prefill's end; its floor, its bytes alone "
+             "on the line plus one way and the transfer's fixed cost.", "",
+             "| bound | P->MD / requests | P->MD wait P50 s | P90 s | P90 over floor | "
+             "TTFT P50 s | P90 s | P99 s | cache-only GB sent | dropped |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for label, run in runs.items():
+        if label == "load_scale":
+            continue
+        lines.append(
+            f"| {label} | {run['p_md']} / {run['requests']} | {run['p_md_wait_p50_s']:.3f} | "
+            f"{run['p_md_wait_p90_s']:.3f} | {run['p_md_wait_over_floor_p90']:.2f} | "
+            f"{run['p50']:.2f} | {run['p90']:.2f} | {run['p99']:.2f} | "
+            f"{run['sent_by_class']['cache_only'] / 1e9:.0f} | "
+            f"{run['dropped_cache_only_bytes'] / 1e9:.1f} |")
+    return lines + [""]
+
+
 def write_report(out: Path, data: dict, results: dict, paper: dict, quick: bool, measured) -> None:
     lines = ["# PDD simulator: the report's figures, simulated", "",
              f"Mode: {'quick' if quick else 'full'}. Every simulated number is computed by "
@@ -363,5 +390,6 @@ def write_report(out: Path, data: dict, results: dict, paper: dict, quick: bool,
     lines += studies(data, paper)
     lines += sender_window_section(data.get("sender_window"))
     lines += wan_codec_section(data.get("wan_codec"))
+    lines += cache_only_window_section(data.get("cache_only_window"))
     lines += assumptions()
     (out / "report.md").write_text("\n".join(lines))

@@ -240,3 +240,17 @@ def test_a_relay_that_answers_alone_makes_main_copy_cache_only_on_the_classed_li
     assert cluster.jobs[0].finished_at == "relay"
     assert cluster.wan.sent_by_class[CACHE_ONLY] > 0
     assert cluster.wan.sent_by_class[NEEDED_NOW] > 0
+
+
+def test_the_classed_line_takes_the_senders_cache_only_window_unless_told_the_full_one():
+    from pdd_sglang.prefill.wan_engine import cache_only_window, window_for_line
+
+    cfg = ClusterConfig(setup=Setup.PDD, wan_link="wan_10g", wan_line="classed")
+    _, cluster = simulate(cfg, [_request(0, 0.0, 1000)])
+    rate = min(cluster.wan.profile.bytes_per_s, cluster.wan.profile.per_flow_bytes_per_s)
+    sender = cache_only_window(window_for_line(rate * 8 / 1e9, cluster.wan.profile.rtt_s * 1e3),
+                               rate)
+    assert cluster.wan.cache_only_window == (sender.slice_bytes, sender.window_bytes)
+    assert sender.window_bytes == pytest.approx(0.1 * rate, rel=1e-6)
+    _, full = simulate(cfg.with_(wan_cache_only_in_flight_s=None), [_request(0, 0.0, 1000)])
+    assert full.wan.cache_only_window is None
