@@ -30,7 +30,7 @@ from pdd_sglang.sim.report import write_report  # noqa: E402
 from pdd_sglang.sim.workload import TRACE_PATH, generate_agentic  # noqa: E402
 from pdd_sglang.sim.cluster import simulate  # noqa: E402
 from pdd_sglang.prefill.wan_engine import ONE_SLICE, window_for_line  # noqa: E402
-from pdd_sglang.policy.wan_order import CACHE_ONLY_IN_FLIGHT_S  # noqa: E402
+from pdd_sglang.policy.wan_order import BACKGROUND_IN_FLIGHT_S  # noqa: E402
 
 PAPER = {
     "ttft_s": {"same_dc_pd": {"p50": 4.2}, "cross_dc_pd": {"p50": 6.7, "p90": 18.3, "p99": 29.7}},
@@ -186,15 +186,16 @@ def task_wan_codec(quick):
     return out
 
 
-# A cache-only copy's window (issue 34): what the copy a request waits for pays behind one, at
+# A background copy's window (issue 34): what the copy a request waits for pays behind one, at
 # the same point as task_sender_window, on the classed line (sim/wan_lines.py) with the router
 # placing from an idle line (P->MD wherever the suffix's copy alone is short), so P->MD copies
-# arrive behind relay-finished (cache-only) ones. DECLARED from the sender's code: the full
-# window (the sender before the cache-only bound) against policy.wan_order.CACHE_ONLY_IN_FLIGHT_S.
-CACHE_ONLY_IN_FLIGHT = {"full_window": None, "cache_only_bound": CACHE_ONLY_IN_FLIGHT_S}
+# arrive behind handoffs' (relay-covered) and relay-finished (cache-only) ones. DECLARED from the
+# sender's code: the full window (the sender before the bound) against
+# policy.wan_order.BACKGROUND_IN_FLIGHT_S.
+BACKGROUND_IN_FLIGHT = {"full_window": None, "background_bound": BACKGROUND_IN_FLIGHT_S}
 
 
-def task_cache_only_window(quick):
+def task_background_window(quick):
     """PDD's P->MD copies at the operating point on the brief's line, under each bound."""
     from pdd_sglang.policy import Pipeline
     from pdd_sglang.sim.records import percentile
@@ -204,10 +205,10 @@ def task_cache_only_window(quick):
     workload = replace(point.workload, rate_per_s=point.workload.rate_per_s * scale)
     requests, warmup = generate_agentic(workload)
     out = {"load_scale": scale}
-    for label, in_flight_s in CACHE_ONLY_IN_FLIGHT.items():
+    for label, in_flight_s in BACKGROUND_IN_FLIGHT.items():
         config = point.cluster(Setup.PDD, wan_link="wan_10g", wan_line="classed",
                                wan_window_bytes=float(SENDER_WINDOWS["window"]),
-                               wan_cache_only_in_flight_s=in_flight_s)
+                               wan_background_in_flight_s=in_flight_s)
         summary, cluster = simulate(config, requests, warmup)
         p_md = [j for j in cluster.jobs if j.completions and j.pipeline is Pipeline.PREFILL_MAIN]
         # the copy's floor: its bytes alone on the line, one way, the transfer's fixed cost
@@ -228,7 +229,7 @@ def task_cache_only_window(quick):
 TASKS = {"f4": task_f4, "f6": task_f6, "f1": task_f1, "f9": task_f9, "sweep": task_sweep,
          "f7": task_f7, "f5": task_f5, "f8": task_f8, "f3": task_f3,
          "sender_window": task_sender_window, "wan_codec": task_wan_codec,
-         "cache_only_window": task_cache_only_window}
+         "background_window": task_background_window}
 
 
 # --- results.json ---------------------------------------------------------------------------
@@ -308,7 +309,7 @@ def build_results(data: dict, measured_handoff: dict | None) -> dict:
                             for name, s in data["f7"].items()},
         "sender_window": data["sender_window"],
         "wan_codec": data["wan_codec"],
-        "cache_only_window": data["cache_only_window"],
+        "background_window": data["background_window"],
         "trace": {name: dict(percentiles_from(s), wan_bytes=s["wan_bytes"],
                              finished_at=s["finished_at"], prefill_hit=s["prefill_hit"])
                   for name, s in data["f9"].items()},

@@ -24,16 +24,23 @@ not what it has left: a deadline from the bytes left moved a copy's deadline clo
 so a document's copy 5 s into its 6 s kept the line from a 46-token P->MD copy, which waited
 4.38 s, x7 alone (fresh clone of 74d4114).
 
-**A copy no request waits for yields sooner.** A needed-now copy that takes the line from the
-copy on it waits for what that copy has in flight (the sender yields between slices and lands
-its window first). A needed-now holder keeps the window that fills the line; a cache-only one
-keeps at most :data:`CACHE_ONLY_IN_FLIGHT_S` of the declared line in flight, its slice included,
-so the copy a request waits for is held up that long at most. What that costs, measured at the
-demo's 10 Mbit/s x 40 ms (docs/measurements.md, the window probe): one packed copy fills 0.87 of
-the line with the product's 862 KB window (0.69 s of line), 0.71 with 150 KB (0.12 s). What it
-saves: the idle-line setup's P->MD copies over 1.5x their time alone each waited about a copy
-alone plus the 0.69 s window of a cache-only document's copy (fresh clones of a08b43a, 378f4bc,
-676ce1b). At the brief's 10 Gbit/s x 20 ms the bound is 5 round trips, against 16.
+**A background copy yields sooner.** A needed-now copy that takes the line from the copy on it
+waits for what that copy has in flight (the sender yields between slices and lands its window
+first). A copy no request waits on for a token, a *background* copy, keeps at most
+:data:`BACKGROUND_IN_FLIGHT_S` of the declared line in flight, its slice included: a cache-only
+copy (the relay answered alone), and a relay-covered one (a handoff's: a relay answers the
+request while its copy flies, until that relay fails). Every other copy keeps the window that
+fills the line. So the copy of a request with no token yet (P->MD; a relay that failed) is held
+up that long at most behind a background copy. What that costs, measured at the demo's
+10 Mbit/s x 40 ms (docs/measurements.md, the window probe): one packed copy fills 0.87 of the
+line with the product's 862 KB window (0.69 s of line), 0.71 with 150 KB (0.12 s); a handoff's
+copy lands that much later, and its relay decodes that much longer. What it saves: the
+idle-line P->MD copies over 1.5x their time alone waited behind background copies, each about a
+copy alone plus the 0.69 s window of the one it took the line from: a cache-only document's
+(fresh clones of a08b43a, 378f4bc); then, with only cache-only copies bounded, a handoff's or a
+document's whose relay was still decoding (two runs of 8da2cbf: 5 of the 6 over 1.5x; the
+sixth waited for a whole handoff's copy due before it). At the brief's 10 Gbit/s x 20 ms the
+bound is 5 round trips, against 16.
 
 Pure: no clock, no I/O. The callers give the times (``time.monotonic`` in prefill, the
 simulator's clock) and the rate (the declared line in prefill, the line's profile in the
@@ -47,11 +54,11 @@ from __future__ import annotations
 # may wait behind later, smaller ones).
 DEADLINE_STRETCH = 2.0
 
-# Declared, not fitted: seconds of the declared line a cache-only copy keeps in flight at most
+# Declared, not fitted: seconds of the declared line a background copy keeps in flight at most
 # (its slice included). The idle-line goal leaves a 26-token P->MD copy (0.44 s alone on the
 # demo's line, 0.23 s of it fixed) 0.22 s behind another copy: this bound, a round trip for the
 # last acknowledgement and the sender's hand-over fit in it.
-CACHE_ONLY_IN_FLIGHT_S = 0.1
+BACKGROUND_IN_FLIGHT_S = 0.1
 
 
 def copy_deadline(first_queued_s: float, copy_bytes: float, line_bytes_per_s: float) -> float:
@@ -61,12 +68,12 @@ def copy_deadline(first_queued_s: float, copy_bytes: float, line_bytes_per_s: fl
     return first_queued_s + DEADLINE_STRETCH * max(copy_bytes, 0.0) / line_bytes_per_s
 
 
-def cache_only_in_flight_bytes(line_bytes_per_s: float,
-                               in_flight_s: float = CACHE_ONLY_IN_FLIGHT_S) -> float:
-    """The most bytes a cache-only copy keeps in flight on a line of ``line_bytes_per_s``
+def background_in_flight_bytes(line_bytes_per_s: float,
+                               in_flight_s: float = BACKGROUND_IN_FLIGHT_S) -> float:
+    """The most bytes a background copy keeps in flight on a line of ``line_bytes_per_s``
     (``in_flight_s`` other than the policy's: the simulator's sweeps)."""
     if not line_bytes_per_s > 0:
         raise ValueError(f"the line's rate must be positive, got {line_bytes_per_s!r} bytes/s")
     if not in_flight_s > 0:
-        raise ValueError(f"a cache-only copy's time in flight must be positive, got {in_flight_s!r}")
+        raise ValueError(f"a background copy's time in flight must be positive, got {in_flight_s!r}")
     return in_flight_s * line_bytes_per_s

@@ -307,6 +307,7 @@ class PrefillFanout(FanoutDeadlines, FanoutAborts):
         if dest.role == "main":
             pages = len(view.prefill_kv_indices)  # charged by the heads this main rank gets
             peer = self.kv_mgr.decode_kv_args_table.get(work.session)
+            work.relay_covered = room.relay_serving()
             self.wan_lines.put(work, pages * page_bytes_to(self.kv_mgr, peer), pages,
                                CopyClass.CACHE_ONLY if room.cache_only else CopyClass.NEEDED_NOW)
         else:
@@ -385,6 +386,8 @@ class PrefillFanout(FanoutDeadlines, FanoutAborts):
                 work.cancelled = True
         logger.warning("PDD room %s: %s", room.room, reason)
         self.counters["relays_failed" if dest.role == "relay" else "mains_failed"] += 1
+        if dest.role == "relay":  # main's copy is the request's only way on now
+            self.wan_lines.uncover(room.room)
         if dest.role == "main" and wan:
             self._take_main_out(dest.info.mooncake_session_id)
         self._tell_destination(room, dest, "Failed", reason)

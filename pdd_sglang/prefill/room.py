@@ -57,6 +57,10 @@ class Work:
     # lines' lock), its size, and the pages a sender has handed to Mooncake (the sender's; a
     # copy put back between slices resumes there).
     copy_class: Any = None  # a wan_lines.CopyClass
+    # A relay of its room answers the request while this copy flies (set by the owner when it
+    # queues the work, cleared once the relay fails): the copy keeps the small window
+    # (wan_engine.background_window), as a cache-only one does.
+    relay_covered: bool = False
     queued_at: float = 0.0  # when the owner put it on its line (monotonic)
     nbytes: int = 0
     pages: int = 0
@@ -167,6 +171,13 @@ class Room:
 
     def any_done(self) -> bool:
         return any(d.state is DestinationState.DONE for d in self.destinations.values())
+
+    def relay_serving(self) -> bool:
+        """A relay of this room has registered and none of its ranks failed: the request's
+        tokens come from it while main's copy flies."""
+        relays = self.of_role("relay")
+        return (not self.relay_dropped and bool(relays)
+                and all(d.state is not DestinationState.FAILED for d in relays))
 
     def relay_finished_or_gone(self) -> bool:
         return self.relay_dropped or (self.role_in("relay") and all(

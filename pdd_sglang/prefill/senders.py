@@ -121,7 +121,8 @@ def _send_to_main(kv_mgr: Any, work: Work, peer: Any, src: Any, dst: Any, execut
                     return None
                 if lines is not None and lines.should_yield(work):
                     return YIELDED if copy.finish() else False
-            window = copy.window_for_next_slice(work.copy_class is CopyClass.CACHE_ONLY)
+            window = copy.window_for_next_slice(
+                work.copy_class is CopyClass.CACHE_ONLY or work.relay_covered)
             step = max(window.slice_bytes // page_bytes, 1)
             if _send_pages(kv_mgr, work, peer, src[start:start + step], dst[start:start + step],
                            executor) != 0:

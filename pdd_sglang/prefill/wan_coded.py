@@ -268,7 +268,8 @@ def send_coded(kv_mgr: Any, work: Any, src: Any, dst: Any, codec_name: str, line
                 if lines is not None and lines.should_yield(work):
                     return yielded if copy.finish() else False
             window = copy.window_for_next_slice(
-                getattr(work, "copy_class", None) is CopyClass.CACHE_ONLY)
+                getattr(work, "copy_class", None) is CopyClass.CACHE_ONLY
+                or getattr(work, "relay_covered", False))
             step = max(record_bytes(window) // pool.page_bytes, 1)
             pages = np.asarray(src[start:start + step])
             if not _write_record(kv_mgr, work, copy, ring, codec, pages,

@@ -22,11 +22,12 @@ bandwidth-delay product is below a slice (``scripts/bench_wan_line.py`` runs bot
 window come from the line the operator declares (``--pdd-wan-bandwidth-gbps`` x
 ``--pdd-wan-rtt-ms``, see :func:`window_for_line`), so cancelling a copy, or a copy a request
 waits for overtaking one that only warms main's cache, waits for at most one window: sixteen round
-trips of the line, whatever its rate. A copy that only warms main's cache (cache-only) keeps a
-smaller window, at most a tenth of a second of the declared line (:func:`cache_only_window`,
-:data:`pdd_sglang.policy.wan_order.CACHE_ONLY_IN_FLIGHT_S`): the copy a request waits for is
-held up that long at most, for a cache-only copy that fills less of a slow line (0.71 against
-0.87 at 10 Mbit/s x 40 ms).
+trips of the line, whatever its rate. A *background* copy, one no request waits on for a token
+(cache-only: the relay answered alone; or relay-covered: a relay answers the request while the
+copy flies), keeps a smaller window, at most a tenth of a second of the declared line
+(:func:`background_window`, :data:`pdd_sglang.policy.wan_order.BACKGROUND_IN_FLIGHT_S`): the copy
+of a request with no token yet is held up that long at most behind one, for a background copy
+that fills less of a slow line (0.71 against 0.87 at 10 Mbit/s x 40 ms).
 
 Waiting: Mooncake's synchronous batch call polls without sleeping, a core per waiting worker.
 This engine submits each block asynchronously (``transfer_submit_write``, one single-task batch
@@ -53,7 +54,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, List, Optional
 
-from pdd_sglang.policy.wan_order import CACHE_ONLY_IN_FLIGHT_S, cache_only_in_flight_bytes
+from pdd_sglang.policy.wan_order import BACKGROUND_IN_FLIGHT_S, background_in_flight_bytes
 from pdd_sglang.prefill.wan_line import WanLine
 
 logger = logging.getLogger(__name__)
@@ -138,13 +139,14 @@ def window_for_line(bandwidth_gbps: float, rtt_ms: float, window_mb: float = 0.0
     return CopyWindow(slice_bytes, int(WINDOW_BDPS * bdp_bytes) + slice_bytes, block_bytes)
 
 
-def cache_only_window(window: CopyWindow, line_bytes_per_s: float,
-                      in_flight_s: float = CACHE_ONLY_IN_FLIGHT_S) -> CopyWindow:
-    """The window of a copy no request waits for: at most the policy's bound in flight, its
-    slice included (:func:`pdd_sglang.policy.wan_order.cache_only_in_flight_bytes`), in slices
+def background_window(window: CopyWindow, line_bytes_per_s: float,
+                      in_flight_s: float = BACKGROUND_IN_FLIGHT_S) -> CopyWindow:
+    """The window of a background copy (no request waits on it for a token): at most the
+    policy's bound in flight, its
+    slice included (:func:`pdd_sglang.policy.wan_order.background_in_flight_bytes`), in slices
     of a third of it, so a needed-now copy that takes the line from it waits that long at most;
     ``window`` itself where it is smaller."""
-    bound = int(cache_only_in_flight_bytes(line_bytes_per_s, in_flight_s))
+    bound = int(background_in_flight_bytes(line_bytes_per_s, in_flight_s))
     if window.window_bytes <= bound:
         return window
     slice_bytes = max(min(window.slice_bytes, bound // 3), MIN_BLOCK_BYTES)
@@ -203,9 +205,9 @@ class WanTransferEngine:
         self.window_bytes = int(window.window_bytes)  # read by the senders at each slice
         self.slice_bytes = int(window.slice_bytes)
         self.block_bytes = int(window.block_bytes)
-        # A cache-only copy's window (cache_only_window; None: the same as every copy's), set
+        # A background copy's window (background_window; None: the same as every copy's), set
         # once by open_wan_engine before a sender runs.
-        self.cache_only_window: Optional[CopyWindow] = None
+        self.background_window: Optional[CopyWindow] = None
         self.line = line if line is not None else WanLine()
         self._registered: list[int] = []
         self._lock = threading.Lock()
@@ -215,12 +217,13 @@ class WanTransferEngine:
         self._closed = False
         self._thread_copy = threading.local()  # .copy: the WanCopy its sender thread has open
 
-    def window_for(self, cache_only: bool) -> CopyWindow:
-        """The window a copy goes out with now: a cache-only one keeps less in flight
-        (:func:`cache_only_window`); the senders ask at every slice, since a copy turns
-        cache-only when its relay finishes, mid-copy as often as not."""
-        if cache_only and self.cache_only_window is not None:
-            return self.cache_only_window
+    def window_for(self, background: bool) -> CopyWindow:
+        """The window a copy goes out with now: a background one keeps less in flight
+        (:func:`background_window`); the senders ask at every slice, since a copy turns
+        cache-only when its relay finishes, mid-copy as often as not, and stops being
+        relay-covered when its relay fails."""
+        if background and self.background_window is not None:
+            return self.background_window
         return CopyWindow(self.slice_bytes, self.window_bytes, self.block_bytes)
 
     def register_regions(self, regions: List[tuple]) -> None:
@@ -336,12 +339,12 @@ class WanCopy:
             self.in_flight_bytes += length
         return True
 
-    def window_for_next_slice(self, cache_only: bool) -> CopyWindow:
-        """The window the copy's next slice is admitted to: a cache-only copy's is smaller
-        (:func:`cache_only_window`). Its sender asks at every slice: a copy turns cache-only
-        when its relay finishes, mid-copy as often as not, and lands what it has over the
+    def window_for_next_slice(self, background: bool) -> CopyWindow:
+        """The window the copy's next slice is admitted to: a background copy's is smaller
+        (:func:`background_window`). Its sender asks at every slice: a copy turns cache-only
+        when its relay finishes, mid-copy as often as not, and then lands what it has over the
         smaller window before its next slice goes out."""
-        window = self.wan.window_for(cache_only)
+        window = self.wan.window_for(background)
         self.window_bytes = window.window_bytes
         return window
 
@@ -444,15 +447,15 @@ def wan_hostname(kv_mgr: Any, wan_host: Optional[str] = None,
 
 def open_wan_engine(kv_mgr: Any, protocol: str, device: Optional[str], timeout_s: float,
                     line: WanLine, window: CopyWindow, hostname: Optional[str] = None,
-                    cache_only: Optional[CopyWindow] = None) -> WanTransferEngine:
+                    background: Optional[CopyWindow] = None) -> WanTransferEngine:
     hostname = hostname or wan_hostname(kv_mgr)
     engine = WanTransferEngine(hostname, protocol, device, timeout_s, line, window)
-    engine.cache_only_window = cache_only
+    engine.background_window = background
     engine.register_regions(kv_mgr._registerable_regions())
-    shown = cache_only or window
+    shown = background or window
     logger.info(
         "PDD: WAN transfer path ready: Mooncake %s engine %s, copies in slices of %.2f MB with "
-        "%.2f MB in flight, cache-only ones %.2f MB with %.2f MB (relay path: SGLang's engine "
+        "%.2f MB in flight, background ones %.2f MB with %.2f MB (relay path: SGLang's engine "
         "%s)", protocol, engine.session_id, window.slice_bytes / 1e6, window.window_bytes / 1e6,
         shown.slice_bytes / 1e6, shown.window_bytes / 1e6, kv_mgr.engine.get_session_id(),
     )

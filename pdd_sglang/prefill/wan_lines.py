@@ -18,9 +18,11 @@ line follows too). A short copy passes a long one; a copy queued after another's
 passes it. A needed-now copy that ranks ahead of the copy on the line (any cache-only one; a
 needed-now one with an earlier deadline) takes the line at that copy's next slice: the sender
 asks :meth:`WanLines.should_yield` between slices, puts the copy back with its progress
-(:attr:`Work.pages_done`) and takes the other once the window in flight has landed. A
-cache-only copy keeps a smaller window (:func:`~pdd_sglang.prefill.wan_engine.cache_only_window`),
-so a needed-now copy waits at most a tenth of a second of the line behind one.
+(:attr:`Work.pages_done`) and takes the other once the window in flight has landed. A copy
+whose request a relay answers meanwhile (:attr:`Work.relay_covered`: a handoff's, until the relay
+fails) and a cache-only one keep a smaller window
+(:func:`~pdd_sglang.prefill.wan_engine.background_window`), so the copy of a request with no
+token yet waits at most a tenth of a second of the line behind either.
 
 Past a backlog bound (``--pdd-wan-cache-only-backlog-s``, seconds of the line at its measured
 rate), the owner drops a line's queued cache-only copies (:meth:`WanLines.drop_cache_only`):
@@ -121,6 +123,18 @@ class WanLines:
                         work.copy_class = copy_class
                         changed += 1
             self._cond.notify_all()
+        return changed
+
+    def uncover(self, room: int) -> int:
+        """``room``'s relay failed: its queued or written works are no longer relay-covered (they
+        go on with the full window); how many were."""
+        changed = 0
+        with self._cond:
+            for line in self._lines.values():
+                for work in [*line.queued, line.holder]:
+                    if work is not None and work.room == room and work.relay_covered:
+                        work.relay_covered = False
+                        changed += 1
         return changed
 
     def drop_cache_only(self, session: str, keep_bytes: int) -> list:

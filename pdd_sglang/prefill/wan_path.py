@@ -149,7 +149,7 @@ def start_wan_path(kv_mgr: Any, args: Optional[Any] = None) -> WanPath:
     from pdd_sglang.diagnostics.line_report import start_line_report
     from pdd_sglang.diagnostics.metrics import start_prefill_exporter
     from pdd_sglang.prefill.wan_coded import CodecChoice
-    from pdd_sglang.prefill.wan_engine import (cache_only_window, open_wan_engine, wan_hostname,
+    from pdd_sglang.prefill.wan_engine import (background_window, open_wan_engine, wan_hostname,
                                                window_for_line)
 
     args = get_server_args() if args is None else args
@@ -172,7 +172,7 @@ def start_wan_path(kv_mgr: Any, args: Optional[Any] = None) -> WanPath:
         timeout_s=float(args.pdd_wan_transfer_timeout), line=fanout.wan_line, window=window,
         hostname=wan_hostname(kv_mgr, getattr(args, "pdd_wan_hostname", None),
                               getattr(args, "pdd_advertise_host", None)),
-        cache_only=cache_only_window(window, fanout.wan_lines.line_bytes_per_s))
+        background=background_window(window, fanout.wan_lines.line_bytes_per_s))
     seam.aids.wan_engine_opened(fanout.wan_engine)
     fanout.codec_choice = CodecChoice(str(getattr(args, "pdd_wan_kv_codec", "auto")),
                                       float(args.pdd_wan_bandwidth_gbps) * 1e9 / 8)

@@ -16,7 +16,7 @@ from .engine import Callback, Event, Simulator
 from .handoff import HandoffProtocol
 from .link import FairShareLink, make_link
 from .wan_lines import ClassedLink
-from ..prefill.wan_engine import cache_only_window, window_for_line
+from ..prefill.wan_engine import background_window, window_for_line
 from ..policy.wan_codec import RAW, CodecCost, choose_wan_codec, coded_copy_seconds
 from .profiles import InstanceCost, load_codec, load_hardware, load_link, load_model
 from .records import Job, summarise
@@ -120,12 +120,12 @@ class Cluster:
         rtt = cfg.router_wan_rtt_s or profile.rtt_s
         sender = window_for_line(rate * 8 / 1e9, rtt * 1e3)
         slice_bytes = cfg.wan_slice_bytes or sender.slice_bytes
-        cache_only = None
-        if cfg.wan_cache_only_in_flight_s is not None:
-            window = cache_only_window(sender, rate, cfg.wan_cache_only_in_flight_s)
-            cache_only = (window.slice_bytes, window.window_bytes)
+        background = None
+        if cfg.wan_background_in_flight_s is not None:
+            window = background_window(sender, rate, cfg.wan_background_in_flight_s)
+            background = (window.slice_bytes, window.window_bytes)
         return ClassedLink(self.sim, profile, slice_bytes, cfg.wan_cache_only_backlog_s,
-                           cache_only_window=cache_only)
+                           background_window=background)
 
     # --- running -------------------------------------------------------------------------
     def run(self, requests, warmup=(), traced_ids=(), progress=None, follows=None):
@@ -330,8 +330,11 @@ class Cluster:
         job.wan_bytes = raw_bytes / codec.ratio      # the line carries wire bytes
         sent = lambda: self._wan_copy_sent(job, raw_bytes, codec)  # noqa: E731
         if isinstance(link, ClassedLink):
-            job.wan_flow = link.start_flow(job.wan_bytes, sent, dest=main.index,
-                                           on_dropped=lambda: self._copy_dropped(job))
+            # A relay answers a P->RLD->MD request while its copy flies: the prefill marks the
+            # copy relay-covered (a room with a relay), whether or not the relay has started.
+            job.wan_flow = link.start_flow(
+                job.wan_bytes, sent, dest=main.index, on_dropped=lambda: self._copy_dropped(job),
+                relay_covered=job.pipeline is Pipeline.PREFILL_RELAY_MAIN)
         else:
             job.wan_flow = link.start_flow(job.wan_bytes, sent)
         job.wan_started_s = self.sim.now

@@ -19,7 +19,7 @@ import enum
 from dataclasses import dataclass, field, replace
 
 from ..policy import PolicyConfig
-from ..policy.wan_order import CACHE_ONLY_IN_FLIGHT_S
+from ..policy.wan_order import BACKGROUND_IN_FLIGHT_S
 
 
 class Setup(enum.Enum):
@@ -139,9 +139,10 @@ class ClusterConfig:
     wan_line: str = "profile"
     wan_slice_bytes: float | None = None
     wan_cache_only_backlog_s: float | None = 10.0
-    # A cache-only copy's most time in flight on the classed line (prefill.wan_engine.
-    # cache_only_window); None: the window every copy keeps (the sender before it).
-    wan_cache_only_in_flight_s: float | None = CACHE_ONLY_IN_FLIGHT_S
+    # A background copy's most time in flight on the classed line (cache-only or relay-covered:
+    # prefill.wan_engine.background_window); None: the window every copy keeps (the sender
+    # before it).
+    wan_background_in_flight_s: float | None = BACKGROUND_IN_FLIGHT_S
 
     def __post_init__(self):
         if self.placement not in PLACEMENTS:

@@ -350,18 +350,19 @@ def wan_codec_section(runs: dict | None) -> list:
     return lines + [""]
 
 
-def cache_only_window_section(runs: dict | None) -> list:
-    """PDD's P->MD copies on the brief's line behind cache-only copies, by their window."""
+def background_window_section(runs: dict | None) -> list:
+    """PDD's P->MD copies on the brief's line behind background copies, by their window."""
     if not runs:
         return []
-    lines = ["## The copy a request waits for behind a cache-only copy, at the brief's line", "",
+    lines = ["## The copy a request waits for behind a background copy, at the brief's line", "",
              f"As the sections above (load x{runs['load_scale']:.3f}, the windowed sender), on the "
              "classed line (`sim/wan_lines.py`): a P->MD copy that takes the line from a "
-             "cache-only copy waits for that copy's window in flight. `full_window`: the window "
-             "every copy keeps (16 round trips, 0.32 s); `cache_only_bound`: a cache-only copy "
-             "keeps at most `policy.wan_order.CACHE_ONLY_IN_FLIGHT_S` of the line. A P->MD "
-             "copy's wait is its first token less its prefill's end; its floor, its bytes alone "
-             "on the line plus one way and the transfer's fixed cost.", "",
+             "background copy (a handoff's, or a cache-only one) waits for that copy's window in "
+             "flight. `full_window`: the window every copy keeps (16 round trips, 0.32 s); "
+             "`background_bound`: a background copy keeps at most "
+             "`policy.wan_order.BACKGROUND_IN_FLIGHT_S` of the line. A P->MD copy's wait is its "
+             "first token less its prefill's end; its floor, its bytes alone on the line plus one "
+             "way and the transfer's fixed cost.", "",
              "| bound | P->MD / requests | P->MD wait P50 s | P90 s | P90 over floor | "
              "TTFT P50 s | P90 s | P99 s | cache-only GB sent | dropped |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -390,6 +391,6 @@ def write_report(out: Path, data: dict, results: dict, paper: dict, quick: bool,
     lines += studies(data, paper)
     lines += sender_window_section(data.get("sender_window"))
     lines += wan_codec_section(data.get("wan_codec"))
-    lines += cache_only_window_section(data.get("cache_only_window"))
+    lines += background_window_section(data.get("background_window"))
     lines += assumptions()
     (out / "report.md").write_text("\n".join(lines))

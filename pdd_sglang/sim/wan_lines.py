@@ -22,10 +22,11 @@ What the sender does, and how it is modelled here:
    of (any cache-only holder; a needed-now one due after it) takes the line once the holder
    reaches its next slice boundary after the bytes it already handed to the transport (the
    window): bytes ``ceil((sent + window) / slice) x slice``, at most its size. The yielded copy
-   goes back to its line with its progress and keeps its deadline. A cache-only holder keeps the
-   sender's smaller window and slices (``prefill.wan_engine.cache_only_window``: at most
-   ``policy.wan_order.CACHE_ONLY_IN_FLIGHT_S`` of the declared line), so it yields that much
-   sooner; its rate is modelled as any copy's (one copy's measured shortfall under a small
+   goes back to its line with its progress and keeps its deadline. A background holder (cache-only,
+   or relay-covered: a P->RLD->MD request's copy, as the prefill marks one whose room has a
+   relay) keeps the sender's smaller window and slices (``prefill.wan_engine.background_window``:
+   at most ``policy.wan_order.BACKGROUND_IN_FLIGHT_S`` of the declared line), so it yields that
+   much sooner; its rate is modelled as any copy's (one copy's measured shortfall under a small
    window, 0.71 of the demo's line against 0.87, is not: see point 2).
 5. **Dropping.** When the bytes ahead on a line (queued and the holder's remaining) exceed
    ``backlog_s`` seconds of the line alone (min(rate, window / RTT), what the sender measures
@@ -56,9 +57,11 @@ class Copy:
     """One main-bound copy on a classed line (the link's flow)."""
 
     __slots__ = ("flow_id", "size_bytes", "sent", "copy_class", "dest", "on_delivered",
-                 "on_dropped", "active", "delivered_bytes", "yield_at", "dropped", "queued_at")
+                 "on_dropped", "active", "delivered_bytes", "yield_at", "dropped", "queued_at",
+                 "relay_covered")
 
-    def __init__(self, flow_id, size_bytes, dest, on_delivered, on_dropped, queued_at=0.0):
+    def __init__(self, flow_id, size_bytes, dest, on_delivered, on_dropped, queued_at=0.0,
+                 relay_covered=False):
         self.flow_id = flow_id
         self.size_bytes = float(size_bytes)
         self.sent = 0.0
@@ -71,6 +74,7 @@ class Copy:
         self.yield_at = None          # bytes at which it leaves the line for a needed-now copy
         self.dropped = False
         self.queued_at = float(queued_at)  # the simulator's clock when it was queued
+        self.relay_covered = relay_covered  # a relay answers its request while it flies
 
     @property
     def remaining(self) -> float:
@@ -96,19 +100,20 @@ class ClassedLink(FairShareLink):
 
     def __init__(self, sim: Simulator, profile: LinkProfile, slice_bytes: float,
                  backlog_s: float | None, name: str = "wan",
-                 cache_only_window: tuple[float, float] | None = None):
-        """cache_only_window: (slice, window) bytes of a cache-only holder; None: as any."""
+                 background_window: tuple[float, float] | None = None):
+        """background_window: (slice, window) bytes of a background holder (cache-only or
+        relay-covered); None: as any."""
         super().__init__(sim, profile, name)
         if not slice_bytes > 0:
             raise ValueError(f"{name}: slice_bytes must be > 0, got {slice_bytes!r}")
         if backlog_s is not None and not backlog_s > 0:
             raise ValueError(f"{name}: backlog_s must be > 0 or None, got {backlog_s!r}")
-        if cache_only_window is not None and not min(cache_only_window) > 0:
-            raise ValueError(f"{name}: a cache-only slice and window must be > 0, got "
-                             f"{cache_only_window!r}")
+        if background_window is not None and not min(background_window) > 0:
+            raise ValueError(f"{name}: a background slice and window must be > 0, got "
+                             f"{background_window!r}")
         self.window_bytes = profile.window_bytes
         self.slice_bytes = float(slice_bytes)
-        self.cache_only_window = cache_only_window
+        self.background_window = background_window
         self.backlog_s = backlog_s
         self._lines: dict = {}
         self._last = 0.0
@@ -155,20 +160,24 @@ class ClassedLink(FairShareLink):
     def _window_of(self, holder: Copy) -> tuple[float, float]:
         """(slice, window) bytes the holder goes out with."""
         window = self.window_bytes or 0.0
-        if holder.copy_class == CACHE_ONLY and self.cache_only_window is not None:
-            return (min(self.cache_only_window[0], self.slice_bytes),
-                    min(self.cache_only_window[1], window or self.cache_only_window[1]))
+        if self.background_window is not None and (holder.copy_class == CACHE_ONLY
+                                                   or holder.relay_covered):
+            return (min(self.background_window[0], self.slice_bytes),
+                    min(self.background_window[1], window or self.background_window[1]))
         return self.slice_bytes, window
 
     # --- copies --------------------------------------------------------------------------
-    def start_flow(self, size_bytes: float, on_delivered, dest=0, on_dropped=None) -> Copy:
+    def start_flow(self, size_bytes: float, on_delivered, dest=0, on_dropped=None,
+                   relay_covered=False) -> Copy:
         """Queue a needed-now copy of size_bytes to `dest`; on_delivered() once its last byte
-        arrived, on_dropped() if it is dropped while cache-only."""
+        arrived, on_dropped() if it is dropped while cache-only. relay_covered: a relay answers
+        its request meanwhile (a handoff's copy), so it keeps the background window."""
         if size_bytes < 0:
             raise ValueError("flow size must be >= 0")
         self._advance()
         self._next_id += 1
-        copy = Copy(self._next_id, size_bytes, dest, on_delivered, on_dropped, self.sim.now)
+        copy = Copy(self._next_id, size_bytes, dest, on_delivered, on_dropped, self.sim.now,
+                    relay_covered)
         line = self._lines.setdefault(dest, _Line())
         line.queued.append(copy)
         self._preempt(line)

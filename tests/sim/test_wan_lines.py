@@ -92,29 +92,31 @@ def test_a_needed_now_copy_overtakes_a_cache_only_one_at_its_next_slice_after_th
     assert done == [("needed-now", yield_at_s + 0.5), ("cache-only", 10.5)]
 
 
-def test_a_cache_only_holder_yields_within_its_smaller_window_and_a_needed_now_one_within_its_own():
-    """The sender's cache-only window (prefill.wan_engine.cache_only_window): a needed-now copy
-    that takes the line from a cache-only copy waits for that window, not the full one."""
-    def run(holder_class):
+def test_a_background_holder_yields_within_its_smaller_window_and_any_other_within_its_own():
+    """The sender's background window (prefill.wan_engine.background_window): a needed-now copy
+    that takes the line from a cache-only or a relay-covered copy (a handoff's) waits for that
+    window, not the full one."""
+    def run(holder_kind):
         sim = Simulator(0)
         profile = LinkProfile("test line", "test", bytes_per_s=1000.0, rtt_s=1e-9, jitter_s=0.0,
                               cost_per_hour=0.0, window_bytes=3000.0)
-        line = ClassedLink(sim, profile, 1000.0, None, cache_only_window=(100.0, 300.0))
+        line = ClassedLink(sim, profile, 1000.0, None, background_window=(100.0, 300.0))
         done = []
-        holder = _copy(sim, line, 10_000, "holder", done)
-        if holder_class == CACHE_ONLY:
+        holder = line.start_flow(10_000, lambda: done.append(("holder", round(sim.now, 6))),
+                                 relay_covered=holder_kind == "relay-covered")
+        if holder_kind == CACHE_ONLY:
             line.set_cache_only(holder)
         sim.at(2.5, Callback(_copy, sim, line, 500, "needed-now", done))
         sim.run()
-        return done, line
-    done, _ = run(CACHE_ONLY)
-    assert done[0] == ("needed-now", 2.8 + 0.5)  # 2500 sent + 300 in flight, then its own 500
-    # A needed-now holder due after the newcomer yields too, after its full window.
-    done, _ = run(NEEDED_NOW)
-    assert done[0] == ("needed-now", 6.0 + 0.5)  # 2500 + 3000, at the next 1000-byte slice
-    with pytest.raises(ValueError, match="cache-only"):
+        return done
+    # 2500 sent + 300 in flight, then its own 500
+    assert run(CACHE_ONLY)[0] == ("needed-now", 2.8 + 0.5)
+    assert run("relay-covered")[0] == ("needed-now", 2.8 + 0.5)
+    # A P->MD holder due after the newcomer yields too, after its full window.
+    assert run(NEEDED_NOW)[0] == ("needed-now", 6.0 + 0.5)  # 2500 + 3000, at a 1000-byte slice
+    with pytest.raises(ValueError, match="background"):
         ClassedLink(Simulator(0), LinkProfile("x", "x", 1.0, 0.0, 0.0, 0.0), 1.0, None,
-                    cache_only_window=(0.0, 1.0))
+                    background_window=(0.0, 1.0))
 
 
 def test_queued_cache_only_copies_past_the_backlog_are_dropped_newest_first_never_needed_now():
@@ -242,15 +244,15 @@ def test_a_relay_that_answers_alone_makes_main_copy_cache_only_on_the_classed_li
     assert cluster.wan.sent_by_class[NEEDED_NOW] > 0
 
 
-def test_the_classed_line_takes_the_senders_cache_only_window_unless_told_the_full_one():
-    from pdd_sglang.prefill.wan_engine import cache_only_window, window_for_line
+def test_the_classed_line_takes_the_senders_background_window_unless_told_the_full_one():
+    from pdd_sglang.prefill.wan_engine import background_window, window_for_line
 
     cfg = ClusterConfig(setup=Setup.PDD, wan_link="wan_10g", wan_line="classed")
     _, cluster = simulate(cfg, [_request(0, 0.0, 1000)])
     rate = min(cluster.wan.profile.bytes_per_s, cluster.wan.profile.per_flow_bytes_per_s)
-    sender = cache_only_window(window_for_line(rate * 8 / 1e9, cluster.wan.profile.rtt_s * 1e3),
+    sender = background_window(window_for_line(rate * 8 / 1e9, cluster.wan.profile.rtt_s * 1e3),
                                rate)
-    assert cluster.wan.cache_only_window == (sender.slice_bytes, sender.window_bytes)
+    assert cluster.wan.background_window == (sender.slice_bytes, sender.window_bytes)
     assert sender.window_bytes == pytest.approx(0.1 * rate, rel=1e-6)
-    _, full = simulate(cfg.with_(wan_cache_only_in_flight_s=None), [_request(0, 0.0, 1000)])
-    assert full.wan.cache_only_window is None
+    _, full = simulate(cfg.with_(wan_background_in_flight_s=None), [_request(0, 0.0, 1000)])
+    assert full.wan.background_window is None

@@ -165,6 +165,9 @@ class ListLines(list):
     def reclassify(self, room, copy_class):
         return self.lines.reclassify(room, copy_class)
 
+    def uncover(self, room):
+        return self.lines.uncover(room)
+
     def drop_cache_only(self, session, keep_bytes):
         return self.lines.drop_cache_only(session, keep_bytes)
 

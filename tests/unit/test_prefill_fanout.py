@@ -85,6 +85,32 @@ def test_a_main_that_registered_first_waits_for_its_relay_then_the_room_starts_a
     assert main_work.chunk.prefill_kv_indices.tolist() == list(range(16, 24))  # past its prefix
 
 
+def test_mains_copy_is_relay_covered_while_the_room_has_a_relay_and_not_once_it_failed():
+    """A relay answers the request while main's copy flies: the copy keeps the background window
+    (prefill/wan_engine.py) until the relay fails, and then goes on with the full one."""
+    from pdd_sglang.prefill.events import ChunkSent
+
+    kv = Kv()
+    fanout = make_fanout(kv)
+    opened(kv, 26)
+    register(fanout, kv, 26, MAIN, "main")
+    register(fanout, kv, 26, RELAY, "relay")
+    fanout.take_chunk(chunk(26, 0, 8))
+    drain(fanout)
+    (relay_work,), (main_work,) = fanout.local_queues[0], fanout.wan_lines
+    assert main_work.relay_covered
+    fanout.handle(ChunkSent(relay_work, False, "PDD: the relay's copy failed"))
+    assert not main_work.relay_covered  # queued: its next slice goes out in the full window
+    fanout.take_chunk(chunk(26, 8, 12, last=True))
+    drain(fanout)
+    assert [w.relay_covered for w in fanout.wan_lines] == [False, False]
+    opened(kv, 27)  # P->MD: main alone, nothing answers the request meanwhile
+    register(fanout, kv, 27, MAIN, "main", destinations=1)
+    fanout.take_chunk(chunk(27, 0, 4, last=True))
+    drain(fanout)
+    assert not fanout.wan_lines[-1].relay_covered
+
+
 def test_silent_relay_is_dropped_and_a_late_one_refused():
     kv = Kv()
     fanout = make_fanout(kv)

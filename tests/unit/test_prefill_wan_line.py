@@ -174,6 +174,18 @@ def test_a_relay_that_finished_makes_its_rooms_copy_cache_only_queued_or_being_w
     assert lines.queued_by_class()["main-a"] == {"needed_now": 0, "cache_only": 2000}
 
 
+def test_a_relay_that_failed_uncovers_its_rooms_copy_queued_or_being_written():
+    lines = WanLines(LINE_BYTES_PER_S)
+    for room in (7, 7, 8):
+        work = _work(room)
+        work.relay_covered = True
+        lines.put(work, 1000, 10, CopyClass.NEEDED_NOW)
+    held = lines.take()
+    assert held.room == 7 and lines.uncover(7) == 2
+    assert not held.relay_covered
+    assert [w.relay_covered for w in lines._lines["main-a"].queued] == [False, True]
+
+
 def test_cancelled_work_counts_no_bytes_ahead_though_it_waits_for_a_sender():
     """Issue 34's hazard: cancelled work stayed counted as queued until a sender popped it, so
     /pdd/line over-reported what was ahead of a new copy."""
@@ -378,37 +390,38 @@ def test_slices_are_four_bdps_of_the_declared_line_and_the_window_twelve_more_or
         window_for_line(0, 20)
 
 
-def test_a_cache_only_copy_keeps_a_tenth_of_a_second_of_the_declared_line_in_flight():
-    """A needed-now copy that takes the line from a cache-only one waits for what it has in
-    flight: the product's 862 KB window is 0.69 s of the demo's line, and the idle-line setup's
-    P->MD copies over 1.5x alone each waited that long behind a cache-only document's copy."""
-    from pdd_sglang.policy.wan_order import CACHE_ONLY_IN_FLIGHT_S
-    from pdd_sglang.prefill.wan_engine import CopyWindow, cache_only_window, window_for_line
+def test_a_background_copy_keeps_a_tenth_of_a_second_of_the_declared_line_in_flight():
+    """A needed-now copy that takes the line from a background one (cache-only, or a handoff's
+    while its relay answers) waits for what it has in flight: the product's 862 KB window is
+    0.69 s of the demo's line, and the idle-line setup's P->MD copies over 1.5x alone waited
+    about that long behind a document's or a handoff's copy."""
+    from pdd_sglang.policy.wan_order import BACKGROUND_IN_FLIGHT_S
+    from pdd_sglang.prefill.wan_engine import CopyWindow, background_window, window_for_line
 
-    assert CACHE_ONLY_IN_FLIGHT_S == 0.1
+    assert BACKGROUND_IN_FLIGHT_S == 0.1
     demo = window_for_line(0.01, 40)  # 10 Mbit/s x 40 ms: a 50 KB BDP
     assert demo == CopyWindow(262_144, 862_144, 25_000)
-    assert cache_only_window(demo, 1.25e6) == CopyWindow(41_666, 125_000, 25_000)
-    brief = window_for_line(10, 20)  # 10 Gbit/s x 20 ms: 16 round trips in flight, 5 cache-only
-    assert cache_only_window(brief, 1.25e9) == CopyWindow(41_666_666, 125_000_000, 12_500_000)
+    assert background_window(demo, 1.25e6) == CopyWindow(41_666, 125_000, 25_000)
+    brief = window_for_line(10, 20)  # 10 Gbit/s x 20 ms: 16 round trips in flight, 5 background
+    assert background_window(brief, 1.25e9) == CopyWindow(41_666_666, 125_000_000, 12_500_000)
     small = CopyWindow(4096, 8192, 512)  # already under the bound: kept
-    assert cache_only_window(small, 1.25e6) is small
+    assert background_window(small, 1.25e6) is small
     with pytest.raises(ValueError, match="positive"):
-        cache_only_window(demo, 0)
+        background_window(demo, 0)
 
 
-def test_a_copy_that_turns_cache_only_lands_down_to_the_smaller_window_before_its_next_slice():
+def test_a_copy_that_turns_background_lands_down_to_the_smaller_window_before_its_next_slice():
     from pdd_sglang.prefill.wan_engine import CopyWindow
 
     wan, events = _windowed(window_bytes=300, done_after_polls=2)
-    wan.cache_only_window = CopyWindow(50, 100, 50)
+    wan.background_window = CopyWindow(50, 100, 50)
     with wan.copy("main") as copy:
         for _ in range(3):  # needed-now: three slices of two 50-byte blocks, all in flight
-            assert copy.window_for_next_slice(cache_only=False).window_bytes == 300
+            assert copy.window_for_next_slice(background=False).window_bytes == 300
             assert wan.batch_transfer_sync("main", [1, 2], [3, 4], [50, 50]) == 0
         assert copy.in_flight_bytes == 300 and not [e for e in events if e[0] == "poll"]
         # its relay finished: the next slice goes out once no more than its window is in flight
-        assert copy.window_for_next_slice(cache_only=True).slice_bytes == 50
+        assert copy.window_for_next_slice(background=True).slice_bytes == 50
         assert wan.batch_transfer_sync("main", [1], [2], [50]) == 0
         before = events[:events.index(("submit", 7))]
         assert {e[1] for e in before if e[0] == "poll"} == {1, 2, 3, 4, 5}

@@ -186,7 +186,17 @@ class RelayFinishesAfterTheFirstRecord:
         return False
 
 
-def test_a_copy_that_turns_cache_only_goes_on_in_the_smaller_records_and_lands_bit_exact():
+class NothingWaits:
+    def should_yield(self, work):
+        return False
+
+
+@pytest.mark.parametrize("relay_covered, lines, records", [
+    (False, RelayFinishesAfterTheFirstRecord(), 1 + 5),  # 3 pages needed-now, then a page a record
+    (True, NothingWaits(), 8),  # a handoff's copy: a page a record from the start
+])
+def test_a_background_copy_goes_in_the_smaller_records_and_lands_bit_exact(relay_covered, lines,
+                                                                            records):
     src_pool, dst_pool = pool(1), pool(2)
     staging = main_with_staging(dst_pool)
     receiver = Receiver()
@@ -196,14 +206,14 @@ def test_a_copy_that_turns_cache_only_goes_on_in_the_smaller_records_and_lands_b
     staged.total = 1
     kv = prefill(src_pool)
     page_bytes = kv.pdd_coded_pool.page_bytes
-    kv.pdd_fanout.wan_engine.cache_only_window = CopyWindow(page_bytes, 2 * page_bytes, 64)
+    kv.pdd_fanout.wan_engine.background_window = CopyWindow(page_bytes, 2 * page_bytes, 64)
     work = SimpleNamespace(room=79, session="main-1", staged=staged, pages_done=0,
-                           copy_class=CopyClass.NEEDED_NOW)
+                           copy_class=CopyClass.NEEDED_NOW, relay_covered=relay_covered)
     codec = wan_coded.codec_for(kv, work, False, len(src) * page_bytes)
-    assert wan_coded.send_coded(kv, work, src, dst, codec, RelayFinishesAfterTheFirstRecord(),
-                                lambda *a: False, "yielded") is True
+    assert wan_coded.send_coded(kv, work, src, dst, codec, lines, lambda *a: False,
+                                "yielded") is True
     assert wan_coded.finish_staged(kv, work)
-    assert staged.records == 1 + 5  # 3 pages needed-now, then a page a record
+    assert staged.records == records
     assert staging.land(receiver, 79, landed=True) is None
     for s_buf, d_buf in zip(src_pool, dst_pool):
         assert torch.equal(d_buf[dst], s_buf[src])
