@@ -283,8 +283,8 @@ def after_children_started() -> None:
 
 # ---- the router's compact WAN-line poll: patch 0018 ----------------------------------------
 def add_http_routes(app) -> None:
-    """The launcher's HTTP server is about to start: a PDD prefill serves ``GET /pdd/line`` and
-    ``POST /pdd/cache_only``."""
+    """The launcher's HTTP server is about to start: a PDD prefill serves ``GET /pdd/line``,
+    ``POST /pdd/cache_only`` and ``POST /pdd/relay_lost``."""
     if pdd_role() != "prefill":
         return
     from pdd_sglang.diagnostics import line_report

@@ -1,6 +1,12 @@
-"""``POST /pdd/cache_only``: the router tells the prefill that a room's relay answered alone, so
-main's copy of it only warms main's cache and goes behind every copy a request waits for
-(:mod:`~pdd_sglang.prefill.wan_lines`).
+"""The router's notices about a room's relay, which only the router sees (it splices the streams):
+
+- ``POST /pdd/cache_only``: the relay answered alone, so main's copy of the room only warms
+  main's cache and goes behind every copy a request waits for
+  (:mod:`~pdd_sglang.prefill.wan_lines`);
+- ``POST /pdd/relay_lost``: the relay died while it answered, so main's copy is the request's
+  only way on: it stops being relay-covered and goes on with the window that fills the line
+  (:func:`~pdd_sglang.prefill.wan_engine.background_window`). The prefill sees a relay fail only
+  while it still sends it KV.
 
 Why here: the router reaches the prefill only over HTTP, and only the router knows when a relay
 has finished a request alone (it splices the streams). The prefill's HTTP process and its
@@ -10,12 +16,15 @@ scheduler processes are apart, so:
    WAN copies), thread ``pdd-cache-only`` (:class:`CacheOnlyIntake`, owned by
    :class:`~pdd_sglang.prefill.wan_path.WanPath`) binds a ZMQ PULL socket at
    :func:`intake_address` (named after the launcher's PID and the rank) and posts each room it
-   reads to the fan-out's owner as :class:`~pdd_sglang.prefill.events.CacheOnly`.
-2. The launcher's HTTP process serves the route (patch 0018's route hook): it checks the body,
-   pushes it to every rank's socket without waiting, and answers 202 with how many ranks took it.
+   reads to the fan-out's owner as :class:`~pdd_sglang.prefill.events.CacheOnly` or
+   :class:`~pdd_sglang.prefill.events.RelayLost`, as the notice's ``kind`` says.
+2. The launcher's HTTP process serves the routes (patch 0018's route hook): it checks the body,
+   pushes it with its kind to every rank's socket without waiting, and answers 202 with how many
+   ranks took it.
    A room the fan-out does not know (already concluded, never PDD's) is ignored there.
 
-Best effort by design: a lost notice only leaves a copy needed-now, as before this route.
+Best effort by design: a lost cache-only notice only leaves a copy needed-now, as before the
+route; a lost relay-lost notice leaves a copy in the background window, which lands later.
 """
 
 import glob
@@ -29,6 +38,9 @@ from typing import Any, Optional
 logger = logging.getLogger(__name__)
 
 ROUTE = "/pdd/cache_only"
+RELAY_LOST_ROUTE = "/pdd/relay_lost"
+CACHE_ONLY, RELAY_LOST = "cache_only", "relay_lost"  # a notice's kind on the intake's socket
+KIND_OF_ROUTE = {ROUTE: CACHE_ONLY, RELAY_LOST_ROUTE: RELAY_LOST}
 MAX_ROOMS = 4096  # per notice: the router sends one room per finished request
 
 
@@ -53,7 +65,8 @@ def parse_rooms(body: Any) -> list[int]:
 
 
 class CacheOnlyIntake:
-    """Thread ``pdd-cache-only`` of one scheduler process: notices in, CacheOnly events out."""
+    """Thread ``pdd-cache-only`` of one scheduler process: notices in, CacheOnly and RelayLost
+    events out."""
 
     def __init__(self, post: Any, launcher_pid: int, tp_rank: int):
         import zmq
@@ -73,17 +86,20 @@ class CacheOnlyIntake:
 
     def _run(self) -> None:
         from pdd_sglang.lifecycle import name_os_thread
-        from pdd_sglang.prefill.events import CacheOnly
+        from pdd_sglang.prefill.events import CacheOnly, RelayLost
 
         name_os_thread("pdd-cache-only")
+        event_of = {CACHE_ONLY: CacheOnly, RELAY_LOST: RelayLost}
         while not self._stop.is_set():
             if not self._socket.poll(250):
                 continue
             try:
-                for room in parse_rooms(json.loads(self._socket.recv())):
-                    self.post(CacheOnly(room))
+                notice = json.loads(self._socket.recv())
+                event = event_of[notice.get("kind", CACHE_ONLY)]
+                for room in parse_rooms(notice):
+                    self.post(event(room))
             except Exception:  # a bad notice must never take the prefill down
-                logger.exception("PDD: a cache-only notice could not be read")
+                logger.exception("PDD: a notice about a room's relay could not be read")
 
     def close(self, timeout_s: float = 2.0) -> None:
         self._stop.set()
@@ -105,12 +121,13 @@ def start_intake(kv_mgr: Any, post: Any) -> Optional[CacheOnlyIntake]:
         return None
 
 
-def push_notice(rooms: list[int], launcher_pid: Optional[int] = None) -> int:
+def push_notice(rooms: list[int], launcher_pid: Optional[int] = None,
+                kind: str = CACHE_ONLY) -> int:
     """HTTP process: the notice to every rank of this launcher's prefill; how many took it."""
     import zmq
 
     pid = os.getpid() if launcher_pid is None else launcher_pid
-    payload = json.dumps({"rooms": rooms}).encode()
+    payload = json.dumps({"rooms": rooms, "kind": kind}).encode()
     context = zmq.Context.instance()
     taken = 0
     for path in sorted(glob.glob(f"{_prefix(pid)}*.sock")):
@@ -122,29 +139,35 @@ def push_notice(rooms: list[int], launcher_pid: Optional[int] = None) -> int:
             socket.send(payload, zmq.NOBLOCK)
             taken += 1
         except zmq.ZMQError as err:
-            logger.warning("PDD: a cache-only notice to %s was not taken: %s", path, err)
+            logger.warning("PDD: a %s notice to %s was not taken: %s", kind, path, err)
         finally:
             socket.close()
     return taken
 
 
 def add_route(app: Any) -> None:
-    """Serve ``POST /pdd/cache_only`` on SGLang's FastAPI app (the launcher's HTTP process).
-    (No ``from __future__ import annotations`` in this module: FastAPI reads the handler's
-    annotation to pass it the request.)"""
+    """Serve ``POST /pdd/cache_only`` and ``POST /pdd/relay_lost`` on SGLang's FastAPI app (the
+    launcher's HTTP process). (No ``from __future__ import annotations`` in this module: FastAPI
+    reads the handler's annotation to pass it the request.)"""
+    for route, kind in KIND_OF_ROUTE.items():
+        app.add_api_route(route, _handler(kind), methods=["POST"], include_in_schema=False)
+
+
+def _handler(kind: str) -> Any:
     from fastapi import Request
     from fastapi.responses import JSONResponse
 
-    async def pdd_cache_only(request: Request) -> JSONResponse:
+    async def pdd_relay_notice(request: Request) -> JSONResponse:
         try:
             rooms = parse_rooms(await request.json())
         except ValueError as err:
             return JSONResponse({"error": str(err)}, status_code=400)
-        taken = push_notice(rooms)
+        taken = push_notice(rooms, kind=kind)
         if not taken:
-            return JSONResponse({"error": "no prefill scheduler takes cache-only notices "
-                                          "(not started yet, or not a PDD prefill)"},
+            what = kind.replace("_", "-")
+            return JSONResponse({"error": f"no prefill scheduler takes {what} notices (not "
+                                          "started yet, or not a PDD prefill)"},
                                 status_code=503)
         return JSONResponse({"rooms": len(rooms), "ranks": taken}, status_code=202)
 
-    app.add_api_route(ROUTE, pdd_cache_only, methods=["POST"], include_in_schema=False)
+    return pdd_relay_notice

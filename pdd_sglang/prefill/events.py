@@ -2,7 +2,7 @@
 
 Posted on :attr:`PrefillFanout.events <pdd_sglang.prefill.fanout.PrefillFanout>` by SGLang's
 bootstrap thread (:class:`Registered`), the scheduler (:class:`ChunkReady`, :class:`RoomCleared`), the senders
-(:class:`ChunkSent`), the bootstrap thread again (:class:`AbortNotified`) the peer thread (:class:`ProbeAnswered`) and the cache-only intake (:class:`CacheOnly`); applied in order by the owner.
+(:class:`ChunkSent`), the bootstrap thread again (:class:`AbortNotified`) the peer thread (:class:`ProbeAnswered`) and the cache-only intake (:class:`CacheOnly`, :class:`RelayLost`); applied in order by the owner.
 """
 
 from __future__ import annotations
@@ -62,5 +62,13 @@ class AbortNotified:
 class CacheOnly:
     """The router: ``room``'s relay answered alone, so main's copy only warms its cache (the
     cache-only intake thread, :mod:`pdd_sglang.prefill.cache_only`)."""
+
+    room: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RelayLost:
+    """The router: ``room``'s relay died while it answered, so main's copy is the request's only
+    way on (the same intake thread)."""
 
     room: int

@@ -66,7 +66,7 @@ from typing import Any, Callable, Optional
 from pdd_sglang.prefill.aborts import FanoutAborts
 from pdd_sglang.prefill.deadlines import FanoutDeadlines
 from pdd_sglang.prefill.destination_chunks import skip_prefix_pages
-from pdd_sglang.prefill.events import (AbortNotified, CacheOnly, ChunkReady, ChunkSent,
+from pdd_sglang.prefill.events import (AbortNotified, CacheOnly, ChunkReady, ChunkSent, RelayLost,
                                        ProbeAnswered, Registered, RoomCleared)
 from pdd_sglang.prefill.ledger import LEDGER
 from pdd_sglang.prefill.room import Destination, DestinationState, Room, RoomPhase, Work
@@ -122,7 +122,7 @@ class PrefillFanout(FanoutDeadlines, FanoutAborts):
         self.counters = dict.fromkeys((
             "refused_hellos", "refused_late", "relays_dropped", "mains_dropped", "relays_failed",
             "mains_failed", "rooms_stuck", "rooms_abandoned", "rooms_succeeded", "rooms_failed",
-            "destinations_aborted", "cache_only_copies", "cache_only_dropped"), 0)
+            "destinations_aborted", "cache_only_copies", "cache_only_dropped", "relays_lost"), 0)
         # Written by the owner only; tested by other threads.
         self.pdd_rooms: set[int] = set()
         self.main_sessions: set[str] = set()
@@ -192,6 +192,8 @@ class PrefillFanout(FanoutDeadlines, FanoutAborts):
             self._on_abort(event)
         elif isinstance(event, CacheOnly):
             self._on_cache_only(event.room)
+        elif isinstance(event, RelayLost):
+            self._on_relay_lost(event.room)
         else:
             raise TypeError(f"unknown fan-out event {event!r}")
         self.published = self._snapshot()
@@ -351,6 +353,16 @@ class PrefillFanout(FanoutDeadlines, FanoutAborts):
         room.cache_only = True
         self.counters["cache_only_copies"] += 1
         self.wan_lines.reclassify(room_id, CopyClass.CACHE_ONLY)
+
+    def _on_relay_lost(self, room_id: int) -> None:
+        """The relay died while it answered (the router saw its stream break): main's copy of the
+        room is the request's only way on, no longer relay-covered."""
+        room = self._rooms.get(room_id)
+        if room is None or room.phase is RoomPhase.CONCLUDED or room.relay_lost:
+            return
+        room.relay_lost = True
+        self.counters["relays_lost"] += 1
+        self.wan_lines.uncover(room_id)
 
     def drop_cache_only_backlog(self) -> None:
         """Owner, each tick: a line whose bytes ahead take longer than the backlog bound at its

@@ -118,6 +118,7 @@ class Room:
     pending: Optional[tuple] = None  # (status, reason) decided while chunks were in a sender
     forget_when_drained: bool = False  # SGLang cleared it while an abort's ack waited on a sender
     cache_only: bool = False  # the relay answered alone: main's copy only warms its cache
+    relay_lost: bool = False  # the router saw the relay die while it answered
     # role -> how many of its ranks register with this prefill rank (1 unless the decode runs a
     # larger TP: protocol.messages.sessions_per_prefill_rank), from its first hello.
     ranks: dict = dataclasses.field(default_factory=dict)
@@ -176,7 +177,7 @@ class Room:
         """A relay of this room has registered and none of its ranks failed: the request's
         tokens come from it while main's copy flies."""
         relays = self.of_role("relay")
-        return (not self.relay_dropped and bool(relays)
+        return (not self.relay_dropped and not self.relay_lost and bool(relays)
                 and all(d.state is not DestinationState.FAILED for d in relays))
 
     def relay_finished_or_gone(self) -> bool:

@@ -145,34 +145,39 @@ def _begins(prompt: Key, key: Key) -> bool:
             and prompt[:len(key)] == key)
 
 
+CACHE_ONLY, RELAY_LOST = "cache_only", "relay_lost"  # a notice's kind: /pdd/<kind> at the prefill
+
+
 class CacheOnlyNotices:
-    """Rooms whose relay answered alone, told to their prefill in batches: one POST per prefill
-    per NOTICE_INTERVAL_S, not one per request; never again to a prefill that answered 404 (a
-    build older than the route)."""
+    """Rooms told to their prefill in batches, one POST per prefill and kind per
+    NOTICE_INTERVAL_S, not one per request: ``cache_only`` (the relay answered alone) and
+    ``relay_lost`` (the relay died while it answered: main's copy is the request's only way on,
+    relay_loss.py); never again to a prefill that answered 404 for that kind (a build older
+    than its route)."""
 
     def __init__(self, client, spawn: Callable):
         self._client, self._spawn = client, spawn
-        self._pending: dict[Any, list[int]] = {}  # prefill (its Upstream) -> rooms
-        self._without_route: set[str] = set()
+        self._pending: dict[tuple, list[int]] = {}  # (prefill (its Upstream), kind) -> rooms
+        self._without_route: set[tuple] = set()  # (prefill url, kind)
 
-    def tell(self, prefill, room: int) -> None:
-        if prefill.url in self._without_route:
+    def tell(self, prefill, room: int, kind: str = CACHE_ONLY) -> None:
+        if (prefill.url, kind) in self._without_route:
             return
         if not self._pending:
             asyncio.get_running_loop().call_later(NOTICE_INTERVAL_S, self._flush)
-        self._pending.setdefault(prefill, []).append(room)
+        self._pending.setdefault((prefill, kind), []).append(room)
 
     def _flush(self) -> None:
         pending, self._pending = self._pending, {}
-        for prefill, rooms in pending.items():
+        for (prefill, kind), rooms in pending.items():
             for start in range(0, len(rooms), MAX_NOTICE_ROOMS):
-                self._spawn(self._send(prefill, rooms[start:start + MAX_NOTICE_ROOMS]))
+                self._spawn(self._send(prefill, kind, rooms[start:start + MAX_NOTICE_ROOMS]))
 
-    async def _send(self, prefill, rooms: list[int]) -> None:
-        if await self._client.cache_only(prefill, rooms) == 404:
-            self._without_route.add(prefill.url)
-            logger.info("PDD router: prefill %s has no /pdd/cache_only; its copies stay "
-                        "needed-now", prefill.url)
+    async def _send(self, prefill, kind: str, rooms: list[int]) -> None:
+        if await self._client.relay_notice(prefill, kind, rooms) == 404:
+            self._without_route.add((prefill.url, kind))
+            logger.info("PDD router: prefill %s has no /pdd/%s; it goes on without that "
+                        "notice", prefill.url, kind)
 
 
 def keep_mains_copy(attempt: "Attempt") -> None:

@@ -13,7 +13,9 @@ What the router does, in the order a relay's death shows:
    cannot be called back), and the line is what a relay's loss makes scarce.
 3. A request whose relay is gone mid-answer goes on with main's stream: main decodes it from the
    first token once it sees the relay's control connection drop, and the client gets main's
-   tokens from the next position it lacks (splice.py). But main only sees the drop of a
+   tokens from the next position it lacks (splice.py), and the prefill is told
+   (``POST /pdd/relay_lost``): main's copy, which kept the small window of a copy a relay
+   covers, goes on with the window that fills the line. But main only sees the drop of a
    connection it had: a relay that died before main first spoke to it (as in the fault suite,
    whose relay had handed nothing over yet) leaves main waiting ``--pdd-handoff-timeout`` after
    its copy landed. So once main's copy of the prompt has landed (the prefill answered: prefill
@@ -42,6 +44,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
+from pdd_sglang.router.landing import RELAY_LOST
 from pdd_sglang.router.servers import Upstream
 from pdd_sglang.router.upstream import UpstreamError
 
@@ -109,6 +112,10 @@ def relay_lost(attempt: "Attempt", item) -> None:
     splicer.relay_lost()
     attempt.silence.relay_lost_at = attempt.loop.time()
     router.abort([relay], attempt.rid)
+    # The prefill does not see a relay die once it has its KV: main's copy is the request's only
+    # way on now, and goes on with the window that fills the line (prefill/cache_only.py).
+    router.cache_only_notices.tell(attempt.placement.prefill, attempt.body["bootstrap_room"],
+                                   RELAY_LOST)
 
 
 def failed_after_the_relay_was_lost(attempt: "Attempt", source: str, item) -> RelayLost:

@@ -194,21 +194,24 @@ class UpstreamClient:
         except OSError as err:
             logger.warning("abort %s on %s %s failed: %r", rid, upstream.role, upstream.url, err)
 
-    async def cache_only(self, upstream: Upstream, rooms: list[int]) -> Optional[int]:
-        """Tell a prefill that ``rooms``' relays answered alone: main's copies of them only warm
-        main's cache and go behind every copy a request waits for (POST /pdd/cache_only). The
-        prefill's status (202; 404 from a prefill older than the route), None when it could not
-        be asked. Best effort: a prefill that misses it keeps the copies needed-now."""
+    async def relay_notice(self, upstream: Upstream, kind: str,
+                           rooms: list[int]) -> Optional[int]:
+        """Tell a prefill about ``rooms``' relays (POST /pdd/<kind>): ``cache_only``, they
+        answered alone, so main's copies only warm main's cache and go behind every copy a
+        request waits for; ``relay_lost``, they died while they answered, so main's copies go on
+        with the window that fills the line. The prefill's status (202; 404 from a prefill older
+        than the route), None when it could not be asked. Best effort: a prefill that misses a
+        notice keeps the copies as they were."""
         try:
-            status, _ = await self._exchange(upstream, b"POST", "/pdd/cache_only",
+            status, _ = await self._exchange(upstream, b"POST", f"/pdd/{kind}",
                                              orjson.dumps({"rooms": rooms}), timeout_s=10.0)
         except OSError as err:
-            logger.warning("cache-only notice for %d rooms to %s failed: %r", len(rooms),
+            logger.warning("%s notice for %d rooms to %s failed: %r", kind, len(rooms),
                            upstream.url, err)
             return None
         if status not in (202, 404):
-            logger.warning("cache-only notice for %d rooms to %s answered %s",
-                           len(rooms), upstream.url, status)
+            logger.warning("%s notice for %d rooms to %s answered %s", kind, len(rooms),
+                           upstream.url, status)
         return status
 
     async def generate_final(self, upstream: Upstream, body: dict) -> dict:

@@ -70,8 +70,8 @@ class ScriptedClient:
     async def abort(self, upstream, rid):
         self.log.append(("abort", upstream.role, rid))
 
-    async def cache_only(self, upstream, rooms):
-        self.log.append(("cache_only", upstream.role, tuple(rooms)))
+    async def relay_notice(self, upstream, kind, rooms):
+        self.log.append((kind, upstream.role, tuple(rooms)))
         return 202
 
     async def health(self, upstream, timeout_s: float = 10.0):
@@ -216,6 +216,9 @@ def test_a_relay_dying_mid_answer_goes_on_at_main_from_the_clients_last_token():
         assert client.log.index(("abort", MAIN, first["rid"])) < client.log.index(
             ("generate", MAIN, second["rid"]))
         assert not dispatcher.pool.by_role[RELAY][0].healthy  # the probe's verdict
+        # The prefill was told: main's copy of the room is the request's only way on now.
+        await asyncio.sleep(0.05)  # the notices' batching interval
+        assert ("relay_lost", PREFILL, (first["bootstrap_room"],)) in client.log
 
     run(test())
 

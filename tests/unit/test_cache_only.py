@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from pdd_sglang.prefill import cache_only
-from pdd_sglang.prefill.events import CacheOnly
+from pdd_sglang.prefill.events import CacheOnly, RelayLost
 
 
 @pytest.fixture
@@ -37,10 +37,17 @@ def test_a_notice_reaches_the_fan_outs_owner_as_one_event_per_room(app, intake):
     assert [intake.get(timeout=10), intake.get(timeout=10)] == [CacheOnly(5), CacheOnly(2 ** 62 - 1)]
 
 
+def test_a_relay_lost_notice_reaches_the_owner_as_relay_lost_events(app, intake):
+    answer = app.post(cache_only.RELAY_LOST_ROUTE, json={"rooms": [7]})
+    assert answer.status_code == 202 and answer.json() == {"rooms": 1, "ranks": 1}
+    assert intake.get(timeout=10) == RelayLost(7)
+
+
+@pytest.mark.parametrize("route", [cache_only.ROUTE, cache_only.RELAY_LOST_ROUTE])
 @pytest.mark.parametrize("body", [{}, {"rooms": []}, {"rooms": ["5"]}, {"rooms": [-1]},
                                   {"rooms": [True]}, [5]])
-def test_a_bad_notice_is_refused_with_what_is_wrong(app, intake, body):
-    answer = app.post(cache_only.ROUTE, json=body)
+def test_a_bad_notice_is_refused_with_what_is_wrong(app, intake, body, route):
+    answer = app.post(route, json=body)
     assert answer.status_code == 400 and "room" in answer.json()["error"]
     assert intake.empty()
 

@@ -88,7 +88,7 @@ def test_a_main_that_registered_first_waits_for_its_relay_then_the_room_starts_a
 def test_mains_copy_is_relay_covered_while_the_room_has_a_relay_and_not_once_it_failed():
     """A relay answers the request while main's copy flies: the copy keeps the background window
     (prefill/wan_engine.py) until the relay fails, and then goes on with the full one."""
-    from pdd_sglang.prefill.events import ChunkSent
+    from pdd_sglang.prefill.events import ChunkSent, RelayLost
 
     kv = Kv()
     fanout = make_fanout(kv)
@@ -104,6 +104,18 @@ def test_mains_copy_is_relay_covered_while_the_room_has_a_relay_and_not_once_it_
     fanout.take_chunk(chunk(26, 8, 12, last=True))
     drain(fanout)
     assert [w.relay_covered for w in fanout.wan_lines] == [False, False]
+    opened(kv, 28)  # the router saw the relay die after it had its KV: prefill never would
+    register(fanout, kv, 28, MAIN, "main")
+    register(fanout, kv, 28, RELAY, "relay")
+    fanout.take_chunk(chunk(28, 0, 8))
+    drain(fanout)
+    mains = [w for w in fanout.wan_lines if w.room == 28]
+    assert [w.relay_covered for w in mains] == [True]
+    fanout.handle(RelayLost(28))
+    fanout.take_chunk(chunk(28, 8, 12, last=True))
+    drain(fanout)
+    assert [w.relay_covered for w in fanout.wan_lines if w.room == 28] == [False, False]
+    assert fanout.published["relays_lost"] == 1
     opened(kv, 27)  # P->MD: main alone, nothing answers the request meanwhile
     register(fanout, kv, 27, MAIN, "main", destinations=1)
     fanout.take_chunk(chunk(27, 0, 4, last=True))
