@@ -28,4 +28,4 @@ from pdd_sglang.policy.placement import (IDLE_LINE, LineState, MainCandidate,  #
 from pdd_sglang.policy.ttft_budget import (BudgetPlacement, BudgetVerdict,  # noqa: F401
                                            MainTtft, place_by_ttft_budget, prefill_seconds)
 from pdd_sglang.policy.wan_order import (BACKGROUND_IN_FLIGHT_S, DEADLINE_STRETCH,  # noqa: F401
-                                         background_in_flight_bytes, copy_deadline)
+                                         background_in_flight_bytes, copy_deadline, copy_tier)

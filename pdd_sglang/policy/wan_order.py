@@ -24,6 +24,16 @@ not what it has left: a deadline from the bytes left moved a copy's deadline clo
 so a document's copy 5 s into its 6 s kept the line from a 46-token P->MD copy, which waited
 4.38 s, x7 alone (fresh clone of 74d4114).
 
+**Tiers before deadlines.** A line serves a copy a request with no token yet waits for (P->MD,
+a relay that failed or died) before a relay-covered one (a handoff's: the relay answers the
+request meanwhile, so its copy only moves the handoff), and that before a cache-only one
+(:func:`copy_tier`); deadlines order each tier. Within needed-now the deadline alone used to
+decide, and a handoff's copy queued 0.5-1.4 s before a P->MD request's was due first: in two
+fresh-clone demos the idle-line P->MD copies over 1.5x alone waited behind such copies in 3 of
+8 cases (8da2cbf, c88dcdc), the more so once a relay-covered copy kept the small window below.
+A relay-covered copy can wait behind first-token copies for long; its relay answers meanwhile,
+and finishes the request alone if it must.
+
 **A background copy yields sooner.** A needed-now copy that takes the line from the copy on it
 waits for what that copy has in flight (the sender yields between slices and lands its window
 first). A copy no request waits on for a token, a *background* copy, keeps at most
@@ -59,6 +69,17 @@ DEADLINE_STRETCH = 2.0
 # demo's line, 0.23 s of it fixed) 0.22 s behind another copy: this bound, a round trip for the
 # last acknowledgement and the sender's hand-over fit in it.
 BACKGROUND_IN_FLIGHT_S = 0.1
+
+
+# The tiers a line serves in order, before deadlines: a copy a request with no token yet waits
+# for (P->MD, a relay that failed or died), a relay-covered one (a handoff's: the relay answers
+# the request meanwhile, so its copy only moves the handoff), a cache-only one.
+FIRST_TOKEN, RELAY_COVERED, CACHE_ONLY = 0, 1, 2
+
+
+def copy_tier(cache_only: bool, relay_covered: bool) -> int:
+    """A copy's tier (see above): the line serves the lowest first, then by deadline."""
+    return CACHE_ONLY if cache_only else RELAY_COVERED if relay_covered else FIRST_TOKEN
 
 
 def copy_deadline(first_queued_s: float, copy_bytes: float, line_bytes_per_s: float) -> float:

@@ -11,12 +11,13 @@ Every main-bound :class:`~pdd_sglang.prefill.room.Work` carries a :class:`CopyCl
 Order (issue 34): work is queued per main session (one WAN line each), so a slow main's line
 holds up no other main's copies. A line is served by one WAN sender at a time, so its window
 (:meth:`~pdd_sglang.prefill.wan_engine.WanTransferEngine.copy`) is one copy's. Within a line,
-needed-now goes before cache-only, and within a class the copy (a room's chunks) with the
-earliest deadline first: when it was first queued plus twice its bytes at the
+needed-now goes before cache-only, a needed-now copy whose request no relay answers before a
+relay-covered one (:func:`pdd_sglang.policy.wan_order.copy_tier`), and within a tier the copy (a
+room's chunks) with the earliest deadline first: when it was first queued plus twice its bytes at the
 declared line's rate (:func:`pdd_sglang.policy.wan_order.copy_deadline`, which the simulator's
 line follows too). A short copy passes a long one; a copy queued after another's deadline never
-passes it. A needed-now copy that ranks ahead of the copy on the line (any cache-only one; a
-needed-now one with an earlier deadline) takes the line at that copy's next slice: the sender
+passes it. A needed-now copy that ranks ahead of the copy on the line (any of a later tier; one
+of its tier with a later deadline) takes the line at that copy's next slice: the sender
 asks :meth:`WanLines.should_yield` between slices, puts the copy back with its progress
 (:attr:`Work.pages_done`) and takes the other once the window in flight has landed. A copy
 whose request a relay answers meanwhile (:attr:`Work.relay_covered`: a handoff's, until the relay
@@ -44,7 +45,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from pdd_sglang.policy.wan_order import copy_deadline
+from pdd_sglang.policy.wan_order import copy_deadline, copy_tier
 
 
 class CopyClass(enum.Enum):
@@ -71,8 +72,9 @@ def remaining_bytes(work: Any) -> int:
 
 def _ranker(line: _Line, line_bytes_per_s: float):
     """The order of ``line``'s queued works: cancelled work first (a sender only skips and reports
-    it, and its room's conclusion, which frees prefill's KV, waits for that report), then
-    needed-now, then the copy (the room) with the earliest deadline (its first work's queueing
+    it, and its room's conclusion, which frees prefill's KV, waits for that report), then by
+    tier (:func:`~pdd_sglang.policy.wan_order.copy_tier`: needed-now with no relay answering,
+    relay-covered, cache-only), then the copy (the room) with the earliest deadline (its first work's queueing
     plus its time alone, stretched: :func:`~pdd_sglang.policy.wan_order.copy_deadline`), then
     the copy that came first.
 
@@ -84,8 +86,9 @@ def _ranker(line: _Line, line_bytes_per_s: float):
     def rank(work: Any) -> tuple:
         first = line.first_queued.get(work.room, work.queued_at)
         due = copy_deadline(first, line.copy_bytes.get(work.room, work.nbytes), line_bytes_per_s)
-        return (not work.cancelled, work.copy_class is CopyClass.CACHE_ONLY, due, first,
-                work.queued_at)
+        return (not work.cancelled,
+                copy_tier(work.copy_class is CopyClass.CACHE_ONLY, work.relay_covered), due,
+                first, work.queued_at)
     return rank
 
 

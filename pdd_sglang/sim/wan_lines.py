@@ -13,7 +13,8 @@ What the sender does, and how it is modelled here:
    lanes finish together and wait a round trip for their acknowledgements, about W / (W + BDP)
    with W the bytes on the wire, docs/measurements.md. So this cap is optimistic by up to a
    quarter on a long fat line, and by more for a deep model's copy written one-sided.)
-3. **Order**: needed-now before cache-only, and within a class the earliest deadline first:
+3. **Order**: needed-now before cache-only, a P->MD copy before a relay-covered one
+   (``policy.wan_order.copy_tier``), and within a tier the earliest deadline first:
    arrival plus twice its bytes at the line's rate
    (:func:`pdd_sglang.policy.wan_order.copy_deadline`, the sender's rule; ties: the earlier
    copy). Every copy starts needed-now; :meth:`ClassedLink.set_cache_only` turns one
@@ -43,7 +44,7 @@ from __future__ import annotations
 
 import math
 
-from pdd_sglang.policy.wan_order import copy_deadline
+from pdd_sglang.policy.wan_order import copy_deadline, copy_tier
 
 from .engine import Callback, Simulator
 from .link import TIME_STEPS_TOLERANCE, FairShareLink, FlowDelivered, LinkCheck
@@ -81,7 +82,7 @@ class Copy:
         return self.size_bytes - self.sent
 
     def rank(self, line_bytes_per_s: float) -> tuple:
-        return (self.copy_class == CACHE_ONLY,
+        return (copy_tier(self.copy_class == CACHE_ONLY, self.relay_covered),
                 copy_deadline(self.queued_at, self.size_bytes, line_bytes_per_s), self.flow_id)
 
 

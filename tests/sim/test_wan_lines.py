@@ -119,6 +119,24 @@ def test_a_background_holder_yields_within_its_smaller_window_and_any_other_with
                     background_window=(0.0, 1.0))
 
 
+def test_a_p_to_md_copy_takes_the_line_from_a_relay_covered_one_due_before_it():
+    """policy.wan_order.copy_tier, as the sender: a handoff's copy (relay-covered) due first
+    still yields to a copy whose request has no token yet, after its background window."""
+    sim = Simulator(0)
+    profile = LinkProfile("test line", "test", bytes_per_s=1000.0, rtt_s=1e-9, jitter_s=0.0,
+                          cost_per_hour=0.0, window_bytes=3000.0)
+    line = ClassedLink(sim, profile, 1000.0, None, background_window=(100.0, 300.0))
+    done = []
+    line.start_flow(1000, lambda: done.append(("handoff", round(sim.now, 6))),
+                    relay_covered=True)
+    sim.at(0.5, Callback(_copy, sim, line, 1000, "p->md", done))  # due 0.5 + 2 x 1.0 = 2.5 s
+    sim.run()
+    # the handoff's copy, due at 2.0 s, before the P->MD one's 2.5 s, yields at 500 + 300 bytes
+    assert done == [("p->md", 0.8 + 1.0), ("handoff", 2.0)]
+    assert policy.copy_tier(False, False) < policy.copy_tier(False, True) < policy.copy_tier(
+        True, False) == policy.copy_tier(True, True)
+
+
 def test_queued_cache_only_copies_past_the_backlog_are_dropped_newest_first_never_needed_now():
     sim, line = _line(backlog_s=2.0)          # 2 s of a 1000 B/s line: 2000 bytes ahead
     done, dropped = [], []

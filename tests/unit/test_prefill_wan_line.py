@@ -174,6 +174,27 @@ def test_a_relay_that_finished_makes_its_rooms_copy_cache_only_queued_or_being_w
     assert lines.queued_by_class()["main-a"] == {"needed_now": 0, "cache_only": 2000}
 
 
+def test_a_copy_with_no_relay_answering_goes_before_a_relay_covered_one_due_first():
+    """A P->MD request's 26-token copy waited behind a handoff's 74-token copy queued 1.6 s
+    before it and due first (the demo's idle-line setup, fresh clone of c88dcdc): the handoff's
+    request had its tokens from the relay, the P->MD one had none."""
+    clock = Clock()
+    lines = WanLines(LINE_BYTES_PER_S, clock)
+    handoff = _work(21)
+    handoff.relay_covered = True
+    lines.put(handoff, 600_000, 74, CopyClass.NEEDED_NOW)
+    assert lines.take() is handoff
+    clock.now += 1.6
+    lines.put(_work(22), 200_000, 26, CopyClass.NEEDED_NOW)
+    assert lines.should_yield(handoff)  # though due first, it gives the line up at its next slice
+    lines.put_back(handoff)
+    lines.put(_work(23), 100, 1, CopyClass.CACHE_ONLY)  # smaller, due first, but cache-only
+    p_md = lines.take()
+    assert p_md.room == 22
+    lines.release(p_md)
+    assert [lines.take().room for _ in range(1)] == [21]  # the relay-covered one, then 23
+
+
 def test_a_relay_that_failed_uncovers_its_rooms_copy_queued_or_being_written():
     lines = WanLines(LINE_BYTES_PER_S)
     for room in (7, 7, 8):
