@@ -1,5 +1,6 @@
-"""Which copy a WAN line serves next, within a class: the order prefill's sender
-(``prefill/wan_lines.py``) and the simulator's line (``sim/wan_lines.py``) both follow.
+"""Which copy a WAN line serves next, and how long a copy no request waits on holds it up: the
+rules prefill's sender (``prefill/wan_lines.py``, ``wan_engine.py``) and the simulator's line
+(``sim/wan_lines.py``) both follow.
 
 **Earliest deadline first**, a copy's deadline being when it was first queued plus
 :data:`DEADLINE_STRETCH` times its bytes at the line's rate (its time alone on the line,
@@ -96,5 +97,6 @@ def background_in_flight_bytes(line_bytes_per_s: float,
     if not line_bytes_per_s > 0:
         raise ValueError(f"the line's rate must be positive, got {line_bytes_per_s!r} bytes/s")
     if not in_flight_s > 0:
-        raise ValueError(f"a background copy's time in flight must be positive, got {in_flight_s!r}")
+        raise ValueError(
+            f"a background copy's time in flight must be positive, got {in_flight_s!r}")
     return in_flight_s * line_bytes_per_s
