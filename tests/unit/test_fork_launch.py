@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 # The launcher's side, as fork_launch.main() sets it up; each child exits 0 if it inherited the
 # launcher's memory (forked), 3 if it started from scratch (spawned).
 LAUNCHER = textwrap.dedent("""
-    import multiprocessing, sys, threading
+    import multiprocessing, sys, threading, time
     from multiprocessing import process
     from pdd_sglang.dev.testing import fork_launch
 
@@ -42,6 +42,11 @@ LAUNCHER = textwrap.dedent("""
         beside_a_thread = start_one()
         stop.set()
         other.join()
+        # join() returns once the thread's Python state is released; the kernel drops its task
+        # from /proc/self/task a moment later, so wait for that rather than race it.
+        deadline = time.monotonic() + 10
+        while fork_launch._threads() > 1 and time.monotonic() < deadline:
+            time.sleep(0.001)
         after = start_one()
         print(alone, beside_a_thread, after)
 """)
