@@ -19,18 +19,14 @@ decide from them alone (no clock or randomness of its own) for the ranks to stay
 
 The points:
 
-``relay_before_handoffs(relay, running_batch, now) -> running_batch``
-    Relay, scheduler thread, each step once main's messages are read and before pending handoffs
-    are answered. An aid may take requests out of the batch with ``relay._leave_batch`` (the
-    relay then owns them: it resumes, finishes or aborts them) and abort them with
-    ``relay._abort``; it must not write the relay's tables itself.
-``relay_may_hand_off(relay, req) -> bool``
-    Relay, scheduler thread: may ``req``, which main asked for, be handed off at this step?
-    False leaves main's request pending, to be asked again at the next step.
-``relay_handoff_mode(relay, req) -> "one-shot" | "catch-up" | None``
-    Relay, scheduler thread, as a handoff starts: a mode to use instead of the relay's own choice.
-``relay_after_handoffs(relay, running_batch, now) -> running_batch``
-    Relay, scheduler thread, each step after chunks are sent; as ``relay_before_handoffs``.
+``relay_hand_off(relay, running_batch, now, hand_off) -> running_batch``
+    Relay, scheduler thread, each step once main's messages are read: ``hand_off(running_batch,
+    now)`` is the relay's own part of the step (answer main's pending requests, send chunks, take
+    a request whose last chunk is out of the batch), which the point must call once and whose
+    batch it returns. Around that call an aid may take requests out of the batch with
+    ``relay._leave_batch`` (the relay then owns them: it resumes, finishes or aborts them), abort
+    one with ``relay._abort``, and take rooms out of ``relay.pending`` for the call, putting them
+    back after it (main's request then waits for a later step); it writes no other relay table.
 ``main_wan_kv_landed(main, req, start)``
     Main, scheduler thread: ``req``'s KV from position ``start`` crossed the WAN and is about to
     be hashed for ``--pdd-enable-kv-digest`` (it may be changed in place, as damage would).
@@ -48,23 +44,15 @@ The points:
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable
 
 
 class Aids:
     """No aid: every point leaves serving as it is. Aids subclass this and override points."""
 
-    def relay_before_handoffs(self, relay: Any, running_batch: Any, now: float) -> Any:
-        return running_batch
-
-    def relay_may_hand_off(self, relay: Any, req: Any) -> bool:
-        return True
-
-    def relay_handoff_mode(self, relay: Any, req: Any) -> Optional[str]:
-        return None
-
-    def relay_after_handoffs(self, relay: Any, running_batch: Any, now: float) -> Any:
-        return running_batch
+    def relay_hand_off(self, relay: Any, running_batch: Any, now: float,
+                       hand_off: Callable[[Any, float], Any]) -> Any:
+        return hand_off(running_batch, now)
 
     def main_wan_kv_landed(self, main: Any, req: Any, start: int) -> None:
         return None

@@ -50,7 +50,7 @@ from pdd_sglang.diagnostics import kv_digest
 from pdd_sglang.decode.handoff_channel import HandoffStats, policy_config, relay_loop
 from pdd_sglang.decode.finish import HandedOff
 from pdd_sglang.decode.relay_state import Handing, Active, Pending
-from pdd_sglang.decode.route_cache import is_relay_main
+from pdd_sglang.decode.route_cache import is_relay_main, route_for
 from pdd_sglang.decode.tp_sync import FollowerLoop, RankInputs
 from pdd_sglang.protocol.messages import (FINISHED_AT_RELAY, HandoffAck, HandoffReady,
                                           HandoffRefused, HandoffTokens, encode, pack_tokens)
@@ -109,16 +109,20 @@ class RelayHandoff:
         """Between two decode steps: act on main's messages, send tokens, finish handed requests."""
         if self._closed:
             return running_batch, None
-        reqs = {req.bootstrap_room: req for req in running_batch.reqs
-                if is_relay_main(req)}
-        self._note_finished(reqs)
+        self._note_finished({req.bootstrap_room: req for req in running_batch.reqs
+                             if is_relay_main(req)})
         messages, now, _ = self.ranks.share(self.loop)
         self._now = now
         for peer, message in messages:
             self._on_message(peer, message)
         if self.ranks.size == 1:
             now = time.monotonic()
-        running_batch = seam.aids.relay_before_handoffs(self, running_batch, now)
+        return seam.aids.relay_hand_off(self, running_batch, now, self._hand_off), None
+
+    def _hand_off(self, running_batch: Any, now: float) -> Any:
+        """Answer main's pending requests, send the next chunks, give up on what timed out, and
+        take a request whose last chunk is out of the batch; the batch left to decode."""
+        reqs = {req.bootstrap_room: req for req in running_batch.reqs if is_relay_main(req)}
         reqs.update(self.out_of_batch)
         awaited = {room: self.kv_hashes[room] for room, pending in self.pending.items()
                    if pending.ready.kv_digest and room in self.kv_hashes}
@@ -141,8 +145,6 @@ class RelayHandoff:
                 elif now - pending.since > READY_WAIT_S:
                     del self.pending[room]
                     self._refuse(pending.peer, room, "relay_not_ready")
-                continue
-            if not seam.aids.relay_may_hand_off(self, req):
                 continue
             del self.pending[room]
             refusal = self._kv_verdict(pending.ready)
@@ -173,9 +175,7 @@ class RelayHandoff:
         # A request whose last chunk is out stops decoding here until main says it has it.
         leaving = [a.req for a in self.active.values() if a.state is Handing.AWAITING_FINAL_ACK]
         leaving = [req for req in leaving if any(req is r for r in running_batch.reqs)]
-        running_batch = self._leave_batch(running_batch, leaving)
-        running_batch = seam.aids.relay_after_handoffs(self, running_batch, now)
-        return running_batch, None
+        return self._leave_batch(running_batch, leaving)
 
     def idle(self) -> bool:
         return not self.pending and not self.active and not self.out_of_batch
@@ -283,7 +283,8 @@ class RelayHandoff:
 
     # ---- handing off -----------------------------------------------------------------------
     def _choose_mode(self, req: Any) -> policy.HandoffMode:
-        forced = seam.aids.relay_handoff_mode(self, req)
+        # The request's route may name a mode (a study's), else --pdd-handoff-mode may.
+        forced = getattr(route_for(req), "handoff_mode", None)
         if forced is None and self.args.pdd_handoff_mode != "auto":
             forced = self.args.pdd_handoff_mode
         if forced is not None:

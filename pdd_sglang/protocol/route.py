@@ -4,15 +4,16 @@ SGLang passes a versioned, orchestrator-set ``kv_hints`` envelope from ``/genera
 scheduler's ``Req`` untouched, and each consumer reads only the action types it implements. The
 PDD router (and tests) attach one ``pdd.route`` action naming the request's pipeline; prefill,
 relay and main read it from ``req.kv_hints``. Requests without it are plain SGLang PD requests.
-The route says only where a request goes: per-request test controls travel in an action of their
-own (``pdd_sglang.dev.debug_aids.controls``), which a server reads only with aids installed
-(``pdd_sglang.seam``); without them it is one more action type nobody here reads.
+The route says where a request goes (and, for a study, how its relay hands it off): per-request
+test controls travel in an action of their own (``pdd_sglang.dev.debug_aids.controls``), which a
+server reads only with aids installed (``pdd_sglang.seam``); without them it is one more action
+type nobody here reads.
 """
 
 from __future__ import annotations
 
 import uuid
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 import msgspec
 
@@ -28,10 +29,17 @@ class Route(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaul
     # The relay's control-channel address (``tcp://host:port``), on P->RLD->MD: main tells the
     # relay there that it is ready, and receives the relay's token IDs.
     relay_control: Optional[str] = None
+    # On P->RLD->MD: the relay hands this request off in this mode instead of choosing one from
+    # its load; ``--pdd-handoff-mode`` for one request (a study that compares the modes on the
+    # same prompts). The router leaves it unset.
+    handoff_mode: Optional[Literal["one-shot", "catch-up"]] = None
 
     def __post_init__(self) -> None:
         if self.pipeline is Pipeline.PREFILL_RELAY_MAIN and not self.relay_control:
             raise ValueError("a prefill_relay_main route needs relay_control")
+        if self.handoff_mode is not None and self.pipeline is not Pipeline.PREFILL_RELAY_MAIN:
+            raise ValueError("handoff_mode names a relay's handoff: only on a prefill_relay_main "
+                             "route")
         if self.relay_control is not None and not self.relay_control.startswith("tcp://"):
             raise ValueError(f"relay_control must be tcp://host:port, got {self.relay_control!r}")
 

@@ -59,7 +59,7 @@ def test_greedy_output_is_the_plain_servers_at_every_handoff_point(three_roles, 
     assert len(reference) == MAX_NEW_TOKENS
     main_before = three_roles["main"].pdd_state()["handoff"]["events"]
     for point in POINTS:
-        answer = run(three_roles, body, debug_handoff_after_tokens=point, debug_handoff_mode=mode)
+        answer = run(three_roles, body, debug_handoff_after_tokens=point, handoff_mode=mode)
         assert answer.get("mode") == mode, (point, answer["relay"]["meta_info"])
         handed = answer["handed_tokens"]
         # One-Shot hands exactly the forced point; Catch-Up starts there and, when main was
@@ -90,7 +90,7 @@ def test_sampling_completes_with_every_position_once(three_roles, baselines):
             "sampling_params": {"max_new_tokens": total, "temperature": 0.9, "top_p": 0.95,
                                 "ignore_eos": True}}
     for point, mode in [(1, "one-shot"), (30, "catch-up"), (70, "one-shot"), (70, "catch-up")]:
-        answer = run(three_roles, body, debug_handoff_after_tokens=point, debug_handoff_mode=mode)
+        answer = run(three_roles, body, debug_handoff_after_tokens=point, handoff_mode=mode)
         handed = answer["handed_tokens"]
         assert handed is not None and handed >= point
         assert len(answer["output_ids"]) == total
@@ -102,7 +102,7 @@ def test_sampling_completes_with_every_position_once(three_roles, baselines):
 def test_payload_is_a_few_bytes_per_handed_token(three_roles, baselines):
     before = three_roles["relay"].pdd_state()["handoff"]
     body = {"input_ids": words(21, 150), "sampling_params": greedy(150)}
-    answer = run(three_roles, body, debug_handoff_after_tokens=100, debug_handoff_mode="one-shot")
+    answer = run(three_roles, body, debug_handoff_after_tokens=100, handoff_mode="one-shot")
     assert answer["handed_tokens"] == 100
     after = three_roles["relay"].pdd_state()["handoff"]
     payload = after["payload_bytes"] - before["payload_bytes"]
@@ -141,7 +141,7 @@ def test_stop_conditions_span_the_handoff(three_roles, baselines):
         reference = plain.post_json("/generate", body)
         assert len(reference["output_ids"]) <= stop_at + 1, (stop_at, reference)
         answer = run(three_roles, body, debug_handoff_after_tokens=point,
-                     debug_handoff_mode="one-shot")
+                     handoff_mode="one-shot")
         assert answer["output_ids"] == reference["output_ids"], (stop_at, point)
         if stop_at > point:
             assert answer["handed_tokens"] == point

@@ -261,7 +261,7 @@ def test_main_refusing_the_last_chunk_leaves_the_relay_to_answer_whole(cluster):
             result.update(generate_pdd(cluster["prefill"], relay, cluster["main"], body,
                                        cluster.bootstrap_port, relay_control=fake_relay.address,
                                        debug_handoff_after_tokens=5,
-                                       debug_handoff_mode="one-shot"))
+                                       handoff_mode="one-shot"))
         except Exception as err:
             result["error"] = err
 

@@ -27,11 +27,11 @@ def envelope(hints: dict):
 
 
 def test_no_aid_leaves_every_point_as_it_was():
-    aids, batch, req = seam.Aids(), object(), object()
-    assert aids.relay_before_handoffs(None, batch, 0.0) is batch
-    assert aids.relay_after_handoffs(None, batch, 0.0) is batch
-    assert aids.relay_may_hand_off(None, req) is True
-    assert aids.relay_handoff_mode(None, req) is None
+    aids, batch, req, after = seam.Aids(), object(), object(), object()
+    called = []
+    assert aids.relay_hand_off(None, batch, 2.5, lambda b, now: called.append((b, now)) or after) \
+        is after
+    assert called == [(batch, 2.5)]  # the relay's own step, once, as it was given
     assert aids.main_wan_kv_landed(None, req, 0) is None
     assert aids.main_staged_kv(req, bytearray(64)) is None
     assert aids.before_send(req) is None and aids.wan_engine_opened(req) is None
@@ -47,15 +47,16 @@ def test_installed_aids_are_put_back_after_the_block():
 
 def test_controls_travel_beside_the_route_through_sglangs_envelope():
     hints = request_kv_hints("prefill_relay_main", relay_control=RELAY,
-                             debug_handoff_after_tokens=7, debug_handoff_mode="catch-up",
+                             debug_handoff_after_tokens=7, handoff_mode="catch-up",
                              debug_corrupt_wan_kv=None)
     types = [a["action_type"] for a in hints["actions"]]
     assert types == ["pdd.route", CONTROLS_ACTION_TYPE]
     assert hints["actions"][0]["payload"] == {"pipeline": "prefill_relay_main",
-                                              "relay_control": RELAY}
+                                              "relay_control": RELAY, "handoff_mode": "catch-up"}
     parsed = envelope(hints)
-    assert route_of(parsed).relay_control == RELAY  # what serving code reads: the route alone
-    assert controls_of(parsed) == DebugControls(handoff_after_tokens=7, handoff_mode="catch-up")
+    route = route_of(parsed)  # what serving code reads: the route alone
+    assert (route.relay_control, route.handoff_mode) == (RELAY, "catch-up")
+    assert controls_of(parsed) == DebugControls(handoff_after_tokens=7)
     req = SimpleNamespace(kv_hints=parsed)
     assert controls_for(req) is controls_for(req)  # parsed once
 
@@ -68,7 +69,8 @@ def test_a_request_without_controls_carries_the_route_alone():
 
 
 @pytest.mark.parametrize("fields", [{"debug_handoff_after_tokens": 0},
-                                    {"debug_handoff_mode": "sideways"},
+                                    {"handoff_mode": "sideways"},
+                                    {"debug_handoff_mode": "one-shot"},  # the route's now
                                     {"debug_unknown_control": 1}])
 def test_bad_controls_are_refused_at_the_source(fields):
     with pytest.raises((msgspec.ValidationError, ValueError)):

@@ -19,7 +19,7 @@ from pdd_sglang.protocol.messages import HandoffReady, HandoffRefused
 ARGS = dict(pdd_control_keypair=None, pdd_control_relay_key=None,
             pdd_control_authorized_keys=None, host="127.0.0.1", pdd_control_port=0,
             pdd_catch_up_threshold=64, pdd_catch_up_chunk=64, pdd_relay_load_watermark=0.7,
-            pdd_handoff_timeout=30.0, pdd_enable_kv_digest=False)
+            pdd_handoff_timeout=30.0, pdd_enable_kv_digest=False, pdd_handoff_mode="auto")
 
 
 def control_threads() -> int:
@@ -170,7 +170,7 @@ def test_the_debug_hold_keeps_a_catch_up_request_from_finishing_at_the_relay():
 
     hints = decode_kv_hints_envelope(request_kv_hints(
         "prefill_relay_main", relay_control="tcp://r:1", debug_handoff_after_tokens=200,
-        debug_handoff_mode="catch-up"))
+        handoff_mode="catch-up"))
 
     def catch_up_request(room: int, tokens: int) -> SimpleNamespace:
         req = request(room)
@@ -211,6 +211,54 @@ def test_the_debug_hold_keeps_a_catch_up_request_from_finishing_at_the_relay():
         finally:
             relay.close()
             main.close()
+    assert control_threads() == 0
+
+
+def test_the_debug_hold_keeps_mains_request_from_the_relays_step_until_the_handoff_point():
+    """The hold wraps the relay's step (the seam's one relay point): main's request for a room
+    short of its point stays out of the step, so the relay does not answer it, and is back in
+    ``relay.pending`` after it; at the point the relay hands it off, in the mode its route names.
+    Without the hold, the relay answers at once and chooses the mode itself."""
+    from sglang.srt.managers.kv_hints import decode_kv_hints_envelope
+
+    from pdd_sglang.decode.relay import RelayHandoff, Pending
+    from pdd_sglang.dev.debug_aids import installed
+    from pdd_sglang.dev.debug_aids.aids import DebugAids
+    from pdd_sglang.dev.debug_aids.controls import request_kv_hints
+
+    def routed(room: int, tokens: int, **fields) -> SimpleNamespace:
+        req = request(room)
+        req.output_ids = list(range(tokens))
+        req.sampling_params = SimpleNamespace(max_new_tokens=40)
+        req.kv_hints = decode_kv_hints_envelope(request_kv_hints(
+            "prefill_relay_main", relay_control="tcp://r:1", **fields))
+        return req
+
+    for hold in (False, True):
+        relay = RelayHandoff(SimpleNamespace(waiting_queue=[]), SimpleNamespace(**ARGS))
+        started = []
+        relay._start = lambda room, req, peer: started.append((room, relay._choose_mode(req)))
+        relay._load = lambda: policy.RelayLoad(running_requests=1, max_running_requests=8,
+                                               kv_used_tokens=10, kv_capacity_tokens=1000)
+        relay._leave_batch = lambda running_batch, reqs: running_batch
+        try:
+            short = routed(41, 3, debug_handoff_after_tokens=8, handoff_mode="catch-up")
+            chosen = routed(42, 3)  # no point, no mode: the relay's own choice (one-shot, 3 held)
+            for req in (short, chosen):
+                ready = HandoffReady(room=req.bootstrap_room)
+                relay.pending[req.bootstrap_room] = Pending(b"main", time.monotonic(), ready)
+            with installed(DebugAids(handoff_hold=hold)):
+                relay.step(SimpleNamespace(reqs=[short, chosen]))
+                if hold:
+                    assert started == [(42, policy.HandoffMode.ONE_SHOT)]
+                    assert list(relay.pending) == [41]  # put back: main's request waits
+                    short.output_ids = list(range(8))
+                    relay.step(SimpleNamespace(reqs=[short]))
+                assert sorted(started) == [(41, policy.HandoffMode.CATCH_UP),
+                                           (42, policy.HandoffMode.ONE_SHOT)], hold
+                assert not relay.pending
+        finally:
+            relay.close()
     assert control_threads() == 0
 
 

@@ -49,6 +49,17 @@ def test_bad_relay_main_routes_are_refused_at_the_source(fields):
         route_kv_hints("prefill_relay_main", **fields)
 
 
+def test_a_route_may_force_its_relays_handoff_mode_and_only_a_relay_route():
+    hints = route_kv_hints("prefill_relay_main", relay_control=RELAY, handoff_mode="one-shot")
+    assert route_of(as_envelope(hints)).handoff_mode == "one-shot"
+    assert route_of(as_envelope(route_kv_hints("prefill_relay_main",
+                                               relay_control=RELAY))).handoff_mode is None
+    with pytest.raises(ValueError, match="only on a prefill_relay_main route"):
+        route_kv_hints("prefill_main", handoff_mode="catch-up")
+    with pytest.raises(msgspec.ValidationError):
+        route_kv_hints("prefill_relay_main", relay_control=RELAY, handoff_mode="auto")
+
+
 def test_no_hints_or_other_actions_mean_plain_pd():
     assert route_of(None) is None
     other = SimpleNamespace(actions=[SimpleNamespace(action_type="hicache.prefetch",

@@ -42,21 +42,10 @@ class DebugAids(seam.Aids):
         return ", ".join(self.asked()) or "none"
 
     # ---- relay: the handoff hold ----------------------------------------------------------
-    def relay_before_handoffs(self, relay: Any, running_batch: Any, now: float) -> Any:
+    def relay_hand_off(self, relay: Any, running_batch: Any, now: float, hand_off) -> Any:
         if self.hold is None:
-            return running_batch
-        return self.hold.before_handoffs(relay, running_batch, now)
-
-    def relay_may_hand_off(self, relay: Any, req: Any) -> bool:
-        return self.hold is None or self.hold.may_hand_off(req)
-
-    def relay_handoff_mode(self, relay: Any, req: Any) -> Optional[str]:
-        return None if self.hold is None else self.hold.mode(req)
-
-    def relay_after_handoffs(self, relay: Any, running_batch: Any, now: float) -> Any:
-        if self.hold is None:
-            return running_batch
-        return self.hold.after_handoffs(relay, running_batch, now)
+            return hand_off(running_batch, now)
+        return self.hold.around_hand_off(relay, running_batch, now, hand_off)
 
     # ---- main: a damaged WAN copy -----------------------------------------------------------
     def main_wan_kv_landed(self, main: Any, req: Any, start: int) -> None:

@@ -9,7 +9,7 @@ one, and the route that serving code decodes has no test field.
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal, Optional
+from typing import Any, Optional
 
 import msgspec
 
@@ -25,9 +25,8 @@ KEYWORD_PREFIX = "debug_"
 
 class DebugControls(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     # Relay with --pdd-debug-handoff-hold: hand off only once the relay holds this many tokens
-    # (waiting for main out of its batch), and in this mode.
+    # (waiting for main out of its batch). A forced mode is the route's (handoff_mode).
     handoff_after_tokens: Optional[int] = None
-    handoff_mode: Optional[Literal["one-shot", "catch-up"]] = None
     # Main with --pdd-debug-corrupt-wan-kv: damage this request's KV as it lands, as a flipped
     # bit on the WAN would.
     corrupt_wan_kv: Optional[bool] = None

@@ -25,8 +25,8 @@ class PddDebugArgs(msgspec.Struct):
     ] = False
     pdd_debug_handoff_hold: A[
         bool,
-        "PDD debug (relay): honour a request's test controls handoff_after_tokens and "
-        "handoff_mode, which force where and how the handoff happens. For tests only.",
+        "PDD debug (relay): honour a request's test control handoff_after_tokens, which forces "
+        "where the handoff happens (a route's handoff_mode forces how). For tests only.",
     ] = False
     pdd_debug_wan_delay_ms: A[
         int,

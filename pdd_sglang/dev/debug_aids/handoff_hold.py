@@ -1,17 +1,22 @@
 """The relay's handoff hold (``--pdd-debug-handoff-hold``): a request whose test controls name a
 handoff point (``handoff_after_tokens``) waits for main out of the relay's batch once it has that
-many tokens, so a test hands off after exactly that many however late main is ready; its
-``handoff_mode`` replaces the relay's own choice.
+many tokens, so a test hands off after exactly that many however late main is ready. (A test
+that forces the mode too names it in the request's route, ``handoff_mode``, which the relay reads
+with or without the hold.)
 
 Under the hold a Catch-Up request one token short of its length limit also leaves the batch until
 main has every token, so the test's outcome does not hang on how fast main absorbs chunks next to
 how fast the relay decodes (a CI run where servers started beside the test starved main, and the
 relay finished the request alone mid Catch-Up).
 
-The hold takes requests out only through the relay's own ``_leave_batch``, so they sit in the
-relay's ``out_of_batch`` and the relay resumes, finishes or aborts them as any request out of its
-batch; the hold keeps only when it took each (``held_since``). It holds a request once: not again
-after main asked for it, after it was handed or after the relay resumed it.
+It works around the relay's own step (the seam's one relay point, ``relay_hand_off``): before it,
+it takes requests at their handoff point out of the batch, and keeps main's request for a room
+short of its point out of ``relay.pending`` for the step (put back after it, so main's request
+waits); after it, the Catch-Up requests one token short. The hold takes requests out only
+through the relay's own ``_leave_batch``, so they sit in the relay's ``out_of_batch`` and the
+relay resumes, finishes or aborts them as any request out of its batch; the hold keeps only when
+it took each (``held_since``). It holds a request once: not again after main asked for it, after
+it was handed or after the relay resumed it.
 """
 
 from __future__ import annotations
@@ -32,6 +37,31 @@ class HandoffHold:
 
     def __init__(self) -> None:
         self.held_since: dict[int, float] = {}  # room -> when the hold took it out
+
+    def around_hand_off(self, relay: Any, running_batch: Any, now: float, hand_off) -> Any:
+        """The relay's step, with requests short of their handoff point kept from it."""
+        running_batch = self.before_handoffs(relay, running_batch, now)
+        waiting = self.not_yet(relay, running_batch)
+        for room in waiting:
+            del relay.pending[room]
+        try:
+            running_batch = hand_off(running_batch, now)
+        finally:
+            relay.pending.update(waiting)
+        return self.after_handoffs(relay, running_batch, now)
+
+    def not_yet(self, relay: Any, running_batch: Any) -> dict:
+        """main's pending requests for rooms the relay would hand off now but for the hold: the
+        request is here, unfinished, and short of its point."""
+        reqs = {req.bootstrap_room: req for req in running_batch.reqs}
+        reqs.update(relay.out_of_batch)
+        waiting = {}
+        for room, pending in relay.pending.items():
+            req = reqs.get(room)
+            if (req is not None and not req.finished() and room not in relay.finished_rooms
+                    and not self.may_hand_off(req)):
+                waiting[room] = pending
+        return waiting
 
     def before_handoffs(self, relay: Any, running_batch: Any, now: float) -> Any:
         """Take the requests at their handoff point out of the batch; abort one main never asked
@@ -82,7 +112,3 @@ class HandoffHold:
         if point is None:
             return True
         return len(req.output_ids) >= min(point, req.sampling_params.max_new_tokens - 1)
-
-    @staticmethod
-    def mode(req: Any):
-        return controls_for(req).handoff_mode

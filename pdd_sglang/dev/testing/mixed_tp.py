@@ -243,7 +243,7 @@ def _forced_handoffs(cluster: Cluster, reference: SGLangServer, fresh) -> tuple[
         body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 40, **GREEDY}}
         got = generate_pdd(cluster["prefill"], cluster["relay"], cluster["main"], body,
                            cluster.bootstrap_port, debug_handoff_after_tokens=point,
-                           debug_handoff_mode=mode)
+                           handoff_mode=mode)
         assert got["mode"] == mode and got["handed_tokens"] >= point, (mode, got["handed_tokens"])
         assert got["output_ids"] == greedy(reference, prompt, 40), mode
         seen[mode] = got["handed_tokens"]
