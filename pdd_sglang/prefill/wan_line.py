@@ -93,12 +93,15 @@ class WanLine:
                 line.recent[-1] = (b + nbytes, s)
 
     def snapshot(self) -> dict:
-        """``{session: {queued_bytes, in_flight_bytes, bytes_ahead, needed_now_bytes_ahead,
-        cache_only_bytes_ahead, recent_bytes_per_s, needed_now_sent_bytes, cache_only_sent_bytes,
-        dropped_cache_only_bytes, kv_codec_ratio, ...}}``, every byte a wire byte: queued KV
-        over the line's codec ratio (KV bytes per wire byte of its coded copies, issue 36). A new needed-now copy waits behind
-        ``needed_now_bytes_ahead``: the needed-now bytes queued and whatever is in flight (a
-        window of either class lands before it starts)."""
+        """``{session: {queued_bytes, in_flight_bytes, bytes_ahead, first_token_bytes_ahead,
+        needed_now_bytes_ahead, cache_only_bytes_ahead, recent_bytes_per_s, needed_now_sent_bytes,
+        cache_only_sent_bytes, dropped_cache_only_bytes, kv_codec_ratio, ...}}``, every byte a
+        wire byte: queued KV over the line's codec ratio (KV bytes per wire byte of its coded
+        copies, issue 36). A new first-token copy (P->MD) waits behind
+        ``first_token_bytes_ahead``: the first-token bytes queued and whatever is in flight (a
+        window of any tier lands before it starts; a relay-covered or cache-only copy keeps at
+        most policy.BACKGROUND_IN_FLIGHT_S of line in flight). ``needed_now_bytes_ahead`` adds
+        the relay-covered bytes queued (a handoff's copy waits behind those too)."""
         queued = self.queue_view()  # outside this lock: the lines have their own
         with self._lock:
             for session in queued:
@@ -110,10 +113,12 @@ class WanLine:
                 ratio = line.codec_ratio()
                 needed_now = int(classes.get("needed_now", 0) / ratio)
                 cache_only = int(classes.get("cache_only", 0) / ratio)
+                first_token = needed_now - int(classes.get("relay_covered", 0) / ratio)
                 out[session] = {
                     "queued_bytes": needed_now + cache_only,
                     "in_flight_bytes": line.in_flight_bytes,
                     "bytes_ahead": needed_now + cache_only + line.in_flight_bytes,
+                    "first_token_bytes_ahead": max(first_token, 0) + line.in_flight_bytes,
                     "needed_now_bytes_ahead": needed_now + line.in_flight_bytes,
                     "cache_only_bytes_ahead": cache_only,
                     "recent_bytes_per_s": line.bytes_per_s(),

@@ -227,15 +227,19 @@ class WanLines:
 
     # ---- readers ---------------------------------------------------------------------------
     def queued_by_class(self) -> dict:
-        """``{session: {"needed_now": bytes, "cache_only": bytes}}`` of live work not yet on
-        the wire: queued works and the unwritten part of the one a sender holds. A cancelled
-        work counts nothing, though it waits in a queue until a sender skips it."""
+        """``{session: {"needed_now": bytes, "cache_only": bytes, "relay_covered": bytes}}`` of
+        live work not yet on the wire: queued works and the unwritten part of the one a sender
+        holds; ``relay_covered`` is the part of ``needed_now`` a relay covers (the middle tier).
+        A cancelled work counts nothing, though it waits in a queue until a sender skips it."""
         out: dict = {}
         with self._cond:
             for session, line in self._lines.items():
                 counts = {c.value: 0 for c in CopyClass}
+                counts["relay_covered"] = 0
                 for work in [*line.queued, line.holder]:
                     if work is not None and not work.cancelled:
                         counts[work.copy_class.value] += remaining_bytes(work)
+                        if work.copy_class is CopyClass.NEEDED_NOW and work.relay_covered:
+                            counts["relay_covered"] += remaining_bytes(work)
                 out[session] = counts
         return out

@@ -221,7 +221,7 @@ def check_token_ids(tokens: list[int], vocab_size: int) -> None:
 # event. The bus's first frame is a :class:`WorkerHello` naming the sender's events version; a
 # worker of another version is refused by name. Array-like, so an event costs a few bytes: one
 # is sent per copy started or ended, at hundreds of requests a second.
-ROUTER_EVENTS_VERSION = 1
+ROUTER_EVENTS_VERSION = 2  # 2: CopyBegun.relay_covered, CopyUncovered
 # A prefix mirror's key: a text prompt's text, or its token ids (router/prompt.py).
 MirrorKey = Union[str, list[int]]
 
@@ -267,12 +267,14 @@ class LandingEnded(msgspec.Struct, tag=True, frozen=True, array_like=True):
 
 
 class CopyBegun(msgspec.Struct, tag=True, frozen=True, array_like=True):
-    """A copy of ``kv_bytes`` to ``main`` joins the line (router/line_state.py)."""
+    """A copy of ``kv_bytes`` to ``main`` joins the line (router/line_state.py); a relay answers
+    its request meanwhile when ``relay_covered`` (main's leg of P->RLD->MD)."""
 
     name: str
     main: str
     kv_bytes: int
     started: float  # time.monotonic(): one clock for every process of the host
+    relay_covered: bool = False
 
 
 class CopyOnWire(msgspec.Struct, tag=True, frozen=True, array_like=True):
@@ -284,6 +286,12 @@ class CopyCacheOnly(msgspec.Struct, tag=True, frozen=True, array_like=True):
     name: str
 
 
+class CopyUncovered(msgspec.Struct, tag=True, frozen=True, array_like=True):
+    """The copy's relay was lost: its request waits for it now."""
+
+    name: str
+
+
 class CopyEnded(msgspec.Struct, tag=True, frozen=True, array_like=True):
     name: str
     landed: bool
@@ -291,7 +299,7 @@ class CopyEnded(msgspec.Struct, tag=True, frozen=True, array_like=True):
 
 
 RouterEvent = Union[MirrorInsert, MirrorHit, MirrorsCleared, LandingStarted, LandingEnded,
-                    CopyBegun, CopyOnWire, CopyCacheOnly, CopyEnded]
+                    CopyBegun, CopyOnWire, CopyCacheOnly, CopyUncovered, CopyEnded]
 _ROUTER_ENCODER = msgspec.msgpack.Encoder()
 _ROUTER_DECODER = msgspec.msgpack.Decoder(Union[RouterEvent, WorkerHello])
 

@@ -16,17 +16,23 @@ Life cycle of a copy the router placed:
    over the recent copies (their bytes over the time at least one of them was on the line, so
    copies sharing the line are not counted as slow).
 
-A copy is *needed-now* when begun (a request waits for it: P->MD, or a handoff waiting for main)
-and becomes *cache-only* when its relay answers alone (``cache_only(copy)``: it only warms
-main's cache). The prefill's line sends needed-now copies first (pdd_sglang/prefill/wan_lines.py),
-so a new request's copy, always needed-now, waits behind needed-now bytes only.
+A copy waits for the line in one of three tiers (:func:`pdd_sglang.policy.copy_tier`, the order
+the prefill's line sends them in, pdd_sglang/prefill/wan_lines.py): *first-token* when its
+request has no token without it (P->MD, or a P->RLD->MD request whose relay was lost:
+``uncover(copy)``), *relay-covered* while a relay answers its request meanwhile (main's leg of
+P->RLD->MD, from ``begin``), *cache-only* once its relay answered alone (``cache_only(copy)``:
+it only warms main's cache). A new request's copy, placed P->MD, is first-token: it waits behind
+first-token bytes, and for what a copy of a later tier has in flight (at most
+``policy.BACKGROUND_IN_FLIGHT_S`` of line, the prefill's report counts it), not behind the
+later tiers' queues. The placement predicts only that copy's time (``state``).
 
 What this does not see: copies another router placed, and prefill's own queueing. Prefill sees
 both: its /server_info carries ``pdd.wan_line``, bytes queued and in flight per main Mooncake
-session and the throughput over its recent batches (pdd_sglang/prefill/wan_line.py), by class
-(``needed_now_bytes_ahead``, ``cache_only_bytes_ahead``; ``bytes_ahead`` their sum, all a prefill
-older than the classes reports, read as needed-now). The router polls it (``report``, summed
-over prefills). A fresh report adds what it shows beyond the router's own needed-now copies
+session and the throughput over its recent batches (pdd_sglang/prefill/wan_line.py), by tier
+(``first_token_bytes_ahead``: first-token bytes queued and every byte in flight; a prefill
+older than the tiers reports ``needed_now_bytes_ahead``, one older still ``bytes_ahead`` alone,
+and those are read instead). The router polls it (``report``, summed over prefills). A fresh
+report adds what it shows beyond the router's own first-token copies
 that were open when the poll was sent or begun before its answer came (other routers' copies,
 prefill's queue), so a copy the router saw land since the poll no longer counts, and one it
 placed since counts once, whether or not the prefill saw it before answering; the report's rate
@@ -73,6 +79,7 @@ class Copy:
     started: float
     open: bool = field(default=True)
     cache_only: bool = False  # its relay answered alone: no request waits for it
+    relay_covered: bool = False  # a relay answers its request meanwhile (until lost)
     name: str = ""  # among every worker's copies (router/shared_state.py)
 
 
@@ -80,7 +87,7 @@ class LineAccounting:
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         self._clock = clock
         self._open: dict[str, list[Copy]] = {}
-        self._needed_bytes: dict[str, int] = {}  # the open needed-now copies' bytes, by main
+        self._first_token_bytes: dict[str, int] = {}  # the open first-token copies' bytes, by main
         self._begun_bytes: dict[str, int] = {}  # every copy's bytes ever begun, by main
         self._recent: dict[str, deque] = {}
         # url -> measured_bytes_per_s of _recent, until a copy lands there: every placement
@@ -94,9 +101,10 @@ class LineAccounting:
     def report(self, main_url: str, bytes_ahead: int, bytes_per_s: float | None,
                own_bytes_at_poll: int | None = None, wire_ratio: float = 1.0) -> None:
         """What the prefills' WAN paths said about the line to ``main_url`` when polled:
-        ``bytes_ahead`` a new copy would wait behind there (needed-now).
+        ``bytes_ahead`` a new copy would wait behind there (first-token bytes, and every byte in
+        flight).
 
-        ``own_bytes_at_poll``: this router's open needed-now bytes to that main when the poll
+        ``own_bytes_at_poll``: this router's open first-token bytes to that main when the poll
         was sent (default: now); what the report shows beyond them is somebody else's.
         """
         rate = bytes_per_s if bytes_per_s and bytes_per_s > 0 else None
@@ -107,11 +115,12 @@ class LineAccounting:
     def now(self) -> float:
         return self._clock()
 
-    def begin(self, main_url: str, kv_bytes: int, started: float | None = None) -> Copy:
+    def begin(self, main_url: str, kv_bytes: int, started: float | None = None,
+              relay_covered: bool = False) -> Copy:
         copy = Copy(main_url, max(0, int(kv_bytes)),
-                    self._clock() if started is None else started)
+                    self._clock() if started is None else started, relay_covered=relay_covered)
         self._open.setdefault(main_url, []).append(copy)
-        self._needed_bytes[main_url] = self._needed_bytes.get(main_url, 0) + copy.kv_bytes
+        self._count(copy, +1)
         self._begun_bytes[main_url] = self._begun_bytes.get(main_url, 0) + copy.kv_bytes
         return copy
 
@@ -129,24 +138,36 @@ class LineAccounting:
         self._close(copy)
 
     def cache_only(self, copy: Copy | None) -> None:
-        """The copy's relay answered alone: it goes on, behind every needed-now copy."""
+        """The copy's relay answered alone: it goes on, behind every other tier."""
         if copy is not None and copy.open and not copy.cache_only:
+            self._count(copy, -1)
             copy.cache_only = True
-            self._needed_bytes[copy.main_url] -= copy.kv_bytes
+
+    def uncover(self, copy: Copy | None) -> None:
+        """The copy's relay was lost: its request waits for it, first-token from now."""
+        if copy is not None and copy.open and copy.relay_covered:
+            copy.relay_covered = False
+            self._count(copy, +1)
 
     def _close(self, copy: Copy) -> bool:
         if not copy.open:
             return False
+        self._count(copy, -1)
         copy.open = False
         self._open[copy.main_url].remove(copy)
-        if not copy.cache_only:
-            self._needed_bytes[copy.main_url] -= copy.kv_bytes
         return True
 
+    def _count(self, copy: Copy, sign: int) -> None:
+        """Add (+1) or take out (-1) an open copy's bytes where a first-token copy waits behind
+        them."""
+        if not copy.cache_only and not copy.relay_covered:
+            url = copy.main_url
+            self._first_token_bytes[url] = self._first_token_bytes.get(url, 0) + sign * copy.kv_bytes
+
     def bytes_ahead(self, main_url: str) -> int:
-        """The router's own open copies to ``main_url`` (every worker's) that a new copy waits
-        behind."""
-        return self._needed_bytes.get(main_url, 0)  # kept as copies open and close: O(1)
+        """The router's own open first-token copies to ``main_url`` (every worker's): what a new
+        P->MD copy waits behind of them."""
+        return self._first_token_bytes.get(main_url, 0)  # kept as copies change: O(1)
 
     def begun_bytes(self, main_url: str) -> int:
         """Every copy's bytes ever begun to ``main_url`` (a running total: what two readings
@@ -231,7 +252,7 @@ async def poll_prefill_lines(lines: LineAccounting, prefills, mains, get_json,
     dict. Each prefill's ``/pdd/line`` is read; one that answers 404 has its ``/server_info``
     read from then on (compactly, :func:`read_line_report`). A prefill without the fields (an
     older build) or a failed poll just leaves the router's own accounting in charge. Several
-    prefills' needed-now bytes add up (:func:`needed_now_bytes`); the line's rate is the lowest
+    prefills' first-token bytes add up (:func:`first_token_bytes`); the line's rate is the lowest
     any of them measured."""
     without_report: set[str] = set()  # prefills that answered /pdd/line with 404
     while True:
@@ -254,7 +275,7 @@ async def poll_prefill_lines(lines: LineAccounting, prefills, mains, get_json,
                 entry = wan_line.get(main.mooncake_session) if main.mooncake_session else None
                 if entry is not None:
                     total = totals.setdefault(main.url, [0, [], []])
-                    total[0] += needed_now_bytes(entry)
+                    total[0] += first_token_bytes(entry)
                     if entry.get("recent_bytes_per_s"):
                         total[1].append(entry["recent_bytes_per_s"])
                     total[2].append(float(entry.get("kv_codec_ratio") or 1.0))
@@ -268,11 +289,14 @@ async def poll_prefill_lines(lines: LineAccounting, prefills, mains, get_json,
         await asyncio.sleep(interval_s)
 
 
-def needed_now_bytes(entry: dict) -> int:
+def first_token_bytes(entry: dict) -> int:
     """The bytes of one prefill's line to a main that a new request's copy waits behind: its
-    needed-now bytes, or the whole line from a prefill that reports no classes."""
-    needed = entry.get("needed_now_bytes_ahead")
-    return int(entry.get("bytes_ahead") or 0) if needed is None else int(needed)
+    first-token bytes (and every byte in flight); from an older prefill its needed-now bytes,
+    or the whole line from one that reports no classes."""
+    for key in ("first_token_bytes_ahead", "needed_now_bytes_ahead", "bytes_ahead"):
+        if entry.get(key) is not None:
+            return int(entry[key])
+    return 0
 
 
 async def _line_report(prefill, get_json, without_report: set):

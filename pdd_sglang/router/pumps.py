@@ -120,7 +120,9 @@ class Pumps:
                     self.metrics.child(self.metrics.main_waits, "timed_out").inc()
             if upstream.role == "main" and placement is not None and job is not None:
                 uncached = max(job.prompt.tokens - placement.main_cached_tokens, 0)
-                copy = self.shared.copy_begun(upstream.url, uncached * self.kv_bytes_per_token)
+                # main's leg of P->RLD->MD: its relay answers meanwhile (relay_covered)
+                copy = self.shared.copy_begun(upstream.url, uncached * self.kv_bytes_per_token,
+                                              relay_covered=placement.relay is not None)
                 if copies is not None:
                     copies["main"] = copy
             await self.client.stream_into(upstream, body, deliver)

@@ -116,6 +116,7 @@ def relay_lost(attempt: "Attempt", item) -> None:
     # way on now, and goes on with the window that fills the line (prefill/cache_only.py).
     router.cache_only_notices.tell(attempt.placement.prefill, attempt.body["bootstrap_room"],
                                    RELAY_LOST)
+    router.shared.copy_uncovered(attempt.copy.get("main"))  # placement counts it from here
 
 
 def failed_after_the_relay_was_lost(attempt: "Attempt", source: str, item) -> RelayLost:

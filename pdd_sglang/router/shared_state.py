@@ -8,11 +8,11 @@ What is shared, and why:
 - the copies still landing at main after the relay answered alone (their start and their end):
   the next turn waits for its predecessor's copy and counts what main holds now, whichever
   worker placed the predecessor;
-- the line accounting's copies (begun, on the wire, cache-only, landed, dropped): each worker's
-  congestion-aware placement sees every worker's copies on the line, once each, as soon as they
-  start; the prefills' line reports add only what no worker placed (each worker subtracts every
-  worker's copies it knows at its poll), so a line's bytes are neither counted N times nor
-  missed until the next poll.
+- the line accounting's copies (begun, on the wire, cache-only, uncovered, landed, dropped):
+  each worker's congestion-aware placement sees every worker's copies on the line, once each, as
+  soon as they start; the prefills' line reports add only what no worker placed (each worker
+  subtracts every worker's copies it knows at its poll), so a line's bytes are neither counted N
+  times nor missed until the next poll.
 
 What is not: outstanding requests per server (each worker balances its own), health and roles
 (each worker polls each server once per interval, as one router did), the text-token estimate
@@ -40,7 +40,8 @@ import struct
 from typing import Callable, Optional
 
 from pdd_sglang.protocol.messages import (ROUTER_EVENTS_VERSION, CopyBegun, CopyCacheOnly,
-                                         CopyEnded, CopyOnWire, LandingEnded, LandingStarted,
+                                         CopyEnded, CopyOnWire, CopyUncovered, LandingEnded,
+                                         LandingStarted,
                                          MirrorHit, MirrorInsert, MirrorsCleared, WorkerHello,
                                          decode_router_event, encode_router_event)
 from pdd_sglang.router.landing import Landing, LandingCopies
@@ -106,10 +107,10 @@ class SharedState:
         self.landing.ended(main_url, landing)
         self._send(LandingEnded(landing.name, main_url))
 
-    def copy_begun(self, main_url: str, kv_bytes: float) -> Copy:
-        copy = self.lines.begin(main_url, kv_bytes)
+    def copy_begun(self, main_url: str, kv_bytes: float, relay_covered: bool = False) -> Copy:
+        copy = self.lines.begin(main_url, kv_bytes, relay_covered=relay_covered)
         copy.name = self._name()
-        self._send(CopyBegun(copy.name, main_url, copy.kv_bytes, copy.started))
+        self._send(CopyBegun(copy.name, main_url, copy.kv_bytes, copy.started, relay_covered))
         return copy
 
     def copy_on_wire(self, copy: Optional[Copy]) -> None:
@@ -121,6 +122,11 @@ class SharedState:
         if copy is not None and copy.open:
             self.lines.cache_only(copy)
             self._send(CopyCacheOnly(copy.name))
+
+    def copy_uncovered(self, copy: Optional[Copy]) -> None:
+        if copy is not None and copy.open and copy.relay_covered:
+            self.lines.uncover(copy)
+            self._send(CopyUncovered(copy.name))
 
     def copy_ended(self, copy: Copy, landed: bool) -> None:
         if not copy.open:
@@ -154,7 +160,8 @@ class SharedState:
 
     def _apply_copy(self, event) -> None:
         if isinstance(event, CopyBegun):
-            self._copies[event.name] = self.lines.begin(event.main, event.kv_bytes, event.started)
+            self._copies[event.name] = self.lines.begin(event.main, event.kv_bytes, event.started,
+                                                        event.relay_covered)
             return
         copy = self._copies.get(event.name)
         if copy is None:
@@ -163,6 +170,8 @@ class SharedState:
             self.lines.on_wire(copy, event.at)
         elif isinstance(event, CopyCacheOnly):
             self.lines.cache_only(copy)
+        elif isinstance(event, CopyUncovered):
+            self.lines.uncover(copy)
         elif isinstance(event, CopyEnded):
             del self._copies[event.name]
             if event.landed:

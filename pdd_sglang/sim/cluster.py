@@ -290,8 +290,8 @@ class Cluster:
         placement): bytes of its copies not yet sent, and its recent copies' throughput."""
         if self.cfg.placement == "idle-line":
             return policy.IDLE_LINE
-        if isinstance(self.wan, ClassedLink):     # a new copy waits behind its class only
-            ahead = self.wan.needed_now_bytes_ahead(main.index)
+        if isinstance(self.wan, ClassedLink):     # a new copy waits behind its tier only
+            ahead = self.wan.first_token_bytes_ahead(main.index)
         else:
             ahead = sum(self.wan.remaining_bytes(flow) for flow in main.copies_in_flight)
         recent = main.recent_copies

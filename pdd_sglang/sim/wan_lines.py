@@ -143,18 +143,18 @@ class ClassedLink(FairShareLink):
         self._advance()
         return max(flow.remaining, 0.0)
 
-    def needed_now_bytes_ahead(self, dest) -> float:
-        """What a new needed-now copy to `dest` waits behind (the prefill's
-        ``needed_now_bytes_ahead``): the needed-now bytes queued or being written, and a
-        cache-only holder's window in flight."""
+    def first_token_bytes_ahead(self, dest) -> float:
+        """What a new first-token copy (P->MD) to `dest` waits behind (the prefill's
+        ``first_token_bytes_ahead``): the first-token bytes queued or being written, and a
+        relay-covered or cache-only holder's window in flight."""
         line = self._lines.get(dest)
         if line is None:
             return 0.0
         self._advance()
-        ahead = sum(c.remaining for c in line.queued if c.copy_class == NEEDED_NOW)
+        ahead = sum(c.remaining for c in line.queued if _first_token(c))
         holder = line.holder
         if holder is not None:
-            ahead += (holder.remaining if holder.copy_class == NEEDED_NOW
+            ahead += (holder.remaining if _first_token(holder)
                       else min(holder.remaining, self._window_of(holder)[1] or self.slice_bytes))
         return ahead
 
@@ -316,3 +316,8 @@ class ClassedLink(FairShareLink):
         self.bytes_received += copy.sent
         copy.delivered_bytes = copy.sent
         return copy.sent
+
+
+def _first_token(copy: Copy) -> bool:
+    """A copy whose request has no token without it (the first tier)."""
+    return copy.copy_class == NEEDED_NOW and not copy.relay_covered

@@ -231,9 +231,11 @@ def test_the_compact_read_parses_only_the_line_and_the_mains_out_of_a_large_serv
     assert read_line_report(b'{"internal_states": [{"pdd": {"wan_line": null}}]}') == ({}, [])
 
 
-def test_a_new_copy_waits_only_behind_needed_now_bytes_when_the_prefill_reports_classes():
-    """#34: a new request's copy is needed-now, so cache-only copies (their relay answered
-    alone) are not ahead of it; a prefill without the class fields counts its whole line."""
+def test_a_new_copy_waits_only_behind_first_token_bytes_when_the_prefill_reports_tiers():
+    """#34: a new request's copy, placed P->MD, is first-token, so relay-covered copies (a
+    relay answers their requests) and cache-only ones (their relay answered alone) are not
+    ahead of it; a prefill that reports classes only counts its needed-now bytes, one without
+    classes its whole line."""
     import asyncio
 
     from pdd_sglang.router.line_state import poll_prefill_lines
@@ -241,10 +243,14 @@ def test_a_new_copy_waits_only_behind_needed_now_bytes_when_the_prefill_reports_
 
     prefills = [Upstream("prefill", "http://p1"), Upstream("prefill", "http://p2")]
     mains = [Upstream("main", "http://m", mooncake_session="10.0.0.2:7000")]
-    by_class = {"bytes_ahead": 9_000_000, "needed_now_bytes_ahead": 1_000_000,
-                "cache_only_bytes_ahead": 8_000_000, "recent_bytes_per_s": 2e6}
-    older = {"bytes_ahead": 500_000, "recent_bytes_per_s": 2e6}  # an older prefill: the sum
-    reports = {"http://p1": by_class, "http://p2": older}
+    by_tier = {"bytes_ahead": 12_000_000, "first_token_bytes_ahead": 1_000_000,
+               "needed_now_bytes_ahead": 4_000_000, "cache_only_bytes_ahead": 8_000_000,
+               "recent_bytes_per_s": 2e6}
+    by_class = {"bytes_ahead": 900_000, "needed_now_bytes_ahead": 300_000,
+                "cache_only_bytes_ahead": 600_000, "recent_bytes_per_s": 2e6}
+    older = {"bytes_ahead": 200_000, "recent_bytes_per_s": 2e6}  # an older prefill: the sum
+    prefills.append(Upstream("prefill", "http://p3"))
+    reports = {"http://p1": by_tier, "http://p2": by_class, "http://p3": older}
 
     async def get_json(upstream, path):
         return json.dumps({"wan_line": {"10.0.0.2:7000": reports[upstream.url]},
@@ -258,12 +264,28 @@ def test_a_new_copy_waits_only_behind_needed_now_bytes_when_the_prefill_reports_
 
     lines = LineAccounting(FakeClock())
     assert asyncio.run(polled(lines)).bytes_ahead == 1_500_000
-    mine = lines.begin("http://m", 2_000_000)  # the router's own copy, placed since: needed
+    mine = lines.begin("http://m", 2_000_000)  # the router's own P->MD copy, placed since
     assert lines.state("http://m").bytes_ahead == 3_500_000
-    lines.cache_only(mine)  # its relay answered alone: it waits behind every needed-now copy
+    handoff = lines.begin("http://m", 5_000_000, relay_covered=True)  # main's leg of P->RLD->MD
+    assert lines.state("http://m").bytes_ahead == 3_500_000
+    lines.uncover(handoff)  # its relay was lost: its request waits for it now
+    assert lines.state("http://m").bytes_ahead == 8_500_000
+    lines.cache_only(mine)  # its relay answered alone: it waits behind every other tier
+    lines.drop(handoff)
     assert lines.state("http://m").bytes_ahead == 1_500_000
     lines.land(mine)
     assert lines.state("http://m").bytes_ahead == 1_500_000
+
+
+def test_a_relay_covered_copy_that_turns_cache_only_or_closes_changes_no_first_token_bytes():
+    lines = LineAccounting(FakeClock())
+    finished, failed = (lines.begin("m", 4_000, relay_covered=True) for _ in range(2))
+    lines.begin("m", 700)
+    lines.cache_only(finished)  # its relay answered alone
+    lines.uncover(finished)  # a loss reported after that: it stays cache-only
+    lines.land(finished)
+    lines.drop(failed)
+    assert lines.bytes_ahead("m") == 700
 
 
 def test_a_coded_line_predicts_a_new_copy_in_wire_bytes():

@@ -17,6 +17,7 @@ EVENTS = [msg.MirrorInsert("m", "hello"), msg.MirrorInsert("m", [1, 2, 3]),
           msg.MirrorHit("m", "hello", 2), msg.MirrorsCleared(),
           msg.LandingStarted("0:1", "m", [1, 2], 1), msg.LandingEnded("0:1", "m"),
           msg.CopyBegun("0:2", "m", 5000, 12.5), msg.CopyOnWire("0:2", 13.0),
+          msg.CopyBegun("0:3", "m", 7000, 12.6, relay_covered=True), msg.CopyUncovered("0:3"),
           msg.CopyCacheOnly("0:2"), msg.CopyEnded("0:2", True, 14.0), msg.WorkerHello(1, 3)]
 
 
@@ -66,6 +67,12 @@ def test_a_peer_holds_what_a_worker_changed():
         assert peer.lines.bytes_ahead("m") == 0
         mine.copy_ended(copy, landed=True)
         assert peer.lines.measured_bytes_per_s("m") == mine.lines.measured_bytes_per_s("m")
+        handoff = mine.copy_begun("m", 3000, relay_covered=True)
+        assert peer.lines.bytes_ahead("m") == 0  # its relay answers meanwhile: a later tier
+        mine.copy_uncovered(handoff)  # the relay was lost
+        assert peer.lines.bytes_ahead("m") == 3000
+        mine.copy_ended(handoff, landed=False)
+        assert peer.lines.bytes_ahead("m") == 0
         mine.mirrors_cleared()
         assert peer.mirrors["m"].match_length([5, 6, 7]) == 0
 

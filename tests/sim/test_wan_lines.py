@@ -26,10 +26,10 @@ def _line(rate=1000.0, rtt=0.0, window=0.0, slice_bytes=1000.0, backlog_s=None):
     return sim, ClassedLink(sim, profile, slice_bytes, backlog_s)
 
 
-def _copy(sim, line, size, name, done, dest=0, dropped=None):
+def _copy(sim, line, size, name, done, dest=0, dropped=None, relay_covered=False):
     return line.start_flow(size, lambda: done.append((name, round(sim.now, 6))), dest=dest,
                            on_dropped=(lambda: dropped.append(name)) if dropped is not None
-                           else None)
+                           else None, relay_covered=relay_covered)
 
 
 def test_needed_now_goes_first_then_the_earliest_deadline_within_a_class():
@@ -169,19 +169,27 @@ def test_a_copy_moves_at_most_its_window_per_rtt_and_lines_to_two_mains_share_th
     assert done == [("main-a", 2.0), ("main-b", 2.0), ("main-a again", 3.0)]
 
 
-def test_a_new_needed_now_copy_waits_behind_its_class_and_a_cache_only_holders_window():
+def test_a_new_first_token_copy_waits_behind_its_tier_and_a_background_holders_window():
     sim, line = _line(rtt=1e-9, window=300.0)
     done = []
     warm = _copy(sim, line, 10_000, "cache-only", done)
     line.set_cache_only(warm)
     line.set_cache_only(_copy(sim, line, 5000, "queued cache-only", done))
-    assert line.needed_now_bytes_ahead(0) == 300             # the holder's window only
+    assert line.first_token_bytes_ahead(0) == 300            # the holder's window only
+    _copy(sim, line, 4000, "a handoff's copy", done, relay_covered=True)
+    assert line.first_token_bytes_ahead(0) == 300            # a later tier: not ahead of it
     _copy(sim, line, 700, "needed-now", done)
-    assert line.needed_now_bytes_ahead(0) == 1000
+    assert line.first_token_bytes_ahead(0) == 1000
     cancelled = _copy(sim, line, 200, "cancelled", done)
-    assert line.needed_now_bytes_ahead(0) == 1200
+    assert line.first_token_bytes_ahead(0) == 1200
     assert line.cancel_flow(cancelled) == 0.0 and not cancelled.active
-    assert line.needed_now_bytes_ahead(0) == 1000
+    assert line.first_token_bytes_ahead(0) == 1000
+
+
+def test_a_relay_covered_holder_counts_only_its_window_ahead_of_a_first_token_copy():
+    sim, line = _line(rtt=1e-9, window=300.0)
+    _copy(sim, line, 10_000, "a handoff's copy", [], relay_covered=True)
+    assert line.first_token_bytes_ahead(0) == 300
 
 
 # --- the cluster on the classed line, placing by the TTFT budget -------------------------------

@@ -139,6 +139,7 @@ ROUTER_EVENTS = [
     messages.MirrorHit("m", "hello", 2), messages.MirrorsCleared(),
     messages.LandingStarted("0:1", "m", [1, 2], 1), messages.LandingEnded("0:1", "m"),
     messages.CopyBegun("0:2", "m", 5000, 12.5), messages.CopyOnWire("0:2", 13.0),
+    messages.CopyBegun("0:3", "m", 5000, 12.5, True), messages.CopyUncovered("0:3"),
     messages.CopyCacheOnly("0:2"), messages.CopyEnded("0:2", True, 14.0),
     messages.WorkerHello(messages.ROUTER_EVENTS_VERSION, 3),
 ]

@@ -116,7 +116,8 @@ def test_a_needed_now_copy_overtakes_a_cache_only_one_between_its_slices():
     cache_only.pages_done = 3
     lines.put_back(cache_only)
     assert lines.take().room == 2
-    assert lines.queued_by_class()["main-a"] == {"needed_now": 100, "cache_only": 5000}
+    assert lines.queued_by_class()["main-a"] == {"needed_now": 100, "cache_only": 5000,
+                                                 "relay_covered": 0}
 
 
 def test_a_smaller_needed_now_copy_takes_the_line_from_a_needed_now_one_until_its_deadline():
@@ -171,7 +172,31 @@ def test_a_relay_that_finished_makes_its_rooms_copy_cache_only_queued_or_being_w
     held = lines.take()
     assert lines.reclassify(7, CopyClass.CACHE_ONLY) == 2
     assert held.copy_class is CopyClass.CACHE_ONLY
-    assert lines.queued_by_class()["main-a"] == {"needed_now": 0, "cache_only": 2000}
+    assert lines.queued_by_class()["main-a"] == {"needed_now": 0, "cache_only": 2000,
+                                                 "relay_covered": 0}
+
+
+def test_a_first_token_copy_is_reported_behind_first_token_bytes_and_the_window_in_flight():
+    """A P->MD copy goes before a relay-covered one (policy.copy_tier): the router, placing a
+    request P->MD, predicts its copy behind ``first_token_bytes_ahead`` (first-token bytes
+    queued, and whatever is in flight), not behind the handoffs' copies queued."""
+    lines = WanLines(LINE_BYTES_PER_S)
+    covered = _work(1)
+    covered.relay_covered = True
+    lines.put(covered, 4000, 4, CopyClass.NEEDED_NOW)
+    lines.put(_work(2), 300, 1, CopyClass.NEEDED_NOW)
+    lines.put(_work(3), 500, 1, CopyClass.CACHE_ONLY)
+    assert lines.queued_by_class()["main-a"] == {"needed_now": 4300, "cache_only": 500,
+                                                 "relay_covered": 4000}
+    line = WanLine()
+    line.queue_view = lines.queued_by_class
+    line.started("main-a", 200)
+    row = line.snapshot()["main-a"]
+    assert row["first_token_bytes_ahead"] == 300 + 200
+    assert row["needed_now_bytes_ahead"] == 4300 + 200
+    assert row["bytes_ahead"] == 4800 + 200
+    assert lines.uncover(1) == 1  # its relay failed: the room's copy is first-token again
+    assert line.snapshot()["main-a"]["first_token_bytes_ahead"] == 4300 + 200
 
 
 def test_a_copy_with_no_relay_answering_goes_before_a_relay_covered_one_due_first():
@@ -548,6 +573,7 @@ def test_a_coded_line_reports_its_ratio_and_its_queue_in_wire_bytes():
     line.queue_view = lambda: {"m": {"needed_now": 1200, "cache_only": 0}}
     assert line.snapshot()["m"]["kv_codec_ratio"] == 1.0
     assert line.snapshot()["m"]["needed_now_bytes_ahead"] == 1200
+    assert line.snapshot()["m"]["first_token_bytes_ahead"] == 1200  # no tier split: all of it
     line.coded("m", 3000, 2500)
     row = line.snapshot()["m"]
     assert row["kv_codec_ratio"] == pytest.approx(1.2)

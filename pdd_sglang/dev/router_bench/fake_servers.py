@@ -103,7 +103,8 @@ def build_app(role: str, args, shared: Shared, port: int) -> web.Application:
     info = orjson.dumps(server_info(role, args, port))
     session = f"127.0.0.1:{args.main_port + 2000}"
     line = orjson.dumps({"version": "1", "wan_line": {session: {
-        "bytes_ahead": 0, "needed_now_bytes_ahead": 0, "cache_only_bytes_ahead": 0,
+        "bytes_ahead": 0, "first_token_bytes_ahead": 0, "needed_now_bytes_ahead": 0,
+        "cache_only_bytes_ahead": 0,
         "recent_bytes_per_s": None}}, "mains_out": []})
     model = orjson.dumps({"model_path": args.model_path, "tokenizer_path": args.model_path,
                           "served_model_name": args.model_path, "is_generation": True})
