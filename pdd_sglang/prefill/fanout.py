@@ -104,6 +104,9 @@ class PrefillFanout(FanoutDeadlines, FanoutAborts):
         self.wan_lines = WanLines(wan_line_bytes_per_s)
         self.peer_jobs: Callable[[Callable[[], None]], None] = lambda job: job()
         self.wan_engine = None  # WanTransferEngine, set at start
+        # SGLang's engine for the relays, waited on without spinning (wan_engine.
+        # polled_local_engine), set at start; None: SGLang's engine as it is.
+        self.local_engine = None
         self.wan_line = WanLine()
         self.wan_line.queue_view = self.wan_lines.queued_by_class
         # --pdd-wan-cache-only-backlog-s: past this much of a line ahead, its queued cache-only
@@ -172,7 +175,7 @@ class PrefillFanout(FanoutDeadlines, FanoutAborts):
         """Sender threads: the engine that carries batches to ``session``."""
         if self.wan_engine is not None and session in self.main_sessions:
             return self.wan_engine
-        return self.kv_mgr.engine
+        return self.local_engine if self.local_engine is not None else self.kv_mgr.engine
 
     # ---- the owner thread ---------------------------------------------------------------------
     def handle(self, event: Any) -> None:

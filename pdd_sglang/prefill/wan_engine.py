@@ -34,8 +34,11 @@ This engine submits each block asynchronously (``transfer_submit_write``, one si
 per block, the only status Mooncake can report without blocking) and polls with an exponential
 back-off sleep. The back-off never idles the line: with a window of many round trips, the blocks
 still in flight keep it busy while the oldest is polled. The transfer timeout
-(``--pdd-wan-transfer-timeout``) applies to every block, from its submission; Mooncake's
-process-wide ``MC_TRANSFER_TIMEOUT`` only governs SGLang's own (relay) engine.
+(``--pdd-wan-transfer-timeout``) applies to every block, from its submission. The relays' path,
+SGLang's own engine, is waited on the same way (:func:`polled_local_engine`, its timeout
+Mooncake's ``MC_TRANSFER_TIMEOUT``): a relay's copy spinning in Mooncake's synchronous call took
+0.2-0.8 CPU-seconds of the prefill's 0.5-core quota in each of the demo's PDD setups, which its
+forward then lacked (docs/measurements.md).
 
 Threads: a :class:`WanCopy` belongs to the sender thread that opened it (it is bound to that
 thread, and only that thread's ``batch_transfer_sync`` calls join it); a call from any other
@@ -443,6 +446,22 @@ def wan_hostname(kv_mgr: Any, wan_host: Optional[str] = None,
     SGLang's own engine (then both paths leave by the same interface)."""
     return (wan_host or advertise_host or getattr(kv_mgr.engine, "hostname", None)
             or kv_mgr.local_ip)
+
+
+# Mooncake's own per-transfer timeout, which SGLang's engine (the relays' path) runs under:
+# its MC_TRANSFER_TIMEOUT, 30 s unless the operator sets it.
+MOONCAKE_TRANSFER_TIMEOUT_S = 30.0
+
+
+def polled_local_engine(kv_mgr: Any) -> WanTransferEngine:
+    """SGLang's own Mooncake engine, which carries the prefill's copies to its relays, waited on
+    as the WAN engine waits (asynchronous submission, back-off polls) instead of in Mooncake's
+    synchronous call, which polls without sleeping. Its line accounting is its own, never
+    reported: a relay is no WAN line. Each call is a copy of its own (no window)."""
+    timeout_s = float(os.environ.get("MC_TRANSFER_TIMEOUT") or MOONCAKE_TRANSFER_TIMEOUT_S)
+    engine = WanTransferEngine.over(kv_mgr.engine.engine, timeout_s=timeout_s)
+    engine.protocol, engine.session_id = "sglang", kv_mgr.engine.get_session_id()
+    return engine
 
 
 def open_wan_engine(kv_mgr: Any, protocol: str, device: Optional[str], timeout_s: float,

@@ -120,8 +120,9 @@ class WanPath:
             self.cache_only_intake.close()
         self.fanout.events.put(_STOP)
         self._peer_jobs.put(_STOP)
-        if self.fanout.wan_engine is not None:
-            self.fanout.wan_engine.stop_waiting()
+        for engine in (self.fanout.wan_engine, self.fanout.local_engine):
+            if engine is not None:
+                engine.stop_waiting()
         for sender_queue in self.fanout.local_queues:
             sender_queue.put(None)
         self.fanout.wan_lines.stop()
@@ -131,8 +132,9 @@ class WanPath:
         left = [t.name for t in self.threads if t.is_alive()]
         for executor in self._executors:
             executor.shutdown(wait=False)
-        if self.fanout.wan_engine is not None:
-            self.fanout.wan_engine.close()
+        for engine in (self.fanout.wan_engine, self.fanout.local_engine):
+            if engine is not None:
+                engine.close()  # the local one registered nothing: SGLang's engine stays as is
         if left:
             logger.warning("PDD: prefill threads closed; still running after %.1f s: %s",
                            timeout_s, ", ".join(left))
@@ -149,8 +151,8 @@ def start_wan_path(kv_mgr: Any, args: Optional[Any] = None) -> WanPath:
     from pdd_sglang.diagnostics.line_report import start_line_report
     from pdd_sglang.diagnostics.metrics import start_prefill_exporter
     from pdd_sglang.prefill.wan_coded import CodecChoice
-    from pdd_sglang.prefill.wan_engine import (background_window, open_wan_engine, wan_hostname,
-                                               window_for_line)
+    from pdd_sglang.prefill.wan_engine import (background_window, open_wan_engine,
+                                               polled_local_engine, wan_hostname, window_for_line)
 
     args = get_server_args() if args is None else args
     fanout = PrefillFanout(kv_mgr,
@@ -174,6 +176,7 @@ def start_wan_path(kv_mgr: Any, args: Optional[Any] = None) -> WanPath:
                               getattr(args, "pdd_advertise_host", None)),
         background=background_window(window, fanout.wan_lines.line_bytes_per_s))
     seam.aids.wan_engine_opened(fanout.wan_engine)
+    fanout.local_engine = polled_local_engine(kv_mgr)
     fanout.codec_choice = CodecChoice(str(getattr(args, "pdd_wan_kv_codec", "auto")),
                                       float(args.pdd_wan_bandwidth_gbps) * 1e9 / 8)
     path = WanPath(fanout)
