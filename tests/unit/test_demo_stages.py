@@ -106,3 +106,18 @@ def test_the_intake_split_reads_each_servers_time_stats(tmp_path):
     assert intake_of({"marks": {}}, intake["pdd-1"]) is None
     table = intake_table([{"intake": split}, {"intake": None}])
     assert table["prefill received"]["p50_s"] == pytest.approx(0.25)
+
+
+def test_a_setups_wan_bytes_count_the_copies_that_land_after_its_last_answer():
+    """The line's counters were read at the last answer, while cache-only copies (last in order,
+    in a small window) were still crossing, and the next setup's baseline is read once they
+    landed: their tail counted nowhere, and the simulator, which counts every byte, was 1.2-2.1x
+    the measured bytes. The setup's bytes are now read once its copies landed; the line's load
+    stays the bytes in the run over the run."""
+    from pdd_sglang.dev.demo import report
+
+    summary = report.summarize([], {}, {"a_to_b": 3000, "b_to_a": 500}, 100, 2.0, "cluster B",
+                               0.01, wan_in_run={"a_to_b": 2000, "b_to_a": 400})
+    assert summary["wan_bytes"] == 3500
+    assert summary["wan_bytes_after_last_answer"] == 1100
+    assert summary["line_utilisation_a_to_b"] == 0.8  # 2000 B x 8 over 10 kbit/s x 2 s

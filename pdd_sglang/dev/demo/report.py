@@ -168,7 +168,11 @@ def stage_table(rows: list) -> dict:
 
 
 def summarize(results: list, prefill_stats: dict, wan: dict, kv_bytes: int, duration_s: float,
-              main_location: str, rate_mbit: float, intake: dict | None = None) -> dict:
+              main_location: str, rate_mbit: float, intake: dict | None = None,
+              wan_in_run: dict | None = None) -> dict:
+    """One setup's figures. ``wan``: the line's bytes each way from the start to once every copy
+    landed or was dropped; ``wan_in_run``: those until the last answer (the line's load in the
+    run; ``wan`` when not given)."""
     rows = [r.summary() for r in results]
     for row in rows:
         row["outcome_kind"] = outcome_of(row)
@@ -185,7 +189,8 @@ def summarize(results: list, prefill_stats: dict, wan: dict, kv_bytes: int, dura
     for r in ok:
         pipelines[r.pipeline or "unknown"] = pipelines.get(r.pipeline or "unknown", 0) + 1
     outcomes = {k: sum(1 for row in rows if row["outcome_kind"] == k) for k in OUTCOMES}
-    line_busy = wan["a_to_b"] * 8 / (rate_mbit * 1e6 * duration_s) if duration_s > 0 else None
+    in_run = wan if wan_in_run is None else wan_in_run
+    line_busy = in_run["a_to_b"] * 8 / (rate_mbit * 1e6 * duration_s) if duration_s > 0 else None
 
     def rnd(value, digits):
         return None if value is None else round(value, digits)
@@ -203,6 +208,9 @@ def summarize(results: list, prefill_stats: dict, wan: dict, kv_bytes: int, dura
         "outcomes": outcomes, "pipelines": pipelines,
         "wan_bytes": wan["a_to_b"] + wan["b_to_a"],
         "wan_bytes_a_to_b": wan["a_to_b"], "wan_bytes_b_to_a": wan["b_to_a"],
+        # what was still to cross when the last answer came (cache-only copies' tails)
+        "wan_bytes_after_last_answer": (wan["a_to_b"] + wan["b_to_a"]
+                                        - in_run["a_to_b"] - in_run["b_to_a"]),
         # A->B bytes over what the line could carry in the run: the average load on the line.
         "line_utilisation_a_to_b": rnd(line_busy, 3) if main_location == "cluster B" else 0.0,
         "kv_bytes_to_main": kv_bytes,

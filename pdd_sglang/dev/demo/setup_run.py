@@ -148,20 +148,27 @@ def run_setup(label: str, line: WanLine, prefill: NetnsServer, main: NetnsServer
                for name, group in groups.items()}
         host_cpu = {name: _used(host_before[name], cpu_budget.process_cpu_s(pid), duration)
                     for name, pid in host_pids.items()}
-        wan_after, kv_after = line_bytes(line), ledger_main_bytes(prefill)
+        wan_in_run = line_bytes(line)  # the line's load while the requests ran
         for server in (main, *([relay] if relay else [])):  # every decode step counted
             server.wait_idle(60)
         decode_after, (verdicts_after, retries_after) = (decode_tokens(decoders),
                                                           router_counts(router))
+        # The copies still on the line when the last answer came (cache-only ones, last in
+        # order and in a small window) land before their bytes are read: the setup's WAN bytes
+        # are all its requests sent, as the simulator counts them.
+        prefill.wait_idle(60)
+        wan_after, kv_after = line_bytes(line), ledger_main_bytes(prefill)
         classes_after = line_by_class(prefill)
     finally:
         router.stop()
     wan = {k: wan_after[k] - wan_before[k] for k in wan_before}
+    in_run = {k: wan_in_run[k] - wan_before[k] for k in wan_before}
     location = "cluster B" if main.netns == line.namespace("b") else "cluster A"
     intake = report.scheduler_intake_from_logs(
         {server.name: server.log_path for server in (prefill, main, *([relay] if relay else []))})
     summary = report.summarize(results, report.prefill_stats_from_log(log_path), wan,
-                               kv_after - kv_before, duration, location, line.rate_mbit, intake)
+                               kv_after - kv_before, duration, location, line.rate_mbit, intake,
+                               wan_in_run=in_run)
     decoded = {name: (None if decode_after[name] is None or decode_before[name] is None
                       else int(decode_after[name] - decode_before[name])) for name in decoders}
     return {**summary, "placement": placement if relay is not None else None, "cpu": cpu,
