@@ -322,6 +322,10 @@ def calibrate_and_predict(measured: dict, measured_path: Path, profiles: Measure
                 print(f"  {name} line by class (measured / simulated, MB): " + ", ".join(
                     f"{k.replace('_bytes', '')} {line['measured'].get(k, 0) / 1e6:.2f}/"
                     f"{v / 1e6:.2f}" for k, v in line["simulated"].items()))
+            ends = result.get("outcomes") or {}
+            if ends.get("simulated") and any(ends["simulated"].values()):
+                print(f"  {name} outcomes (measured / simulated): " + ", ".join(
+                    f"{k} {ends['measured'].get(k, 0)}/{v}" for k, v in ends["simulated"].items()))
             for quantity, why in result["misses"].items():
                 print(f"  MISS {name} {quantity}: {why}")
     out = measured_path.with_name("validation.json")

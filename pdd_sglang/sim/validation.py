@@ -441,8 +441,29 @@ class Validator:
                          "simulated_main_hit": summary.main_hit,
                          "measured_main_hit": entry.get("main_token_hit"),
                          "line_by_class": line_by_class(cluster, entry),
+                         "outcomes": outcomes(cluster, entry),
                          "stages": stages, "misses": misses(ratios, stages, summary, entry)}
         return out
+
+
+OUTCOME_KINDS = ("handoff", "relay_finished", "main")
+
+
+def outcomes(cluster, entry: dict) -> dict:
+    """How the requests ended, simulated and measured: handed off (One-Shot and Catch-Up),
+    answered by the relay alone, by main alone (P->MD): a figure that moves with the line
+    (a copy that lands later hands off less) and moves the WAN bytes."""
+    simulated = dict.fromkeys(OUTCOME_KINDS, 0)
+    for job in cluster.jobs:
+        if job.finished_at == "relay":
+            simulated["relay_finished"] += 1
+        elif job.finished_at == "main":
+            simulated["handoff" if job.handed_tokens else "main"] += 1
+    real = entry.get("outcomes") or {}
+    measured = {"handoff": int(real.get("handoff_one_shot", 0)) + int(real.get("handoff_catch_up", 0)),
+                "relay_finished": int(real.get("relay_finished", 0)),
+                "main": int(real.get("main", 0))}
+    return {"simulated": simulated, "measured": measured}
 
 
 def closed_loop(rows: list, requests: list) -> dict:

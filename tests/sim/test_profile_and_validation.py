@@ -262,3 +262,21 @@ def test_the_copys_window_is_measured_at_the_latency_point_when_under_the_declar
     fast.fit_copy_window(rows(1e12))        # faster than the sender's window allows
     assert fast.calibration.wan_window_bytes == 0.0
     assert fast.config("pdd").wan_window_bytes == fast.sender_window_bytes()
+
+
+def test_the_validation_counts_how_requests_ended_simulated_beside_measured():
+    """Outcomes move with the line and move the WAN bytes: the validation prints them side by
+    side (a handoff is a main finish with handed tokens; P->MD has none)."""
+    from types import SimpleNamespace
+
+    from pdd_sglang.sim.validation import outcomes
+
+    jobs = [SimpleNamespace(finished_at="relay", handed_tokens=0),
+            SimpleNamespace(finished_at="main", handed_tokens=12),
+            SimpleNamespace(finished_at="main", handed_tokens=0),
+            SimpleNamespace(finished_at=None, handed_tokens=0)]  # never finished
+    entry = {"outcomes": {"handoff_one_shot": 3, "handoff_catch_up": 1, "relay_finished": 2,
+                          "main": 0, "error": 1}}
+    assert outcomes(SimpleNamespace(jobs=jobs), entry) == {
+        "simulated": {"handoff": 1, "relay_finished": 1, "main": 1},
+        "measured": {"handoff": 4, "relay_finished": 2, "main": 0}}
