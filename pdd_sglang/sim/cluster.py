@@ -108,6 +108,10 @@ class Cluster:
         self._at_prefill = [0] * len(self.prefills)
         self._on_relay: set = set()
         self._mean_uncached = 0.0
+        # The router's landing copies (router/landing.py): jobs the relay answered alone whose
+        # copy to main goes on, until it lands or is dropped; and the turns waiting for one.
+        self._landing: list = []
+        self._landing_waiters: dict = {}  # id(landing job) -> [start main's leg, ...]
 
     def _make_wan(self, profile) -> FairShareLink | ClassedLink:
         """The WAN as its profile shares it, or issue 34's classed line, whose slice the
@@ -305,9 +309,46 @@ class Cluster:
 
     def _send_to_main(self, job: Job, main: DecodeServer) -> None:
         job.main = main
+        predecessor = self._landing_predecessor(job, main)
+        if predecessor is None:
+            self._reserve_main(job)
+            return
+        started = []
+
+        def start() -> None:  # once: the predecessor's copy ended, or the router stopped waiting
+            if not started:
+                started.append(True)
+                self._reserve_main(job)
+
+        self._landing_waiters.setdefault(id(predecessor), []).append(start)
+        self.sim.schedule(self.cfg.router_main_wait_for_landing_s, Callback(start))
+
+    def _reserve_main(self, job: Job) -> None:
         request = job.request
-        main.reserve(job, request.input_tokens + request.output_tokens,
-                     lambda: self._main_reserved(job))
+        job.main.reserve(job, request.input_tokens + request.output_tokens,
+                         lambda: self._main_reserved(job))
+
+    def _landing_predecessor(self, job: Job, main: DecodeServer) -> Job | None:
+        """The landing copy to ``main`` of the turn ``job`` extends (its prompt a prefix of
+        ``job``'s), which a P->RLD->MD turn waits for (the router's LandingCopies.predecessor)."""
+        if (job.pipeline is not Pipeline.PREFILL_RELAY_MAIN
+                or self.cfg.router_main_wait_for_landing_s <= 0):
+            return None
+        blocks = job.request.prompt_blocks
+        best = None
+        for landing in self._landing:
+            prompt = landing.request.prompt_blocks
+            if (landing.main is main and len(prompt) <= len(blocks)
+                    and blocks[:len(prompt)] == prompt
+                    and (best is None or len(prompt) > len(best.request.prompt_blocks))):
+                best = landing
+        return best
+
+    def _landing_ended(self, job: Job) -> None:
+        if job in self._landing:
+            self._landing.remove(job)
+            for start in self._landing_waiters.pop(id(job), ()):
+                start()
 
     def _main_reserved(self, job: Job) -> None:
         job.main_reserved = True
@@ -394,6 +435,7 @@ class Cluster:
     def copy_turns_cache_only(self, job: Job) -> None:
         """The relay answered alone while main's copy is queued or on the line: on the classed
         line it goes behind every needed-now copy (and may be dropped)."""
+        self._landing.append(job)  # the router keeps it, for the conversation's next turn
         if isinstance(self.wan, ClassedLink) and job.wan_flow is not None:
             self.wan.set_cache_only(job.wan_flow)
 
@@ -404,6 +446,7 @@ class Cluster:
         job.wan_flow = None
         job.copy_dropped = True
         job.main.release(job)
+        self._landing_ended(job)
 
     def main_keeps_prompt(self, job: Job) -> None:
         """A copy landed without a handoff: main caches the prompt (the relay's output never
@@ -411,6 +454,7 @@ class Cluster:
         if job.main.cache is not None:
             job.main.cache.insert(job.request.prompt_blocks)
         job.main.release(job)
+        self._landing_ended(job)
 
     def _main_decodes_from_start(self, job: Job) -> None:
         """P->MD: main emits the first token (computed by prefill) and decodes the rest."""

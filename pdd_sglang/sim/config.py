@@ -131,6 +131,11 @@ class ClusterConfig:
     # the demo's router is; None: what it would configure from the line's own profile.
     router_wan_bytes_per_s: float | None = None
     router_wan_rtt_s: float | None = None
+    # The router's --main-wait-for-landing-s (router/landing.py; its default): on P->RLD->MD a
+    # turn reaches main only once the cache-only copy of the turn it extends, still crossing to
+    # that main, has landed or was dropped, waiting at most this long, so main holds that
+    # prefix and the line carries only the new suffix; 0: never wait.
+    router_main_wait_for_landing_s: float = 20.0
     # How main-bound copies share the WAN (WAN_LINES). With "classed": the sender's slice
     # (None: prefill.wan_engine.window_for_line of the router's line, as the prefill sizes it
     # from its declared --pdd-wan-bandwidth-gbps / --pdd-wan-rtt-ms) and the backlog past which

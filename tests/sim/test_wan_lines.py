@@ -282,3 +282,31 @@ def test_the_classed_line_takes_the_senders_background_window_unless_told_the_fu
     assert sender.window_bytes == pytest.approx(0.1 * rate, rel=1e-6)
     _, full = simulate(cfg.with_(wan_background_in_flight_s=None), [_request(0, 0.0, 1000)])
     assert full.wan.background_window is None
+
+
+def test_a_turn_reaches_main_once_the_landing_copy_of_the_turn_it_extends_has_landed():
+    """The router sends a P->RLD->MD turn to main only once the cache-only copy of the turn it
+    extends has landed there (--main-wait-for-landing-s, router/landing.py), so the line
+    carries the new suffix only. The simulator reserved main at once: main matched the older
+    prefix and the prefix crossed twice (the validation's WAN bytes 1.4-1.8x the demo's)."""
+    from dataclasses import replace
+
+    first_blocks = tuple(range(16))  # 8,192 tokens
+    first = Request(request_id=0, arrival_s=0.0, input_tokens=8192, output_tokens=4,
+                    prompt_blocks=first_blocks, context_blocks=first_blocks, conversation_id=0)
+    second_blocks = first_blocks + (100, 101)
+    second = Request(request_id=1, arrival_s=0.5, input_tokens=9216, output_tokens=4,
+                     prompt_blocks=second_blocks, context_blocks=second_blocks, conversation_id=0)
+    base = _budget_cluster(0.001)
+    landed = {}
+    for wait_s in (20.0, 0.0):
+        _, cluster = simulate(replace(base, router_main_wait_for_landing_s=wait_s),
+                              [first, second])
+        assert _pipelines(cluster) == {Pipeline.PREFILL_RELAY_MAIN.value: 2}
+        earlier, later = sorted(cluster.jobs, key=lambda j: j.request.request_id)
+        assert earlier.finished_at == "relay" and earlier.handoff_cancelled  # a landing copy
+        landed[wait_s] = later.main_cached_tokens
+        if wait_s:
+            assert later.main_reserved_s >= earlier.wan_started_s
+    assert landed[20.0] == 8192  # the first turn's prompt, landed before main matched
+    assert landed[0.0] == 0      # matched at once: the prefix crossed a second time
