@@ -150,8 +150,6 @@ class RelayHandoff:
             refusal = self._kv_verdict(pending.ready)
             if refusal is not None:  # main's copy is damaged: the relay decodes on to the end
                 self._refuse(pending.peer, room, refusal)
-                if room in self.out_of_batch:
-                    self._resume(req, "main's KV copy was damaged")
                 continue
             self._start(room, req, pending.peer)
         for room, active in list(self.active.items()):
@@ -164,14 +162,11 @@ class RelayHandoff:
                 self._resume(active.req, "main did not acknowledge the last chunk")
             elif active.state is Handing.AWAITING_ACK and (
                     active.req.finished() or now - active.last_sent_at > FINAL_ACK_WAIT_S):
-                # Mid Catch-Up the request is in the batch (unless an aid took it out, and then it
-                # goes back in): it just stops being handed.
+                # Mid Catch-Up the request is in the batch: it just stops being handed.
                 del self.active[room]
                 why = FINISHED_AT_RELAY if active.req.finished() else "ack_timeout"
                 self._refuse(active.peer, room, why, chunks_out=True)
                 logger.warning("PDD relay: room %s left mid Catch-Up (%s); decoded here", room, why)
-                if room in self.out_of_batch:
-                    self._resume(active.req, "main did not acknowledge a Catch-Up chunk")
         # A request whose last chunk is out stops decoding here until main says it has it.
         leaving = [a.req for a in self.active.values() if a.state is Handing.AWAITING_FINAL_ACK]
         leaving = [req for req in leaving if any(req is r for r in running_batch.reqs)]

@@ -44,11 +44,22 @@ class HandoffHold:
         waiting = self.not_yet(relay, running_batch)
         for room in waiting:
             del relay.pending[room]
+        asked = {room for room in self.held_since if room in relay.pending or room in relay.active}
         try:
             running_batch = hand_off(running_batch, now)
         finally:
             relay.pending.update(waiting)
+        self.resume_given_up(relay, asked)
         return self.after_handoffs(relay, running_batch, now)
+
+    def resume_given_up(self, relay: Any, asked: set) -> None:
+        """A held request the relay's step stopped handing (main's copy damaged, a Catch-Up ack
+        late) is out of the batch only because the hold took it: back in through the relay's
+        own resume, as any request it takes back."""
+        for room in asked:
+            req = relay.out_of_batch.get(room)
+            if req is not None and room not in relay.pending and room not in relay.active:
+                relay._resume(req, "PDD debug handoff hold: the relay stopped handing it")
 
     def not_yet(self, relay: Any, running_batch: Any) -> dict:
         """main's pending requests for rooms the relay would hand off now but for the hold: the
