@@ -380,10 +380,14 @@ class PrefillFanout(FanoutDeadlines, FanoutAborts):
                 continue
             if line["bytes_ahead"] <= self.cache_only_backlog_s * rate:
                 continue
-            for work in self.wan_lines.drop_cache_only(session, int(self.cache_only_backlog_s * rate)):
+            # The bound and the rate are wire bytes; queued work counts KV bytes, which a coded
+            # line sends kv_codec_ratio to one.
+            ratio = line.get("kv_codec_ratio") or 1.0
+            keep_kv_bytes = int(self.cache_only_backlog_s * rate * ratio)
+            for work in self.wan_lines.drop_cache_only(session, keep_kv_bytes):
                 room = self._rooms.get(work.room)
                 dest = room.destinations.get(work.session) if room is not None else None
-                self.wan_line.dropped(session, remaining_bytes(work))
+                self.wan_line.dropped(session, int(remaining_bytes(work) / ratio))
                 if dest is None or dest.state is not DestinationState.REGISTERED:
                     work.cancelled = True
                     continue

@@ -149,7 +149,8 @@ class WanLine:
             line.coded_wire_bytes += int(wire_bytes)
 
     def dropped(self, session: str, nbytes: int) -> None:
-        """The owner dropped ``nbytes`` of cache-only copies queued for ``session``."""
+        """The owner dropped ``nbytes`` (wire bytes: KV bytes over the codec ratio) of cache-only
+        copies queued for ``session``."""
         with self._lock:
             self._main(session).dropped_cache_only_bytes += int(nbytes)
 

@@ -27,12 +27,20 @@ What the sender does, and how it is modelled here:
    or relay-covered: a P->RLD->MD request's copy, as the prefill marks one whose room has a
    relay) keeps the sender's smaller window and slices (``prefill.wan_engine.background_window``:
    at most ``policy.wan_order.BACKGROUND_IN_FLIGHT_S`` of the declared line), so it yields that
-   much sooner; its rate is modelled as any copy's (one copy's measured shortfall under a small
-   window, 0.71 of the demo's line against 0.87, is not: see point 2).
+   much sooner, and moves slower: a copy that keeps ``W`` bytes in flight over Mooncake TCP
+   waits a round trip for each request's acknowledgement, so it moves at most
+   ``W / (W + BDP)`` of the line (:func:`stop_and_wait_share`; declared from that mechanism,
+   not fitted: the window probe at the demo's 10 Mbit/s x 40 ms measured one copy at 0.70-0.71
+   of the line with 150-250 KB in flight, where the rule gives 0.75-0.83, and the product's
+   background window there is 125 KB, 0.71 by the rule). A line shares its rate among holders
+   max-min fairly, so what a slowed background copy leaves goes to the others.
 5. **Dropping.** When the bytes ahead on a line (queued and the holder's remaining) exceed
-   ``backlog_s`` seconds of the line alone (min(rate, window / RTT), what the sender measures
-   when nothing else shares the line), its queued cache-only copies are dropped, newest first,
-   down to that bound (the holder is never dropped). A dropped copy calls its ``on_dropped``:
+   ``backlog_s`` seconds of the line at its *measured* rate, its queued cache-only copies are
+   dropped, newest first, down to that bound (the holder is never dropped). The rate is
+   measured as the sender measures it (``prefill.wan_line``): bytes over the time the line
+   was busy, over its last ``RECENT_COPIES`` slices; no drop before one is measured. So a line
+   whose recent holders were background copies, slowed by their small window, drops at fewer
+   bytes than the line alone would carry. A dropped copy calls its ``on_dropped``:
    main frees the request's slots, and main's cache does not get the prompt.
 
 Events: a copy's last byte then reaches the far end after the one-way delay, jitter and the
@@ -43,8 +51,10 @@ arrival order, jitter comes from the simulator's seeded generator.
 from __future__ import annotations
 
 import math
+from collections import deque
 
 from pdd_sglang.policy.wan_order import copy_deadline, copy_tier
+from pdd_sglang.prefill.wan_line import RECENT_COPIES
 
 from .engine import Callback, Simulator
 from .link import TIME_STEPS_TOLERANCE, FairShareLink, FlowDelivered, LinkCheck
@@ -52,6 +62,15 @@ from .profiles import LinkProfile
 
 NEEDED_NOW = "needed_now"
 CACHE_ONLY = "cache_only"
+
+
+def stop_and_wait_share(window_bytes: float, bdp_bytes: float) -> float:
+    """The most of a line one copy moves with ``window_bytes`` in flight when each window
+    waits a round trip for its acknowledgement (``W / (W + BDP)``; 1 with no round trip)."""
+    if not window_bytes > 0 or bdp_bytes < 0:
+        raise ValueError(f"a window must be > 0 and a BDP >= 0, got {window_bytes!r}, "
+                         f"{bdp_bytes!r}")
+    return window_bytes / (window_bytes + bdp_bytes)
 
 
 class Copy:
@@ -115,8 +134,15 @@ class ClassedLink(FairShareLink):
         self.window_bytes = profile.window_bytes
         self.slice_bytes = float(slice_bytes)
         self.background_window = background_window
+        # A background holder's most bytes/s (module docstring, point 4).
+        self.background_cap = None if background_window is None else (
+            self.rate * stop_and_wait_share(background_window[1], self.rate * profile.rtt_s))
         self.backlog_s = backlog_s
         self._lines: dict = {}
+        # Per destination, as the sender measures its line: (bytes, busy seconds) of its last
+        # slices, and the slice being summed.
+        self._recent: dict = {}
+        self._summing: dict = {}
         self._last = 0.0
         self.sent_by_class = {NEEDED_NOW: 0.0, CACHE_ONLY: 0.0}
         self.dropped_cache_only_bytes = 0.0
@@ -183,7 +209,7 @@ class ClassedLink(FairShareLink):
         line.queued.append(copy)
         self._preempt(line)
         self._serve(line)
-        self._drop_past_backlog(line)
+        self._drop_past_backlog(dest, line)
         self._reschedule()
         return copy
 
@@ -195,7 +221,7 @@ class ClassedLink(FairShareLink):
         copy.copy_class = CACHE_ONLY
         line = self._lines[copy.dest]
         self._preempt(line)
-        self._drop_past_backlog(line)
+        self._drop_past_backlog(copy.dest, line)
         self._reschedule()
 
     def cancel_flow(self, copy: Copy) -> float:
@@ -212,16 +238,49 @@ class ClassedLink(FairShareLink):
     def _holders(self) -> int:
         return sum(1 for line in self._lines.values() if line.holder is not None)
 
+    def _background(self, copy: Copy) -> bool:
+        return self.background_window is not None and (copy.copy_class == CACHE_ONLY
+                                                       or copy.relay_covered)
+
+    def _rates(self, holders: list) -> dict:
+        """``{flow_id: bytes/s}`` of the holders now: the line shared max-min fairly, each at
+        most the per-flow cap, a background holder at most its stop-and-wait share."""
+        caps = sorted((min(self.per_flow_cap, self.background_cap)
+                       if self._background(h) else self.per_flow_cap, h.flow_id)
+                      for h in holders)
+        left, rates = float(self.rate), {}
+        for count, (cap, flow_id) in enumerate(caps):
+            rates[flow_id] = min(cap, left / (len(caps) - count))
+            left -= rates[flow_id]
+        return rates
+
     def _advance(self) -> None:
         now = self.sim.now
         holders = [line.holder for line in self._lines.values() if line.holder is not None]
         if holders and now > self._last:
-            moved = (now - self._last) * self.flow_rate(len(holders))
+            rates = self._rates(holders)
             for holder in holders:
-                step = min(moved, holder.remaining)
+                step = min((now - self._last) * rates[holder.flow_id], holder.remaining)
+                self._measure(holder, step, now - self._last)
                 holder.sent += step
                 self.sent_by_class[holder.copy_class] += step
         self._last = now
+
+    def _measure(self, holder: Copy, sent: float, busy_s: float) -> None:
+        """The sender's rate measurement: a slice's bytes over its busy time, once whole."""
+        summing = self._summing.setdefault(holder.dest, [0.0, 0.0])
+        summing[0] += sent
+        summing[1] += busy_s
+        if summing[0] >= self._window_of(holder)[0]:
+            self._recent.setdefault(holder.dest, deque(maxlen=RECENT_COPIES)).append(
+                tuple(summing))
+            self._summing[holder.dest] = [0.0, 0.0]
+
+    def measured_rate(self, dest) -> float | None:
+        """Bytes/s of the line to ``dest`` over its recent slices; None before one."""
+        recent = self._recent.get(dest)
+        busy_s = sum(s for _, s in recent) if recent else 0.0
+        return sum(b for b, _ in recent) / busy_s if busy_s > 0 else None
 
     def _target(self, holder: Copy) -> float:
         return holder.size_bytes if holder.yield_at is None else holder.yield_at
@@ -231,8 +290,8 @@ class ClassedLink(FairShareLink):
         holders = [line.holder for line in self._lines.values() if line.holder is not None]
         if not holders:
             return
-        rate = self.flow_rate(len(holders))
-        delay = min((self._target(h) - h.sent) / rate for h in holders)
+        rates = self._rates(holders)
+        delay = min((self._target(h) - h.sent) / rates[h.flow_id] for h in holders)
         tolerance = TIME_STEPS_TOLERANCE * math.ulp(max(self.sim.now, 1.0))
         self.sim.schedule(max(delay, tolerance), LinkCheck(self, self.version))
 
@@ -241,7 +300,7 @@ class ClassedLink(FairShareLink):
         self._advance()
         holders = [line.holder for line in self._lines.values() if line.holder is not None]
         slack = (TIME_STEPS_TOLERANCE * math.ulp(max(self.sim.now, 1.0))
-                 * self.flow_rate(len(holders)))
+                 * max(self._rates(holders).values(), default=0.0))
         for line in list(self._lines.values()):
             holder = line.holder
             if holder is None or holder.sent + slack < self._target(holder):
@@ -285,10 +344,11 @@ class ClassedLink(FairShareLink):
         boundary = math.ceil(handed / slice_bytes) * slice_bytes
         holder.yield_at = min(max(boundary, holder.sent), holder.size_bytes)
 
-    def _drop_past_backlog(self, line: _Line) -> None:
-        if self.backlog_s is None:
+    def _drop_past_backlog(self, dest, line: _Line) -> None:
+        rate = self.measured_rate(dest)
+        if self.backlog_s is None or rate is None:
             return
-        keep = self.backlog_s * self.alone_rate()
+        keep = self.backlog_s * rate
         ahead = sum(c.remaining for c in line.queued)
         if line.holder is not None:
             ahead += line.holder.remaining

@@ -19,11 +19,13 @@ from pdd_sglang.sim.wan_lines import CACHE_ONLY, NEEDED_NOW, ClassedLink
 from pdd_sglang.sim.workload import Request
 
 
-def _line(rate=1000.0, rtt=0.0, window=0.0, slice_bytes=1000.0, backlog_s=None):
+def _line(rate=1000.0, rtt=0.0, window=0.0, slice_bytes=1000.0, backlog_s=None,
+          background_window=None):
     sim = Simulator(0)
     profile = LinkProfile("test line", "test", bytes_per_s=rate, rtt_s=rtt, jitter_s=0.0,
                           cost_per_hour=0.0, window_bytes=window)
-    return sim, ClassedLink(sim, profile, slice_bytes, backlog_s)
+    return sim, ClassedLink(sim, profile, slice_bytes, backlog_s,
+                            background_window=background_window)
 
 
 def _copy(sim, line, size, name, done, dest=0, dropped=None, relay_covered=False):
@@ -140,6 +142,10 @@ def test_a_p_to_md_copy_takes_the_line_from_a_relay_covered_one_due_before_it():
 def test_queued_cache_only_copies_past_the_backlog_are_dropped_newest_first_never_needed_now():
     sim, line = _line(backlog_s=2.0)          # 2 s of a 1000 B/s line: 2000 bytes ahead
     done, dropped = [], []
+    _copy(sim, line, 1000, "measured", done)   # one slice: the line measured at 1000 B/s
+    sim.run()
+    done.clear()
+    line.bytes_received = 0
     _copy(sim, line, 1500, "holder", done, dropped=dropped)
     first = _copy(sim, line, 300, "older", done, dropped=dropped)
     second = _copy(sim, line, 400, "newer", done, dropped=dropped)
@@ -152,6 +158,42 @@ def test_queued_cache_only_copies_past_the_backlog_are_dropped_newest_first_neve
     assert [name for name, _ in done] == ["needed-now", "holder"]   # 900 left against 1500
     assert line.dropped_cache_only_bytes == 700 and line.dropped_copies == 2
     assert line.bytes_received == 2400
+
+
+def test_nothing_is_dropped_before_the_line_has_measured_a_rate():
+    """As the sender: the bound is seconds at the measured rate, and none is measured yet."""
+    sim, line = _line(backlog_s=1.0)
+    done, dropped = [], []
+    _copy(sim, line, 5000, "holder", done, dropped=dropped)
+    cache = _copy(sim, line, 300, "cache-only", done, dropped=dropped)
+    line.set_cache_only(cache)                   # 5300 ahead, 5 s past the bound
+    assert not cache.dropped and line.measured_rate(0) is None
+    sim.run()
+    assert dropped == [] and [name for name, _ in done] == ["holder", "cache-only"]
+
+
+def test_a_background_copy_moves_its_stop_and_wait_share_and_drops_go_by_the_measured_rate():
+    """A handoff's copy keeps 1000 bytes in flight on a 1000 B/s x 1 s line (BDP 1000 bytes):
+    it moves 1000 / (1000 + 1000) of the line, and the line measures that rate, so 2 s of
+    backlog is 1000 bytes, not the 2000 the line alone would carry."""
+    sim, line = _line(rtt=1.0, backlog_s=2.0, background_window=(100.0, 1000.0))
+    done, dropped = [], []
+    _copy(sim, line, 1000, "handoff", done, relay_covered=True)
+    sim.run()
+    assert done == [("handoff", 2.5)]            # 2 s at 500 B/s, then the one-way delay
+    assert line.measured_rate(0) == pytest.approx(500.0)
+    _copy(sim, line, 900, "holder", done, dropped=dropped, relay_covered=True)
+    older = _copy(sim, line, 300, "older", done, dropped=dropped, relay_covered=True)
+    line.set_cache_only(older)                   # 1200 ahead: past 2 s at 500 B/s
+    assert older.dropped
+    # Beside a copy to another main, what a slowed background copy leaves goes to the other:
+    # at 3 s of RTT it moves 1000 / (1000 + 3000) of the line, 250 B/s, the other 750 B/s.
+    sim, line = _line(rtt=3.0, background_window=(100.0, 1000.0))
+    done = []
+    _copy(sim, line, 1000, "handoff", done, dest="a", relay_covered=True)
+    _copy(sim, line, 1000, "p->md", done, dest="b")
+    sim.run()
+    assert done == [("p->md", pytest.approx(1000 / 750 + 1.5)), ("handoff", pytest.approx(5.5))]
 
 
 def test_a_copy_moves_at_most_its_window_per_rtt_and_lines_to_two_mains_share_the_wire():

@@ -351,3 +351,22 @@ def test_past_the_backlog_bound_a_cache_only_copy_is_dropped_main_told_not_taken
     send_all(fanout, kv, fanout.wan_lines)  # the sender skips it and reports
     assert poll_name(kv.request_status[31]) == "Success"  # the relay answers; prefill's KV freed
     assert [s for s in kv.sent_kv if s[0] == MAIN] == []
+
+
+def test_the_backlog_bound_counts_wire_bytes_on_a_coded_line():
+    """The bound is seconds of the line at its measured rate, in wire bytes; queued work is KV
+    bytes, which a coded line sends in fewer: the drop must convert, or it drops too much."""
+    from pdd_sglang.prefill.events import CacheOnly
+
+    kv = Kv()
+    fanout = make_fanout(kv)
+    fanout.cache_only_backlog_s = 10.0
+    for room in (41, 43):  # two rooms on the same main line, 1600 KV bytes each
+        _room_with_relay_done(kv, fanout, room)
+        fanout.handle(CacheOnly(room))
+    fanout.wan_line.coded(MAIN, 2000, 1000)  # the line's copies code 2:1: 800 wire bytes a room
+    fanout.wan_line._main(MAIN).recent.append((100, 1.0))  # 100 wire B/s: keep 1000 wire bytes
+    fanout.tick()  # 1600 wire bytes ahead: dropping the newest leaves 800, within the bound
+    assert fanout.published["cache_only_dropped"] == 1
+    assert fanout.wan_line.snapshot()[MAIN]["dropped_cache_only_bytes"] == 800  # wire bytes
+    assert [m[1:] for m in kv.messages if m[2] == "Failed"] == [(43, "Failed")]

@@ -17,6 +17,7 @@ from pdd_sglang.dev.demo import budget as budgets
 from pdd_sglang.dev.demo import report
 from pdd_sglang.dev.demo.progress import Progress
 from pdd_sglang.dev.testing import agentic
+from pdd_sglang.dev.testing.line_backlog import LineBacklog
 from pdd_sglang.dev.testing.wan_cluster import NetnsServer, RouterProcess, in_namespace
 from pdd_sglang.dev.wan_emulator import WanLine, netns
 
@@ -129,6 +130,10 @@ def run_setup(label: str, line: WanLine, prefill: NetnsServer, main: NetnsServer
             return bool(crashed)
 
         started = time.perf_counter()
+        # The line as the prefill sees it, through the run until its copies have landed: what
+        # its drops of cache-only copies went by (bytes ahead against its measured rate).
+        backlog = LineBacklog(prefill.pdd_state, time.monotonic())
+        backlog.start()
         results = agentic.run(system, conversations, spec, router.host, router.port,
                               thread_setup=lambda: in_namespace(ns_a), on_result=on_result,
                               should_abort=should_abort, timeout_s=180.0)
@@ -157,6 +162,7 @@ def run_setup(label: str, line: WanLine, prefill: NetnsServer, main: NetnsServer
         # order and in a small window) land before their bytes are read: the setup's WAN bytes
         # are all its requests sent, as the simulator counts them.
         prefill.wait_idle(60)
+        line_samples = backlog.stop()
         wan_after, kv_after = line_bytes(line), ledger_main_bytes(prefill)
         classes_after = line_by_class(prefill)
     finally:
@@ -179,7 +185,8 @@ def run_setup(label: str, line: WanLine, prefill: NetnsServer, main: NetnsServer
             "relay_busy_share": budgets.busy_share(decoded["relay"], decoded["main"]),
             "router_verdicts": budgets.counter_delta(verdicts_before, verdicts_after),
             "router_retries": budgets.counter_delta(retries_before, retries_after),
-            "wan_line_by_class": {k: classes_after[k] - classes_before[k] for k in LINE_CLASSES}}
+            "wan_line_by_class": {k: classes_after[k] - classes_before[k] for k in LINE_CLASSES},
+            "wan_line_samples": line_samples}
 
 
 def _used(before: Optional[float], after: Optional[float], wall_s: float) -> Optional[dict]:

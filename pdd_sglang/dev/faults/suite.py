@@ -19,7 +19,6 @@ cluster B, reachable only through the line. Timeouts are the WAN-fitting values 
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ from typing import Any, Callable, Optional, Sequence
 from pdd_sglang.dev.faults.faults import Fault, wait_for
 from pdd_sglang.dev.faults.load import SteadyLoad, tally
 from pdd_sglang.dev.testing.cluster import RELAY_CPU_ARGS, Cluster, free_port
+from pdd_sglang.dev.testing.line_backlog import LineBacklog
 from pdd_sglang.dev.testing.tiny_model import WAN_DEMO_MODEL, ensure_tiny_model
 from pdd_sglang.dev.testing.wan_cluster import NetnsServer, RouterProcess, in_namespace
 from pdd_sglang.dev.wan_emulator import WanLine
@@ -147,7 +147,7 @@ def run_fault(cluster: FaultCluster, fault: Fault, *, warmup_s: float, after_s: 
         wait_for(lambda: len(load.in_flight()) >= min(2, fault.profile.concurrency), 30)
         progress(f"{fault.name}: injecting ({len(load.in_flight())} requests in flight)")
         injected = time.monotonic()
-        backlog = LineBacklog(cluster, injected)
+        backlog = LineBacklog(cluster.prefill.pdd_state, injected)
         backlog.start()
         fault.inject(cluster)
         load.send_probe()
@@ -220,44 +220,6 @@ def first_request_after(sent: list, injected: float, backlog: Sequence[dict] = (
             "answer_s": round(first.ended - first.started, 2),
             "needed_now_bytes_ahead_at_send": at_send and at_send["needed_now_bytes_ahead"],
             "cache_only_bytes_ahead_at_send": at_send and at_send["cache_only_bytes_ahead"]}
-
-
-class LineBacklog(threading.Thread):
-    """Samples the prefill's WAN backlog (bytes queued or in flight to main) after a fault: the
-    mechanism behind a recovery time (a new P->MD request's KV waits behind these bytes)."""
-
-    INTERVAL_S = 0.5
-    MAX_SAMPLES = 240
-
-    def __init__(self, cluster: FaultCluster, injected: float):
-        super().__init__(name="fault-wan-backlog", daemon=True)
-        self.cluster, self.injected = cluster, injected
-        self.samples: list = []
-        self._stop_event = threading.Event()
-
-    def run(self) -> None:
-        while not self._stop_event.is_set() and len(self.samples) < self.MAX_SAMPLES:
-            at = round(time.monotonic() - self.injected, 1)
-            try:
-                state = self.cluster.prefill.pdd_state()
-                lines = state.get("wan_line") or {}
-                total = lambda key: sum(v.get(key, 0) for v in lines.values())  # noqa: E731
-                self.samples.append({
-                    "t_s": at, "bytes_ahead": total("bytes_ahead"),
-                    "needed_now_bytes_ahead": total("needed_now_bytes_ahead"),
-                    "cache_only_bytes_ahead": total("cache_only_bytes_ahead"),
-                    "in_flight_bytes": total("in_flight_bytes"),
-                    "dropped_cache_only_bytes": total("dropped_cache_only_bytes"),
-                    "rooms_open": (state.get("fanout") or {}).get("rooms_open")})
-            except Exception:  # noqa: BLE001 - a dead prefill is a fault being measured
-                self.samples.append({"t_s": at, "bytes_ahead": None})
-            self._stop_event.wait(self.INTERVAL_S)
-
-    def stop(self) -> list:
-        self._stop_event.set()
-        if self.is_alive():
-            self.join(timeout=5)
-        return self.samples
 
 
 def line_floor_s(rate_mbit: float, uncached_tokens: int) -> Optional[float]:
