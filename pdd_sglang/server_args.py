@@ -26,6 +26,8 @@ from typing import Any, Literal, Optional
 import msgspec
 from sglang.srt.arg_groups.arg_utils import A
 
+from pdd_sglang.policy.wan_order import CACHE_ONLY_BACKLOG_S
+
 ROLE_TO_DISAGGREGATION_MODE = {"prefill": "prefill", "relay": "decode", "main": "decode"}
 # The relay's control channel, beside SGLang's --disaggregation-bootstrap-port (8998), so that
 # firewall rules can be written ahead (README, "Ports and addresses").
@@ -87,8 +89,8 @@ class PddArgs(msgspec.Struct):
         "PDD prefill: seconds of the WAN line (bytes ahead over its measured rate) past which a "
         "line's queued cache-only copies (their relay answered alone: they only warm main's "
         "cache) are dropped; prefill frees their KV and main is told, not taken out. 0: never "
-        "drop. Default: 10.",
-    ] = 10.0
+        "drop. Default: 30 (policy.wan_order.CACHE_ONLY_BACKLOG_S).",
+    ] = CACHE_ONLY_BACKLOG_S
     pdd_wan_kv_codec: A[
         Literal["auto", "raw", "lossless", "fp8"],
         "PDD prefill: how KV crosses the WAN to a main that offers a staging range. 'auto' codes "

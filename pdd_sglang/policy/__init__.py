@@ -27,5 +27,6 @@ from pdd_sglang.policy.placement import (IDLE_LINE, LineState, MainCandidate,  #
                                          predict_wan_seconds, predict_wan_seconds_on_line)
 from pdd_sglang.policy.ttft_budget import (BudgetPlacement, BudgetVerdict,  # noqa: F401
                                            MainTtft, place_by_ttft_budget, prefill_seconds)
-from pdd_sglang.policy.wan_order import (BACKGROUND_IN_FLIGHT_S, DEADLINE_STRETCH,  # noqa: F401
+from pdd_sglang.policy.wan_order import (BACKGROUND_IN_FLIGHT_S,  # noqa: F401
+                                         CACHE_ONLY_BACKLOG_S, DEADLINE_STRETCH,
                                          background_in_flight_bytes, copy_deadline, copy_tier)

@@ -72,6 +72,18 @@ DEADLINE_STRETCH = 2.0
 BACKGROUND_IN_FLIGHT_S = 0.1
 
 
+# Declared, not fitted: seconds of the line (bytes ahead over its measured rate) past which a
+# line's queued cache-only copies are dropped (--pdd-wan-cache-only-backlog-s). At least the
+# router's landing wait (router.landing, 20 s): a turn's cache-only copy is what makes the next
+# turn of its conversation cheap, and the router waits that long for it to land, so a copy that
+# would land within it is worth its bytes. A dropped copy is not saved: the next turn's copy
+# carries its prefix again, larger, and is likelier to be dropped in its turn. At 10 s the
+# demo's PDD setups queued 46-89 MB of main-bound copies where a run of the same 24 requests
+# that dropped nothing queued 33.5 MB, and its relays finished alone more (docs/measurements.md,
+# the seventh session's line samples).
+CACHE_ONLY_BACKLOG_S = 30.0
+
+
 # The tiers a line serves in order, before deadlines: a copy a request with no token yet waits
 # for (P->MD, a relay that failed or died), a relay-covered one (a handoff's: the relay answers
 # the request meanwhile, so its copy only moves the handoff), a cache-only one.

@@ -19,7 +19,7 @@ import enum
 from dataclasses import dataclass, field, replace
 
 from ..policy import PolicyConfig
-from ..policy.wan_order import BACKGROUND_IN_FLIGHT_S
+from ..policy.wan_order import BACKGROUND_IN_FLIGHT_S, CACHE_ONLY_BACKLOG_S
 
 
 class Setup(enum.Enum):
@@ -143,7 +143,7 @@ class ClusterConfig:
     # sender's window is the line's per-flow window (wan_window_bytes or the profile's).
     wan_line: str = "profile"
     wan_slice_bytes: float | None = None
-    wan_cache_only_backlog_s: float | None = 10.0
+    wan_cache_only_backlog_s: float | None = CACHE_ONLY_BACKLOG_S
     # A background copy's most time in flight on the classed line (cache-only or relay-covered:
     # prefill.wan_engine.background_window); None: the window every copy keeps (the sender
     # before it).

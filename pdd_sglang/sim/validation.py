@@ -39,7 +39,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..policy import PolicyConfig
+from ..policy import CACHE_ONLY_BACKLOG_S, PolicyConfig
 from ..prefill.wan_engine import window_for_line
 from .cluster import ClusterConfig, Setup, simulate
 from .profiles import CONFIG_ROOT
@@ -50,8 +50,6 @@ QUANTITIES = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "itl_p50_ms", "wan_bytes
 BANDS = {"ttft_p50_s": (0.75, 1.33), "ttft_p90_s": (0.75, 1.33), "itl_p50_ms": (0.75, 1.33),
          "wan_bytes": (0.9, 1.1)}          # ttft_p99_s: reported, not bound
 REMOTE_MAIN = ("cross_dc_pd", "pdd")
-# The prefill's --pdd-wan-cache-only-backlog-s default (the demo leaves it): seconds of line.
-CACHE_ONLY_BACKLOG_S = 10.0
 # A server's time coefficients (profile_cpu.py's fit), which a role's compute scale multiplies.
 TIME_COEFFICIENTS = ("prefill_fixed_s", "prefill_s_per_token", "prefill_s_per_token_pair",
                      "prefill_s_per_cached_token", "prefill_overhead_s", "decode_fixed_s",

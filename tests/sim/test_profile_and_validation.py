@@ -238,7 +238,7 @@ def test_the_simulated_pdd_setups_get_their_routers_budget_and_the_classed_line(
     assert validator.config("pdd_no_budget", {"ttft_budget_s": None}).policy.ttft_slo_s is None
     assert validator.config("cross_dc_pd", entry).policy.ttft_slo_s is None   # no relay
     line = measured["line"]
-    assert pdd.wan_line == "classed" and pdd.wan_cache_only_backlog_s == 10.0
+    assert pdd.wan_line == "classed" and pdd.wan_cache_only_backlog_s == 30.0
     assert pdd.wan_window_bytes == window_for_line(line["rate_mbit"] / 1e3,
                                                    line["rtt_ms"]).window_bytes
 
