@@ -296,6 +296,14 @@ def codec_state(prefill) -> dict:
         return {"unread": repr(err)}
 
 
+def backlog_setting(prefill) -> float | None:
+    """The prefill's --pdd-wan-cache-only-backlog-s, from its /server_info (None: unread)."""
+    try:
+        return prefill.get_json("/server_info").get("pdd_wan_cache_only_backlog_s")
+    except Exception:  # noqa: BLE001 - a figure, never the run's outcome
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     reason = check_machine(args.cgroup_cpu_root, args.cpu_layout)
@@ -354,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
             raise Aborted(f"{', '.join(dead)} died during the run")
         pools = {s.name: s.wait_idle(60) for s in servers}
         args.wan_codec_state = codec_state(prefill)
+        args.cache_only_backlog_s = backlog_setting(prefill)
     except Aborted as err:
         failure = str(err)
     except BaseException as err:
@@ -396,6 +405,8 @@ def write_and_print(args, results: dict, line: WanLine, server_cpu: float, cores
                  "seconds_per_1000_uncached_tokens": round(
                      1000 * DEMO_MODEL.kv_bytes_per_token * 8 / (args.rate_mbit * 1e6), 3),
                  "forwarder_stats": line.last_stats}
+    # What the prefill dropped cache-only copies past (its flag, read from its /server_info).
+    line_info["cache_only_backlog_s"] = getattr(args, "cache_only_backlog_s", None)
     frontier_x = {budget.setup_name(x): x for x in set(args.frontier_x)} if args.frontier else {}
     bar_setup = "pdd"
     if args.frontier:  # the bar at the budget nearest 1.15 x same-DC's P50

@@ -351,6 +351,10 @@ def main(argv=None) -> int:
     parser.add_argument("--profile-dir", type=Path, default=CONFIG_ROOT,
                         help="where scripts/profile_cpu.py wrote its profiles (its --out-dir; "
                              "default configs/)")
+    parser.add_argument("--cache-only-backlog-s", type=float, default=None,
+                        help="the prefill's --pdd-wan-cache-only-backlog-s, for a demo.json "
+                             "that does not record it (line.cache_only_backlog_s; without either, "
+                             "10, the default until it was recorded)")
     parser.add_argument("--legacy", action="store_true",
                         help="the earlier comparison (cpu_demo.toml, no calibration)")
     args = parser.parse_args(argv)
@@ -363,6 +367,14 @@ def main(argv=None) -> int:
     if not isinstance(measured.get("setups"), dict):
         print("validate_sim: the measured file has no 'setups' object", file=sys.stderr)
         return 2
+    line = measured.setdefault("line", {})
+    if args.cache_only_backlog_s is not None:
+        if line.get("cache_only_backlog_s") not in (None, args.cache_only_backlog_s):
+            print(f"validate_sim: the demo recorded --pdd-wan-cache-only-backlog-s "
+                  f"{line['cache_only_backlog_s']}, not {args.cache_only_backlog_s}",
+                  file=sys.stderr)
+            return 2
+        line["cache_only_backlog_s"] = args.cache_only_backlog_s
     if args.derive:
         for key, value in derive_cpu_profile(measured).items():
             print(f"{key:24s} {value:.6g}")

@@ -129,7 +129,8 @@ class Cluster:
             window = background_window(sender, rate, cfg.wan_background_in_flight_s)
             background = (window.slice_bytes, window.window_bytes)
         return ClassedLink(self.sim, profile, slice_bytes, cfg.wan_cache_only_backlog_s,
-                           background_window=background)
+                           background_window=background,
+                           in_flight_bytes=None if cfg.wan_slice_bytes else sender.window_bytes)
 
     # --- running -------------------------------------------------------------------------
     def run(self, requests, warmup=(), traced_ids=(), progress=None, follows=None):

@@ -39,7 +39,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..policy import CACHE_ONLY_BACKLOG_S, PolicyConfig
+from ..policy import PolicyConfig
 from ..prefill.wan_engine import window_for_line
 from .cluster import ClusterConfig, Setup, simulate
 from .profiles import CONFIG_ROOT
@@ -50,6 +50,8 @@ QUANTITIES = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "itl_p50_ms", "wan_bytes
 BANDS = {"ttft_p50_s": (0.75, 1.33), "ttft_p90_s": (0.75, 1.33), "itl_p50_ms": (0.75, 1.33),
          "wan_bytes": (0.9, 1.1)}          # ttft_p99_s: reported, not bound
 REMOTE_MAIN = ("cross_dc_pd", "pdd")
+# --pdd-wan-cache-only-backlog-s's default until demo.json recorded the prefill's own (c65e11b).
+BACKLOG_S_BEFORE_RECORDED = 10.0
 # A server's time coefficients (profile_cpu.py's fit), which a role's compute scale multiplies.
 TIME_COEFFICIENTS = ("prefill_fixed_s", "prefill_s_per_token", "prefill_s_per_token_pair",
                      "prefill_s_per_cached_token", "prefill_overhead_s", "decode_fixed_s",
@@ -213,9 +215,18 @@ class Validator:
             router_to_prefill_s=c.router_to_prefill_s, router_to_client_s=c.router_to_client_s,
             register_at_step_boundary=True, shared_host=True,
             policy=PolicyConfig(ttft_slo_s=budget or None, prefill_tokens_per_s=rate or None),
-            wan_line="classed", wan_cache_only_backlog_s=CACHE_ONLY_BACKLOG_S,
+            wan_line="classed", wan_cache_only_backlog_s=self.cache_only_backlog_s(),
             wan_window_bytes=self.calibration.wan_window_bytes or self.sender_window_bytes(),
             **self.router_line())
+
+    def cache_only_backlog_s(self) -> float | None:
+        """The prefill's --pdd-wan-cache-only-backlog-s as the demo read it from its
+        /server_info (demo.json's line); a demo.json from before it was recorded ran with the
+        default of then, 10 s. None: the prefill never dropped (0)."""
+        backlog = (self.measured.get("line") or {}).get("cache_only_backlog_s")
+        if backlog is None:
+            backlog = BACKLOG_S_BEFORE_RECORDED
+        return float(backlog) if backlog > 0 else None
 
     def sender_window_bytes(self) -> float | None:
         """The prefill's window for the line the demo declares to it (line.prefill_flags():

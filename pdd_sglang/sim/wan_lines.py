@@ -22,7 +22,10 @@ What the sender does, and how it is modelled here:
 4. **Preemption at a slice boundary.** A needed-now copy queued behind a holder it ranks ahead
    of (any cache-only holder; a needed-now one due after it) takes the line once the holder
    reaches its next slice boundary after the bytes it already handed to the transport (the
-   window): bytes ``ceil((sent + window) / slice) x slice``, at most its size. The yielded copy
+   sender's window, ``in_flight_bytes``: ``prefill.wan_engine.window_for_line`` of the line the
+   prefill is told, not the profile's per-flow window, which the validation calibrates as a
+   copy's measured rate times the RTT): bytes ``ceil((sent + window) / slice) x slice``, at
+   most its size. The yielded copy
    goes back to its line with its progress and keeps its deadline. A background holder (cache-only,
    or relay-covered: a P->RLD->MD request's copy, as the prefill marks one whose room has a
    relay) keeps the sender's smaller window and slices (``prefill.wan_engine.background_window``:
@@ -120,9 +123,14 @@ class ClassedLink(FairShareLink):
 
     def __init__(self, sim: Simulator, profile: LinkProfile, slice_bytes: float,
                  backlog_s: float | None, name: str = "wan",
-                 background_window: tuple[float, float] | None = None):
+                 background_window: tuple[float, float] | None = None,
+                 in_flight_bytes: float | None = None):
         """background_window: (slice, window) bytes of a background holder (cache-only or
-        relay-covered); None: as any."""
+        relay-covered); None: as any. in_flight_bytes: what the sender keeps in flight of any
+        other copy (``prefill.wan_engine.window_for_line``), which a copy taking the line from
+        it waits for; None: the profile's per-flow window. The two differ where the profile's
+        window is a measured rate times the RTT (the validation's calibration) rather than
+        the bytes the sender hands Mooncake ahead."""
         super().__init__(sim, profile, name)
         if not slice_bytes > 0:
             raise ValueError(f"{name}: slice_bytes must be > 0, got {slice_bytes!r}")
@@ -132,6 +140,10 @@ class ClassedLink(FairShareLink):
             raise ValueError(f"{name}: a background slice and window must be > 0, got "
                              f"{background_window!r}")
         self.window_bytes = profile.window_bytes
+        if in_flight_bytes is not None and not in_flight_bytes > 0:
+            raise ValueError(f"{name}: in_flight_bytes must be > 0 or None, got "
+                             f"{in_flight_bytes!r}")
+        self.in_flight_bytes = in_flight_bytes or profile.window_bytes
         self.slice_bytes = float(slice_bytes)
         self.background_window = background_window
         # A background holder's most bytes/s (module docstring, point 4).
@@ -186,7 +198,7 @@ class ClassedLink(FairShareLink):
 
     def _window_of(self, holder: Copy) -> tuple[float, float]:
         """(slice, window) bytes the holder goes out with."""
-        window = self.window_bytes or 0.0
+        window = self.in_flight_bytes or 0.0
         if self.background_window is not None and (holder.copy_class == CACHE_ONLY
                                                    or holder.relay_covered):
             return (min(self.background_window[0], self.slice_bytes),

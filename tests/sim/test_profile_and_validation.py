@@ -238,9 +238,15 @@ def test_the_simulated_pdd_setups_get_their_routers_budget_and_the_classed_line(
     assert validator.config("pdd_no_budget", {"ttft_budget_s": None}).policy.ttft_slo_s is None
     assert validator.config("cross_dc_pd", entry).policy.ttft_slo_s is None   # no relay
     line = measured["line"]
-    assert pdd.wan_line == "classed" and pdd.wan_cache_only_backlog_s == 30.0
+    assert pdd.wan_line == "classed" and pdd.wan_cache_only_backlog_s == 10.0  # unrecorded
     assert pdd.wan_window_bytes == window_for_line(line["rate_mbit"] / 1e3,
                                                    line["rtt_ms"]).window_bytes
+    # The prefill's own --pdd-wan-cache-only-backlog-s where demo.json recorded it; 0: never.
+    for recorded, simulated in ((30.0, 30.0), (0, None)):
+        measured["line"]["cache_only_backlog_s"] = recorded
+        validator = Validator(measured, _write_profile(tmp_path / f"p{recorded}"), "tiny_cpu",
+                              tmp_path)
+        assert validator.config("pdd", entry).wan_cache_only_backlog_s == simulated
 
 
 def test_the_copys_window_is_measured_at_the_latency_point_when_under_the_declared_one(tmp_path):

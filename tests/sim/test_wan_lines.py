@@ -20,12 +20,13 @@ from pdd_sglang.sim.workload import Request
 
 
 def _line(rate=1000.0, rtt=0.0, window=0.0, slice_bytes=1000.0, backlog_s=None,
-          background_window=None):
+          background_window=None, in_flight_bytes=None):
     sim = Simulator(0)
     profile = LinkProfile("test line", "test", bytes_per_s=rate, rtt_s=rtt, jitter_s=0.0,
                           cost_per_hour=0.0, window_bytes=window)
     return sim, ClassedLink(sim, profile, slice_bytes, backlog_s,
-                            background_window=background_window)
+                            background_window=background_window,
+                            in_flight_bytes=in_flight_bytes)
 
 
 def _copy(sim, line, size, name, done, dest=0, dropped=None, relay_covered=False):
@@ -158,6 +159,19 @@ def test_queued_cache_only_copies_past_the_backlog_are_dropped_newest_first_neve
     assert [name for name, _ in done] == ["needed-now", "holder"]   # 900 left against 1500
     assert line.dropped_cache_only_bytes == 700 and line.dropped_copies == 2
     assert line.bytes_received == 2400
+
+
+def test_a_copy_taking_the_line_waits_for_the_senders_window_not_the_rate_window():
+    """The profile's window caps a copy's rate (400 B/s at 1 s of RTT); the sender keeps its
+    own window in flight (2000 bytes), which a copy taking the line waits for: the holder has
+    sent 200 bytes at 0.5 s, so it yields at the slice boundary past 2200, 3000 bytes, 7.5 s."""
+    for in_flight, small_done in ((2000.0, 7.5 + 100 / 400 + 0.5), (None, 2.5 + 100 / 400 + 0.5)):
+        sim, line = _line(rtt=1.0, window=400.0, in_flight_bytes=in_flight)
+        done = []
+        _copy(sim, line, 10_000, "holder", done)
+        sim.schedule(0.5, Callback(lambda: _copy(sim, line, 100, "small", done)))
+        sim.run()
+        assert done[0] == ("small", pytest.approx(small_done))
 
 
 def test_nothing_is_dropped_before_the_line_has_measured_a_rate():
