@@ -54,8 +54,11 @@ logger = logging.getLogger("pdd_sglang.router")
 
 # Request ids and bootstrap rooms: unique across router processes (a random prefix and a
 # generator seeded from the OS, per process, again in a forked worker) without a system call per
-# request.
+# request. No rid is a prefix of another (a number, then RID_END): SGLang's scheduler aborts
+# every request whose rid *starts with* the one it is told (Scheduler.abort_request), so
+# aborting "pdd-x-2" aborted "pdd-x-21" to "pdd-x-29" too, wherever they were.
 _RID_NUMBERS = itertools.count()
+RID_END = "."
 STREAM_END_GRACE_S = 5.0  # after an answer, for a server to end a stream that gave its finish
 
 
@@ -90,9 +93,14 @@ async def _next_item(queue: ItemQueue, timeout_s: Optional[float]):
         return await asyncio.wait_for(queue.get(), timeout_s)
 
 
+def new_rid() -> str:
+    """A request id no other of this router's is a prefix of (see RID_END)."""
+    return f"{_RID_PREFIX}{next(_RID_NUMBERS)}{RID_END}"
+
+
 def request_body(job: GenerateJob, placement: Placement) -> dict:
     """The one /generate body every server of the placement gets."""
-    rid = f"{_RID_PREFIX}{next(_RID_NUMBERS)}"
+    rid = new_rid()
     return {
         **job.extra,
         **job.prompt.body_fields(),

@@ -318,3 +318,13 @@ def test_a_text_prompts_prefix_counts_in_proportion_and_placement_uses_it():
     mirrors["http://m2"].insert(history)
     placement = placer.place(prompt, 16)
     assert placement.main.url == "http://m2" and placement.main_cached_tokens == 320
+
+
+def test_no_rid_the_router_makes_is_a_prefix_of_another():
+    """SGLang aborts every request whose rid starts with the one it is told (the contract test
+    pins it): before RID_END, aborting the router's request 2 aborted its requests 20-29 too."""
+    from pdd_sglang.router import attempt
+
+    made = {attempt.new_rid() for _ in range(250)}
+    assert len(made) == 250
+    assert not [rid for rid in made for cut in range(1, len(rid)) if rid[:cut] in made]

@@ -441,3 +441,13 @@ def test_the_scheduler_state_carries_its_effective_running_request_limit():
     from sglang.srt.managers.scheduler_components import internal_state
 
     assert "effective_max_running_requests_per_dp" in inspect.getsource(internal_state)
+
+
+def test_sglang_aborts_every_request_whose_rid_starts_with_the_one_it_is_told():
+    """Why the router ends its rids with ``attempt.RID_END``: SGLang's scheduler matches an abort
+    by prefix, so a rid that is a prefix of another would abort that one too."""
+    source = (SRT / "managers" / "scheduler.py").read_text()
+    tree = ast.parse(source)
+    abort = next(node for node in ast.walk(tree)
+                 if isinstance(node, ast.FunctionDef) and node.name == "abort_request")
+    assert "rid.startswith(recv_req.rid)" in ast.get_source_segment(source, abort)
