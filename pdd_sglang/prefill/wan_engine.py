@@ -189,7 +189,9 @@ class WanTransferEngine:
              window_bytes: int = WAN_SLICE_BYTES,
              slice_bytes: int = WAN_SLICE_BYTES,
              block_bytes: Optional[int] = None) -> "WanTransferEngine":
-        """This engine's logic over an engine already made (a scripted one in unit tests)."""
+        """This engine's logic over an engine already made: SGLang's own Mooncake engine
+        (:func:`polled_local_engine`, the relay path, which names its protocol and session), or a
+        scripted one in unit tests."""
         self = cls.__new__(cls)
         self._setup(engine, timeout_s, line, CopyWindow(
             slice_bytes, window_bytes,
