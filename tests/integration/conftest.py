@@ -188,12 +188,20 @@ class SharedClusters:
                 self.reference = SGLangServer("plain", self._model_path, cluster.log_dir,
                                               env=self._reference_env)
                 self.reference.start()
-            self.cluster = cluster.wait_ready()
-            if first:
-                self.reference.wait_ready()
-            self.cluster.servers["plain"] = self.reference
-            self.cluster.router = None
-            self.page_size = page_size
+            try:
+                cluster.wait_ready()  # stops the cluster itself if it fails
+                if first:
+                    self.reference.wait_ready_moving_port()
+            except BaseException:
+                # Nothing half-started stays: the next test starts both again, not a dead one.
+                cluster.stop()
+                if first:
+                    self.reference.stop()
+                    self.reference = None
+                raise
+            cluster.servers["plain"] = self.reference
+            cluster.router = None
+            self.cluster, self.page_size = cluster, page_size
         return self.cluster
 
     def start_beside(self, name: str) -> None:
@@ -230,7 +238,7 @@ class SharedClusters:
             return
         cluster.servers.pop("plain", None)
         try:
-            if cluster.router is not None:
+            if getattr(cluster, "router", None) is not None:
                 cluster.router.stop()
         finally:
             cluster.stop()

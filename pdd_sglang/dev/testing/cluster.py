@@ -179,6 +179,19 @@ class SGLangServer:
         self.port = free_port()
         self.start()
 
+    def wait_ready_moving_port(self, timeout_s: float = 300.0, tries: int = 3) -> None:
+        """``wait_ready``; a port another process took between ``free_port`` and the bind (an
+        ephemeral port another connection was given) moves the server to a fresh one, at most
+        ``tries`` ports in all."""
+        for attempt in range(tries):
+            try:
+                self.wait_ready(timeout_s)
+                return
+            except PortTaken:
+                if attempt == tries - 1:
+                    raise
+                self.restart_on_new_port()
+
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
@@ -296,14 +309,7 @@ class Cluster:
         """Until every started server answers; on any failure all of them are stopped."""
         try:
             for server in self.servers.values():
-                for attempt in range(3):
-                    try:
-                        server.wait_ready(self.ready_timeout_s)
-                        break
-                    except PortTaken:
-                        if attempt == 2:
-                            raise
-                        server.restart_on_new_port()
+                server.wait_ready_moving_port(self.ready_timeout_s)
         except BaseException:
             self.stop()
             raise
