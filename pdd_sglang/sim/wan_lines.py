@@ -139,7 +139,6 @@ class ClassedLink(FairShareLink):
         if background_window is not None and not min(background_window) > 0:
             raise ValueError(f"{name}: a background slice and window must be > 0, got "
                              f"{background_window!r}")
-        self.window_bytes = profile.window_bytes
         if in_flight_bytes is not None and not in_flight_bytes > 0:
             raise ValueError(f"{name}: in_flight_bytes must be > 0 or None, got "
                              f"{in_flight_bytes!r}")
