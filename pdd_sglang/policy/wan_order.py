@@ -36,13 +36,15 @@ A relay-covered copy can wait behind first-token copies for long; its relay answ
 and finishes the request alone if it must.
 
 **A background copy yields sooner.** A needed-now copy that takes the line from the copy on it
-waits for what that copy has in flight (the sender yields between slices and lands its window
-first). A copy no request waits on for a token, a *background* copy, keeps at most
-:data:`BACKGROUND_IN_FLIGHT_S` of the declared line in flight, its slice included: a cache-only
-copy (the relay answered alone), and a relay-covered one (a handoff's: a relay answers the
-request while its copy flies, until that relay fails). Every other copy keeps the window that
-fills the line. So the copy of a request with no token yet (P->MD; a relay that failed) is held
-up that long at most behind a background copy. What that costs, measured at the demo's
+shares the line with what that copy has in flight: the sender yields between slices, hands the
+line over at once and lands its window beside the new copy (until 2026-12-05 the new copy
+started only once that window had landed and been acknowledged, 0.14-0.23 s of a P->MD copy's
+wait in the demo's idle-line setup). A copy no request waits on for a token, a *background*
+copy, keeps at most :data:`BACKGROUND_IN_FLIGHT_S` of the declared line in flight, its slice
+included: a cache-only copy (the relay answered alone), and a relay-covered one (a handoff's: a
+relay answers the request while its copy flies, until that relay fails). Every other copy keeps
+the window that fills the line. So the copy of a request with no token yet (P->MD; a relay that
+failed) shares the line with that much at most of a background copy. What that costs, measured at the demo's
 10 Mbit/s x 40 ms (docs/measurements.md, the window probe): one packed copy fills 0.87 of the
 line with the product's 862 KB window (0.69 s of line), 0.71 with 150 KB (0.12 s); a handoff's
 copy lands that much later, and its relay decodes that much longer. What it saves: the

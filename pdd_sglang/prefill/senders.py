@@ -120,6 +120,7 @@ def _send_to_main(kv_mgr: Any, work: Work, peer: Any, src: Any, dst: Any, execut
                 if _let_go(kv_mgr, work):  # free the line now, not after the chunk
                     return None
                 if lines is not None and lines.should_yield(work):
+                    lines.hand_over(work)  # the other copy starts beside this window
                     return YIELDED if copy.finish() else False
             window = copy.window_for_next_slice(
                 work.copy_class is CopyClass.CACHE_ONLY or work.relay_covered)

@@ -266,6 +266,7 @@ def send_coded(kv_mgr: Any, work: Any, src: Any, dst: Any, codec_name: str, line
                 if let_go(kv_mgr, work):
                     return None
                 if lines is not None and lines.should_yield(work):
+                    lines.hand_over(work)  # the other copy starts beside this window
                     return yielded if copy.finish() else False
             window = copy.window_for_next_slice(
                 getattr(work, "copy_class", None) is CopyClass.CACHE_ONLY

@@ -21,12 +21,13 @@ for before the next, one slice per round trip, which fills a line only while its
 bandwidth-delay product is below a slice (``scripts/bench_wan_line.py`` runs both). Slices and
 window come from the line the operator declares (``--pdd-wan-bandwidth-gbps`` x
 ``--pdd-wan-rtt-ms``, see :func:`window_for_line`), so cancelling a copy, or a copy a request
-waits for overtaking one that only warms main's cache, waits for at most one window: sixteen round
-trips of the line, whatever its rate. A *background* copy, one no request waits on for a token
+waits for overtaking one that only warms main's cache, shares the line with at most one window
+(the yielding copy hands the line over at once and lands its window beside the new copy:
+``WanLines.hand_over``): sixteen round trips of the line, whatever its rate. A *background* copy, one no request waits on for a token
 (cache-only: the relay answered alone; or relay-covered: a relay answers the request while the
 copy flies), keeps a smaller window, at most a tenth of a second of the declared line
 (:func:`background_window`, :data:`pdd_sglang.policy.wan_order.BACKGROUND_IN_FLIGHT_S`): the copy
-of a request with no token yet is held up that long at most behind one, for a background copy
+of a request with no token yet shares the line with that much at most of one, for a background copy
 that fills less of a slow line (0.71 against 0.87 at 10 Mbit/s x 40 ms).
 
 Waiting: Mooncake's synchronous batch call polls without sleeping, a core per waiting worker.

@@ -99,8 +99,8 @@ class WanLine:
         wire byte: queued KV over the line's codec ratio (KV bytes per wire byte of its coded
         copies, issue 36). A new first-token copy (P->MD) waits behind
         ``first_token_bytes_ahead``: the first-token bytes queued and whatever is in flight (a
-        window of any tier lands before it starts; a relay-covered or cache-only copy keeps at
-        most policy.BACKGROUND_IN_FLIGHT_S of line in flight). ``needed_now_bytes_ahead`` adds
+        window of any tier shares the line with it while it lands; a relay-covered or
+        cache-only copy keeps at most policy.BACKGROUND_IN_FLIGHT_S of line in flight). ``needed_now_bytes_ahead`` adds
         the relay-covered bytes queued (a handoff's copy waits behind those too)."""
         queued = self.queue_view()  # outside this lock: the lines have their own
         with self._lock:

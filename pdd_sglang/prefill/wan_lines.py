@@ -18,12 +18,13 @@ declared line's rate (:func:`pdd_sglang.policy.wan_order.copy_deadline`, which t
 line follows too). A short copy passes a long one; a copy queued after another's deadline never
 passes it. A needed-now copy that ranks ahead of the copy on the line (any of a later tier; one
 of its tier with a later deadline) takes the line at that copy's next slice: the sender
-asks :meth:`WanLines.should_yield` between slices, puts the copy back with its progress
-(:attr:`Work.pages_done`) and takes the other once the window in flight has landed. A copy
+asks :meth:`WanLines.should_yield` between slices, hands the line over at once
+(:meth:`WanLines.hand_over`: the other copy starts beside the window still in flight) and puts
+the copy back with its progress (:attr:`Work.pages_done`) once that window has landed. A copy
 whose request a relay answers meanwhile (:attr:`Work.relay_covered`: a handoff's, until the relay
 fails) and a cache-only one keep a smaller window
 (:func:`~pdd_sglang.prefill.wan_engine.background_window`), so the copy of a request with no
-token yet waits at most a tenth of a second of the line behind either.
+token yet shares the line with at most a tenth of a second of either.
 
 Past a backlog bound (``--pdd-wan-cache-only-backlog-s``, seconds of the line at its measured
 rate), the owner drops a line's queued cache-only copies (:meth:`WanLines.drop_cache_only`):
@@ -57,10 +58,17 @@ class CopyClass(enum.Enum):
 class _Line:
     queued: list = field(default_factory=list)  # Work, in arrival order
     holder: Any = None  # the Work a sender is writing on this line, if any
+    # Works that gave the line up (hand_over) while their window in flight lands: a sender
+    # still holds each, and none can be taken until it is put back.
+    draining: list = field(default_factory=list)
     # room -> when its first work still on this line (or an earlier one, sent while its next was
     # queued) was queued: a copy's deadline starts at its first chunk, not at the chunk now due.
     first_queued: dict = field(default_factory=dict)
     copy_bytes: dict = field(default_factory=dict)  # room -> the bytes of its works queued since
+
+    def works(self) -> list:
+        """Every work on this line: queued, draining and the holder."""
+        return [*self.queued, *self.draining, *([self.holder] if self.holder is not None else [])]
 
 
 def remaining_bytes(work: Any) -> int:
@@ -121,8 +129,8 @@ class WanLines:
         changed = 0
         with self._cond:
             for line in self._lines.values():
-                for work in [*line.queued, line.holder]:
-                    if work is not None and work.room == room and work.copy_class is not copy_class:
+                for work in line.works():
+                    if work.room == room and work.copy_class is not copy_class:
                         work.copy_class = copy_class
                         changed += 1
             self._cond.notify_all()
@@ -134,8 +142,8 @@ class WanLines:
         changed = 0
         with self._cond:
             for line in self._lines.values():
-                for work in [*line.queued, line.holder]:
-                    if work is not None and work.room == room and work.relay_covered:
+                for work in line.works():
+                    if work.room == room and work.relay_covered:
                         work.relay_covered = False
                         changed += 1
         return changed
@@ -147,9 +155,7 @@ class WanLines:
             line = self._lines.get(session)
             if line is None:
                 return []
-            ahead = sum(remaining_bytes(w) for w in line.queued if not w.cancelled)
-            if line.holder is not None:
-                ahead += remaining_bytes(line.holder)
+            ahead = sum(remaining_bytes(w) for w in line.works() if not w.cancelled)
             dropped = []
             for work in reversed(line.queued):
                 if ahead <= keep_bytes:
@@ -196,29 +202,55 @@ class WanLines:
             return any(w.copy_class is CopyClass.NEEDED_NOW and not w.cancelled
                        and w.room != work.room and rank(w) < own for w in line.queued)
 
+    def hand_over(self, work: Any) -> None:
+        """The holder ``work`` yields: the line is free now, while its sender waits for the
+        window it has in flight to land (:meth:`put_back` or :meth:`release` then). So the copy
+        that overtakes it starts beside that window instead of after it and its
+        acknowledgement: in the demo's idle-line setup a P->MD copy waited 0.14-0.23 s for a
+        background holder to yield (its 0.1 s of line in flight, the last acknowledgement's
+        round trip, the sender's poll and hand-over), against 0.2 s alone on the line for a
+        26-token copy (docs/measurements.md)."""
+        with self._cond:
+            line = self._lines.get(work.session)
+            if line is None or line.holder is not work:
+                return
+            line.holder = None
+            line.draining.append(work)
+            self._cond.notify_all()
+
     def put_back(self, work: Any) -> None:
-        """A yielded work goes back to its line, with its progress, and the line is free. It is
-        in no sender now: the owner's stuck check (``started_at``) leaves it alone until a sender
-        takes it again."""
+        """A yielded work goes back to its line, with its progress, once its window landed; the
+        line is free (it was from :meth:`hand_over` on). It is in no sender now: the owner's
+        stuck check (``started_at``) leaves it alone until a sender takes it again."""
         work.started_at = None
         with self._cond:
-            line = self._lines[work.session]
+            line = self._lines.setdefault(work.session, _Line())
+            self._let_go(line, work)
             line.queued.append(work)
-            line.holder = None
             self._cond.notify_all()
 
     def release(self, work: Any) -> None:
         """The sender is done with ``work`` (sent, failed or skipped): its line is free."""
         with self._cond:
             line = self._lines.get(work.session)
-            if line is not None and line.holder is work:
-                line.holder = None
-                if not any(w.room == work.room for w in line.queued):
+            if line is not None and self._let_go(line, work):
+                if not any(w.room == work.room for w in line.works()):
                     line.first_queued.pop(work.room, None)
                     line.copy_bytes.pop(work.room, None)
-                if not line.queued:
+                if not line.works():
                     del self._lines[work.session]
             self._cond.notify_all()
+
+    @staticmethod
+    def _let_go(line: _Line, work: Any) -> bool:
+        """``work`` holds or drains on ``line`` no more; whether it did."""
+        if line.holder is work:
+            line.holder = None
+            return True
+        if any(w is work for w in line.draining):
+            line.draining = [w for w in line.draining if w is not work]
+            return True
+        return False
 
     def stop(self) -> None:
         with self._cond:
@@ -236,8 +268,8 @@ class WanLines:
             for session, line in self._lines.items():
                 counts = {c.value: 0 for c in CopyClass}
                 counts["relay_covered"] = 0
-                for work in [*line.queued, line.holder]:
-                    if work is not None and not work.cancelled:
+                for work in line.works():
+                    if not work.cancelled:
                         counts[work.copy_class.value] += remaining_bytes(work)
                         if work.copy_class is CopyClass.NEEDED_NOW and work.relay_covered:
                             counts["relay_covered"] += remaining_bytes(work)

@@ -20,13 +20,15 @@ What the sender does, and how it is modelled here:
    copy). Every copy starts needed-now; :meth:`ClassedLink.set_cache_only` turns one
    cache-only (its relay answered alone).
 4. **Preemption at a slice boundary.** A needed-now copy queued behind a holder it ranks ahead
-   of (any cache-only holder; a needed-now one due after it) takes the line once the holder
-   reaches its next slice boundary after the bytes it already handed to the transport (the
+   of (any cache-only holder; a needed-now one due after it) takes the line at once, and the
+   holder sends on beside it, the two sharing the line, until it reaches its next slice
+   boundary after the bytes it already handed to the transport (the
    sender's window, ``in_flight_bytes``: ``prefill.wan_engine.window_for_line`` of the line the
    prefill is told, not the profile's per-flow window, which the validation calibrates as a
    copy's measured rate times the RTT): bytes ``ceil((sent + window) / slice) x slice``, at
-   most its size. The yielded copy
-   goes back to its line with its progress and keeps its deadline. A background holder (cache-only,
+   most its size (the sender's ``WanLines.hand_over``; until 2026-12-05 the new copy started
+   only once that window had landed). The yielded copy then goes back to its line with its
+   progress and keeps its deadline. A background holder (cache-only,
    or relay-covered: a P->RLD->MD request's copy, as the prefill marks one whose room has a
    relay) keeps the sender's smaller window and slices (``prefill.wan_engine.background_window``:
    at most ``policy.wan_order.BACKGROUND_IN_FLIGHT_S`` of the declared line), so it yields that
@@ -80,8 +82,8 @@ class Copy:
     """One main-bound copy on a classed line (the link's flow)."""
 
     __slots__ = ("flow_id", "size_bytes", "sent", "copy_class", "dest", "on_delivered",
-                 "on_dropped", "active", "delivered_bytes", "yield_at", "dropped", "queued_at",
-                 "relay_covered")
+                 "on_dropped", "active", "delivered_bytes", "yield_at", "handover_at", "dropped",
+                 "queued_at", "relay_covered")
 
     def __init__(self, flow_id, size_bytes, dest, on_delivered, on_dropped, queued_at=0.0,
                  relay_covered=False):
@@ -95,6 +97,7 @@ class Copy:
         self.active = True            # queued or being sent
         self.delivered_bytes = 0.0
         self.yield_at = None          # bytes at which it leaves the line for a needed-now copy
+        self.handover_at = None       # bytes at which it hands the line over (before yield_at)
         self.dropped = False
         self.queued_at = float(queued_at)  # the simulator's clock when it was queued
         self.relay_covered = relay_covered  # a relay answers its request while it flies
@@ -109,11 +112,18 @@ class Copy:
 
 
 class _Line:
-    __slots__ = ("queued", "holder")
+    __slots__ = ("queued", "holder", "draining")
 
     def __init__(self):
         self.queued: list = []        # arrival order (a yielded copy goes to the back)
         self.holder: Copy | None = None
+        # Copies that yielded the line and still send their window in flight (to yield_at)
+        # beside the holder (the sender's WanLines.hand_over).
+        self.draining: list = []
+
+    def sending(self) -> list:
+        """The copies on the wire: the holder and any still landing their window."""
+        return [*self.draining, *([self.holder] if self.holder is not None else [])]
 
 
 class ClassedLink(FairShareLink):
@@ -162,7 +172,7 @@ class ClassedLink(FairShareLink):
     # --- what the rest of the simulator asks -------------------------------------------
     @property
     def active_flows(self) -> int:
-        return sum(len(line.queued) + (line.holder is not None) for line in self._lines.values())
+        return sum(len(line.queued) + len(line.sending()) for line in self._lines.values())
 
     def alone_rate(self) -> float:
         return self.flow_rate(1)
@@ -189,6 +199,7 @@ class ClassedLink(FairShareLink):
             return 0.0
         self._advance()
         ahead = sum(c.remaining for c in line.queued if _first_token(c))
+        ahead += sum(copy.yield_at - copy.sent for copy in line.draining)  # windows landing
         holder = line.holder
         if holder is not None:
             ahead += (holder.remaining if _first_token(holder)
@@ -247,7 +258,11 @@ class ClassedLink(FairShareLink):
 
     # --- the line's clock ----------------------------------------------------------------
     def _holders(self) -> int:
-        return sum(1 for line in self._lines.values() if line.holder is not None)
+        return len(self._sending())
+
+    def _sending(self) -> list:
+        """Every copy on the wire, over all lines."""
+        return [copy for line in self._lines.values() for copy in line.sending()]
 
     def _background(self, copy: Copy) -> bool:
         return self.background_window is not None and (copy.copy_class == CACHE_ONLY
@@ -267,14 +282,18 @@ class ClassedLink(FairShareLink):
 
     def _advance(self) -> None:
         now = self.sim.now
-        holders = [line.holder for line in self._lines.values() if line.holder is not None]
+        holders = self._sending()
         if holders and now > self._last:
             rates = self._rates(holders)
+            by_dest: dict = {}  # the sender measures a line's busy time once, however many send
             for holder in holders:
                 step = min((now - self._last) * rates[holder.flow_id], holder.remaining)
-                self._measure(holder, step, now - self._last)
                 holder.sent += step
                 self.sent_by_class[holder.copy_class] += step
+                sent, first = by_dest.get(holder.dest, (0.0, holder))
+                by_dest[holder.dest] = (sent + step, first)
+            for sent, holder in by_dest.values():
+                self._measure(holder, sent, now - self._last)
         self._last = now
 
     def _measure(self, holder: Copy, sent: float, busy_s: float) -> None:
@@ -293,12 +312,17 @@ class ClassedLink(FairShareLink):
         busy_s = sum(s for _, s in recent) if recent else 0.0
         return sum(b for b, _ in recent) / busy_s if busy_s > 0 else None
 
-    def _target(self, holder: Copy) -> float:
+    @staticmethod
+    def _target(holder: Copy) -> float:
+        """The bytes at which a copy on the wire next changes state: it hands the line over, its
+        window has landed (it yielded), or it is sent whole."""
+        if holder.handover_at is not None:
+            return holder.handover_at
         return holder.size_bytes if holder.yield_at is None else holder.yield_at
 
     def _reschedule(self) -> None:
         self.version += 1
-        holders = [line.holder for line in self._lines.values() if line.holder is not None]
+        holders = self._sending()
         if not holders:
             return
         rates = self._rates(holders)
@@ -307,26 +331,39 @@ class ClassedLink(FairShareLink):
         self.sim.schedule(max(delay, tolerance), LinkCheck(self, self.version))
 
     def _complete_due_flows(self) -> None:
-        """A holder may have reached its target (sent whole, or its yield boundary)."""
+        """A copy on the wire may have reached its target (sent whole, or its yield boundary:
+        its window landed, so it goes back to its line's queue)."""
         self._advance()
-        holders = [line.holder for line in self._lines.values() if line.holder is not None]
         slack = (TIME_STEPS_TOLERANCE * math.ulp(max(self.sim.now, 1.0))
-                 * max(self._rates(holders).values(), default=0.0))
+                 * max(self._rates(self._sending()).values(), default=0.0))
         for line in list(self._lines.values()):
-            holder = line.holder
-            if holder is None or holder.sent + slack < self._target(holder):
-                continue
-            holder.sent = self._target(holder)
-            line.holder = None
-            if holder.sent >= holder.size_bytes:      # sent whole: it lands after the delay
-                holder.active = False
-                self.bytes_sent += holder.size_bytes
-                self.sim.schedule(self.one_way_s + self.jitter() + self.transfer_fixed_s,
-                                  FlowDelivered(self, holder))
-            else:                                      # yields to a needed-now copy
-                holder.yield_at = None
-                line.queued.append(holder)
+            for holder in line.sending():
+                if holder.sent + slack < self._target(holder):
+                    continue
+                holder.sent = self._target(holder)
+                if line.holder is holder:
+                    line.holder = None
+                else:
+                    line.draining.remove(holder)
+                if holder.handover_at is not None:        # between slices: it hands over ...
+                    holder.handover_at = None
+                    if not self._outranked(line, holder):  # ... unless none waits now
+                        holder.yield_at = None
+                        line.holder = holder
+                        continue
+                    if holder.sent < holder.yield_at:     # its window lands beside the next
+                        line.draining.append(holder)
+                        continue
+                if holder.sent >= holder.size_bytes:      # sent whole: it lands after the delay
+                    holder.active = False
+                    self.bytes_sent += holder.size_bytes
+                    self.sim.schedule(self.one_way_s + self.jitter() + self.transfer_fixed_s,
+                                      FlowDelivered(self, holder))
+                else:                                      # yielded, its window landed
+                    holder.yield_at = None
+                    line.queued.append(holder)
             self._serve(line)
+            self._preempt(line)  # a copy back in the queue may rank ahead of the holder
         self._reschedule()
 
     # --- order, preemption, dropping -----------------------------------------------------
@@ -335,34 +372,43 @@ class ClassedLink(FairShareLink):
             best = min(line.queued, key=lambda copy: copy.rank(self.rate))
             line.queued.remove(best)
             line.holder = best
-        if line.holder is None and not line.queued:
+        if line.holder is None and not line.queued and not line.draining:
             for dest, other in list(self._lines.items()):
                 if other is line:
                     del self._lines[dest]
 
     def _preempt(self, line: _Line) -> None:
         """A holder with a needed-now copy waiting that ranks ahead of it (any, for a cache-only
-        holder) leaves at its next slice boundary after its window in flight (the sender's
-        WanLines.should_yield)."""
+        holder) hands the line over when its sender is next between slices, and sends on,
+        beside the copy that takes it, to the slice boundary its window in flight reaches (the
+        sender's WanLines.should_yield and hand_over); then it goes back to the queue."""
         holder = line.holder
         if holder is None or holder.yield_at is not None:
             return
-        own = holder.rank(self.rate)
-        if not any(c.copy_class == NEEDED_NOW and c.rank(self.rate) < own for c in line.queued):
+        if not self._outranked(line, holder):
             return
         slice_bytes, window_bytes = self._window_of(holder)
         handed = holder.sent + window_bytes
         boundary = math.ceil(handed / slice_bytes) * slice_bytes
         holder.yield_at = min(max(boundary, holder.sent), holder.size_bytes)
+        # The sender hands over once the window has room for its next slice, that is once the
+        # line has taken a slice past what the window held (at once with no window).
+        # (An event, never at once: the sender is another thread, and a copy started this instant
+        # may still turn cache-only first.)
+        holder.handover_at = min(max(boundary + slice_bytes - window_bytes, holder.sent),
+                                 holder.yield_at)
+
+    def _outranked(self, line: _Line, holder: Copy) -> bool:
+        """A needed-now copy waits on ``line`` that ranks ahead of ``holder``."""
+        own = holder.rank(self.rate)
+        return any(c.copy_class == NEEDED_NOW and c.rank(self.rate) < own for c in line.queued)
 
     def _drop_past_backlog(self, dest, line: _Line) -> None:
         rate = self.measured_rate(dest)
         if self.backlog_s is None or rate is None:
             return
         keep = self.backlog_s * rate
-        ahead = sum(c.remaining for c in line.queued)
-        if line.holder is not None:
-            ahead += line.holder.remaining
+        ahead = sum(c.remaining for c in [*line.queued, *line.sending()])
         for copy in reversed(list(line.queued)):
             if ahead <= keep:
                 break
@@ -380,6 +426,8 @@ class ClassedLink(FairShareLink):
         line = self._lines[copy.dest]
         if line.holder is copy:
             line.holder = None
+        elif copy in line.draining:
+            line.draining.remove(copy)
         else:
             line.queued.remove(copy)
         copy.active = False

@@ -97,8 +97,8 @@ def test_a_needed_now_copy_overtakes_a_cache_only_one_at_its_next_slice_after_th
 
 def test_a_background_holder_yields_within_its_smaller_window_and_any_other_within_its_own():
     """The sender's background window (prefill.wan_engine.background_window): a needed-now copy
-    that takes the line from a cache-only or a relay-covered copy (a handoff's) waits for that
-    window, not the full one."""
+    that takes the line from a cache-only or a relay-covered copy (a handoff's) shares it with
+    that window, not the full one."""
     def run(holder_kind):
         sim = Simulator(0)
         profile = LinkProfile("test line", "test", bytes_per_s=1000.0, rtt_s=1e-9, jitter_s=0.0,
@@ -112,11 +112,14 @@ def test_a_background_holder_yields_within_its_smaller_window_and_any_other_with
         sim.at(2.5, Callback(_copy, sim, line, 500, "needed-now", done))
         sim.run()
         return done
-    # 2500 sent + 300 in flight, then its own 500
-    assert run(CACHE_ONLY)[0] == ("needed-now", 2.8 + 0.5)
-    assert run("relay-covered")[0] == ("needed-now", 2.8 + 0.5)
-    # A P->MD holder due after the newcomer yields too, after its full window.
-    assert run(NEEDED_NOW)[0] == ("needed-now", 6.0 + 0.5)  # 2500 + 3000, at a 1000-byte slice
+    # 2500 sent + 300 in flight: it hands over at 2600 (room for its next 100-byte slice) and
+    # lands 200 beside the newcomer's 500 (half the line each): 2.6 + 0.4 + 0.3
+    assert run(CACHE_ONLY)[0] == ("needed-now", 2.6 + 0.4 + 0.3)
+    assert run("relay-covered")[0] == ("needed-now", 2.6 + 0.4 + 0.3)
+    # A P->MD holder due after the newcomer yields too, within its full window: 2500 sent +
+    # 3000 in flight, to the 1000-byte slice boundary at 6000; it hands over at 4000, then the
+    # newcomer's 500 bytes go at half the line beside its last 2000: 4.0 + 1.0.
+    assert run(NEEDED_NOW)[0] == ("needed-now", 4.0 + 1.0)
     with pytest.raises(ValueError, match="background"):
         ClassedLink(Simulator(0), LinkProfile("x", "x", 1.0, 0.0, 0.0, 0.0), 1.0, None,
                     background_window=(0.0, 1.0))
@@ -163,9 +166,12 @@ def test_queued_cache_only_copies_past_the_backlog_are_dropped_newest_first_neve
 
 def test_a_copy_taking_the_line_waits_for_the_senders_window_not_the_rate_window():
     """The profile's window caps a copy's rate (400 B/s at 1 s of RTT); the sender keeps its
-    own window in flight (2000 bytes), which a copy taking the line waits for: the holder has
-    sent 200 bytes at 0.5 s, so it yields at the slice boundary past 2200, 3000 bytes, 7.5 s."""
-    for in_flight, small_done in ((2000.0, 7.5 + 100 / 400 + 0.5), (None, 2.5 + 100 / 400 + 0.5)):
+    own window in flight (2000 bytes), which sets when a copy taking the line gets it: the
+    holder has sent 200 bytes at 0.5 s and handed the transport 2200, up to the slice boundary
+    at 3000; it hands over once the window has room for its next slice, at 2000 bytes sent
+    (5.0 s), and lands the rest beside the small copy (each at its 400 B/s cap). With the rate
+    window (400 bytes) it would hand over at 1000 bytes, 2.5 s."""
+    for in_flight, small_done in ((2000.0, 5.0 + 100 / 400 + 0.5), (None, 2.5 + 100 / 400 + 0.5)):
         sim, line = _line(rtt=1.0, window=400.0, in_flight_bytes=in_flight)
         done = []
         _copy(sim, line, 10_000, "holder", done)
@@ -366,3 +372,17 @@ def test_a_turn_reaches_main_once_the_landing_copy_of_the_turn_it_extends_has_la
             assert later.main_reserved_s >= earlier.wan_started_s
     assert landed[20.0] == 8192  # the first turn's prompt, landed before main matched
     assert landed[0.0] == 0      # matched at once: the prefix crossed a second time
+
+
+def test_a_holder_keeps_the_line_when_the_copy_it_would_yield_to_turned_cache_only_meanwhile():
+    """As the sender, which asks should_yield only when it is between slices: a needed-now
+    holder due after a newcomer hands over at its next slice, unless by then the newcomer's
+    relay answered alone (cache-only): then it keeps the line and sends whole."""
+    sim, line = _line(rtt=1e-9, window=3000.0)
+    done = []
+    _copy(sim, line, 10_000, "holder", done)
+    newcomer = []
+    sim.at(0.5, Callback(lambda: newcomer.append(_copy(sim, line, 500, "newcomer", done))))
+    sim.at(1.0, Callback(lambda: line.set_cache_only(newcomer[0])))  # before its hand-over
+    sim.run()
+    assert done == [("holder", 10.0), ("newcomer", 10.5)]

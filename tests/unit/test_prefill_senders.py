@@ -91,3 +91,38 @@ def test_a_cache_only_copy_yields_to_a_needed_now_one_at_its_next_slice_and_resu
     line = fanout.wan_line.snapshot()[MAIN]  # /pdd/line's bytes by class, as handed to the line
     assert (line["needed_now_sent_bytes"], line["cache_only_sent_bytes"]) == (
         10 * PAGE_BYTES, 10 * PAGE_BYTES)
+
+
+def test_a_yielding_copy_frees_its_line_before_it_waits_for_its_window_to_land(monkeypatch):
+    """Issue 34: the needed-now copy that overtakes a background one is taken while the yielding
+    copy's window is still landing (it used to be taken only after, and after the last block's
+    acknowledgement)."""
+    import threading
+
+    from pdd_sglang.prefill.wan_engine import WanCopy
+    from pdd_sglang.prefill.wan_lines import CopyClass, WanLines
+
+    kv = Kv()
+    fanout = make_fanout(kv)
+    fanout.wan_engine.slice_bytes = 4 * PAGE_BYTES
+    lines = WanLines(LINE_BYTES_PER_S)
+    _, cache_only = _room_of_ten_pages(kv, fanout, 44)
+    lines.put(cache_only, 10 * PAGE_BYTES, 10, CopyClass.CACHE_ONLY)
+    assert lines.take() is cache_only
+    _, needed_now = _room_of_ten_pages(kv, fanout, 45)
+    lines.put(needed_now, 10 * PAGE_BYTES, 10, CopyClass.NEEDED_NOW)
+    taken_while_landing = []
+    finish = WanCopy.finish
+
+    def finish_after_the_other_is_taken(copy):
+        taker = threading.Thread(target=lambda: taken_while_landing.append(lines.take()))
+        taker.start()
+        taker.join(5)
+        if taker.is_alive():  # the line was still held: let the taker go
+            lines.stop()
+            taker.join(5)
+        return finish(copy)
+
+    monkeypatch.setattr(WanCopy, "finish", finish_after_the_other_is_taken)
+    assert senders.send_work(kv, cache_only, None, lines) == (senders.YIELDED, None)
+    assert taken_while_landing == [needed_now]

@@ -120,6 +120,48 @@ def test_a_needed_now_copy_overtakes_a_cache_only_one_between_its_slices():
                                                  "relay_covered": 0}
 
 
+def test_a_yielding_copy_hands_the_line_over_before_its_window_lands_and_returns_only_then():
+    """The overtaking copy starts beside the window the yielding one still has in flight: it
+    used to wait for that window to land and be acknowledged (0.14-0.23 s of a P->MD copy's
+    wait in the demo's idle-line setup). The yielding copy cannot be taken again, and its line
+    stays, until its sender puts it back or releases it."""
+    lines = WanLines(LINE_BYTES_PER_S)
+    lines.put(_work(1), 8000, 8, CopyClass.CACHE_ONLY)
+    cache_only = lines.take()
+    lines.put(_work(2), 100, 1, CopyClass.NEEDED_NOW)
+    assert lines.should_yield(cache_only)
+    cache_only.pages_done = 3
+    lines.hand_over(cache_only)  # its window of 3 pages is still in flight
+    needed_now = lines.take()  # no wait: the line is free
+    assert needed_now.room == 2
+    assert lines.queued_by_class()["main-a"] == {"needed_now": 100, "cache_only": 5000,
+                                                 "relay_covered": 0}
+    lines.release(needed_now)
+    assert "main-a" in lines.queued_by_class()  # the draining copy keeps its line
+    taken = []
+    taker = threading.Thread(target=lambda: taken.append(lines.take()))
+    taker.start()
+    taker.join(0.2)
+    assert taker.is_alive() and not taken  # a draining copy is not taken again
+    lines.put_back(cache_only)  # its window landed
+    taker.join(5)
+    assert taken == [cache_only]
+    lines.release(cache_only)
+    assert lines.queued_by_class() == {}
+
+
+def test_a_copy_whose_window_failed_while_draining_releases_its_line():
+    lines = WanLines(LINE_BYTES_PER_S)
+    lines.put(_work(1), 8000, 8, CopyClass.CACHE_ONLY)
+    cache_only = lines.take()
+    lines.put(_work(2), 100, 1, CopyClass.NEEDED_NOW)
+    lines.hand_over(cache_only)
+    lines.release(cache_only)  # a block of its window failed: its sender reports it
+    needed_now = lines.take()
+    lines.release(needed_now)
+    assert lines.queued_by_class() == {}
+
+
 def test_a_smaller_needed_now_copy_takes_the_line_from_a_needed_now_one_until_its_deadline():
     """A P->MD request's 60-token copy waited 7.1 s behind a document's 9.9 MB copy for a
     handoff (the demo's idle-line setup): within needed-now the holder kept the line to its end.
