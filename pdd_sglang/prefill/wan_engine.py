@@ -67,12 +67,7 @@ logger = logging.getLogger(__name__)
 _DONE, _PENDING, _FAILED = 1, 0, -1
 # Back-off between status polls of a waiting block: from a fast line's latency up to a period
 # that is noise beside a multi-second WAN copy (and, with a window of many round trips, never
-# leaves the line idle). On the WAN engine the first pause is half the block's time at the
-# declared line's rate, within these bounds (WanTransferEngine.first_poll_s): from 0.5 ms,
-# the back-off checks a block that lands 20-40 ms after it goes out (a 25 KB record on the
-# demo's 10 Mbit/s line) about seven times, and the prefill's WAN senders spent 0.2-0.4
-# CPU-seconds of its 0.5-core quota per PDD demo setup, against 0.04-0.07 in same-DC
-# (docs/measurements.md).
+# leaves the line idle).
 FIRST_POLL_S = 0.0005
 LONGEST_POLL_S = 0.02
 # The submission unit of a copy to main (one SGLang send_kvcache call), sized to the line:
@@ -213,9 +208,6 @@ class WanTransferEngine:
             raise ValueError(f"the WAN window and slice must be positive, got {window}")
         self.engine = engine
         self.timeout_s = float(timeout_s)
-        # The declared line's bytes/s (open_wan_engine): the scale of the first poll's pause.
-        # None (SGLang's own engine, to the relays next door): polls from FIRST_POLL_S.
-        self.line_bytes_per_s: Optional[float] = None
         self.window_bytes = int(window.window_bytes)  # read by the senders at each slice
         self.slice_bytes = int(window.slice_bytes)
         self.block_bytes = int(window.block_bytes)
@@ -230,14 +222,6 @@ class WanTransferEngine:
         self._stopping = False  # set by stop_waiting: a waiting copy gives up at its next poll
         self._closed = False
         self._thread_copy = threading.local()  # .copy: the WanCopy its sender thread has open
-
-    def first_poll_s(self, nbytes: int) -> float:
-        """The pause before a waiting block's second status check: half its time at the
-        declared line's rate, within [FIRST_POLL_S, LONGEST_POLL_S]. A block cannot land much
-        sooner than its bytes take, and the blocks behind it keep the line busy meanwhile."""
-        if not self.line_bytes_per_s:
-            return FIRST_POLL_S
-        return min(max(nbytes / self.line_bytes_per_s / 2, FIRST_POLL_S), LONGEST_POLL_S)
 
     def window_for(self, background: bool) -> CopyWindow:
         """The window a copy goes out with now: a background one keeps less in flight
@@ -388,7 +372,7 @@ class WanCopy:
     def _land_oldest(self) -> None:
         """Wait for the oldest block (blocks complete roughly in submission order)."""
         block = self.in_flight[0]
-        pause = self.wan.first_poll_s(block.nbytes)
+        pause = FIRST_POLL_S
         while True:
             status = self.wan.engine.transfer_check_status(block.batch)
             if status == _DONE:
@@ -485,12 +469,10 @@ def polled_local_engine(kv_mgr: Any) -> WanTransferEngine:
 
 def open_wan_engine(kv_mgr: Any, protocol: str, device: Optional[str], timeout_s: float,
                     line: WanLine, window: CopyWindow, hostname: Optional[str] = None,
-                    background: Optional[CopyWindow] = None,
-                    line_bytes_per_s: Optional[float] = None) -> WanTransferEngine:
+                    background: Optional[CopyWindow] = None) -> WanTransferEngine:
     hostname = hostname or wan_hostname(kv_mgr)
     engine = WanTransferEngine(hostname, protocol, device, timeout_s, line, window)
     engine.background_window = background
-    engine.line_bytes_per_s = line_bytes_per_s
     engine.register_regions(kv_mgr._registerable_regions())
     shown = background or window
     logger.info(

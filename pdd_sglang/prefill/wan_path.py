@@ -174,8 +174,7 @@ def start_wan_path(kv_mgr: Any, args: Optional[Any] = None) -> WanPath:
         timeout_s=float(args.pdd_wan_transfer_timeout), line=fanout.wan_line, window=window,
         hostname=wan_hostname(kv_mgr, getattr(args, "pdd_wan_hostname", None),
                               getattr(args, "pdd_advertise_host", None)),
-        background=background_window(window, fanout.wan_lines.line_bytes_per_s),
-        line_bytes_per_s=fanout.wan_lines.line_bytes_per_s)
+        background=background_window(window, fanout.wan_lines.line_bytes_per_s))
     seam.aids.wan_engine_opened(fanout.wan_engine)
     fanout.local_engine = polled_local_engine(kv_mgr)
     fanout.codec_choice = CodecChoice(str(getattr(args, "pdd_wan_kv_codec", "auto")),

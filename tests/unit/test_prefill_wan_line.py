@@ -377,39 +377,6 @@ def test_an_asynchronous_wan_copy_lands_every_block_and_counts_on_the_line():
     sender.close()
 
 
-class _LandsOnTheNthCheck:
-    """A scripted Mooncake engine: each block is done at its ``checks``-th status call."""
-
-    def __init__(self, checks):
-        self.checks, self.calls, self.next_batch = checks, {}, 0
-
-    def transfer_submit_write(self, session, src, dst, length):
-        self.next_batch += 1
-        return self.next_batch
-
-    def transfer_check_status(self, batch):
-        self.calls[batch] = self.calls.get(batch, 0) + 1
-        return 1 if self.calls[batch] >= self.checks else 0
-
-
-def test_a_wan_block_is_first_polled_after_half_its_time_on_the_declared_line(monkeypatch):
-    """From 0.5 ms, the back-off checked a record that lands 20-40 ms after it goes out about
-    seven times, in the prefill's quota. The WAN engine's first pause is half the block's time
-    at the declared rate (within 0.5-20 ms); SGLang's engine to the relays keeps 0.5 ms."""
-    from pdd_sglang.prefill import wan_engine
-    from pdd_sglang.prefill.wan_engine import WanTransferEngine
-
-    pauses = []
-    monkeypatch.setattr(wan_engine.time, "sleep", pauses.append)
-    for line_bytes_per_s, first in ((1.25e6, 0.01), (None, wan_engine.FIRST_POLL_S),
-                                    (1.25e9, wan_engine.FIRST_POLL_S), (1e5, 0.02)):
-        engine = WanTransferEngine.over(_LandsOnTheNthCheck(checks=3), timeout_s=30.0)
-        engine.line_bytes_per_s = line_bytes_per_s
-        pauses.clear()
-        assert engine.batch_transfer_sync("main-a", [0], [0], [25_000]) == 0
-        assert pauses == [first, min(2 * first, wan_engine.LONGEST_POLL_S)]
-
-
 def test_the_relays_copies_go_through_sglangs_engine_waited_on_without_its_spinning_call(
         monkeypatch):
     """A relay's copy spinning in Mooncake's synchronous call took 0.2-0.8 CPU-seconds of the
