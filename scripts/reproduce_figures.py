@@ -321,6 +321,22 @@ def percentiles_from(summary: dict) -> dict:
             "p99": summary["ttft_p99_s"]}
 
 
+VALIDATION_KEYS = ("calibration", "profiles", "points")  # validate_sim.py's validation_detail.json
+
+
+def read_validation(parser: argparse.ArgumentParser, path: Path) -> dict:
+    """--validation's file, checked before the minutes of simulation, not after them."""
+    try:
+        detail = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        parser.error(f"--validation {path}: {err}")
+    if not isinstance(detail, dict) or not all(k in detail for k in VALIDATION_KEYS):
+        parser.error(f"--validation {path}: not a validation_detail.json from "
+                     f"scripts/validate_sim.py (it needs {', '.join(VALIDATION_KEYS)}; the "
+                     "validation.json beside it holds only the ratios)")
+    return detail
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path)
@@ -338,6 +354,7 @@ def main(argv=None) -> int:
                         help="validation_detail.json from scripts/validate_sim.py: adds the "
                              "simulator-against-the-CPU-demo table to report.md")
     args = parser.parse_args(argv)
+    validation = read_validation(parser, args.validation) if args.validation else None
     args.out.mkdir(parents=True, exist_ok=True)
     measured = json.loads(args.measured_handoff.read_text()) if args.measured_handoff else None
     if measured is not None and "handoff" in measured:
@@ -357,10 +374,10 @@ def main(argv=None) -> int:
     from pdd_sglang.sim.figures import draw_all
     draw_all(args.out, data, results, PAPER, measured)
     write_report(args.out, data, results, PAPER, args.quick, measured)
-    if args.validation:
+    if validation is not None:
         from pdd_sglang.sim.validation import report_section
         report = args.out / "report.md"
-        section = report_section(json.loads(args.validation.read_text()))
+        section = report_section(validation)
         report.write_text(report.read_text() + "\n" + "\n".join(section))
     print(f"wrote {args.out}/report.md, results.json and f1-f9 PNGs in {time.time() - started:.0f} s")
     return 0

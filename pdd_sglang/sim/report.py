@@ -357,8 +357,9 @@ def background_window_section(runs: dict | None) -> list:
     lines = ["## The copy a request waits for behind a background copy, at the brief's line", "",
              f"As the sections above (load x{runs['load_scale']:.3f}, the windowed sender), on the "
              "classed line (`sim/wan_lines.py`): a P->MD copy that takes the line from a "
-             "background copy (a handoff's, or a cache-only one) waits for that copy's window in "
-             "flight. `full_window`: the window every copy keeps (16 round trips, 0.32 s); "
+             "background copy (a handoff's, or a cache-only one) gets it at that copy's next "
+             "slice and shares it with that copy's window in flight. `full_window`: the window "
+             "every copy keeps (16 round trips, 0.32 s); "
              "`background_bound`: a background copy keeps at most "
              "`policy.wan_order.BACKGROUND_IN_FLIGHT_S` of the line. A P->MD copy's wait is its "
              "first token less its prefill's end; its floor, its bytes alone on the line plus one "

@@ -286,3 +286,17 @@ def test_the_validation_counts_how_requests_ended_simulated_beside_measured():
     assert outcomes(SimpleNamespace(jobs=jobs), entry) == {
         "simulated": {"handoff": 1, "relay_finished": 1, "main": 1},
         "measured": {"handoff": 4, "relay_finished": 2, "main": 0}}
+
+
+def test_reproduce_figures_refuses_a_validation_file_it_cannot_use_before_it_simulates(tmp_path):
+    """Given validate_sim.py's validation.json (the ratios) instead of validation_detail.json,
+    it ran its minutes of simulation and then failed with a KeyError."""
+    ratios = tmp_path / "validation.json"
+    ratios.write_text(json.dumps({"latency": {}, "load": {}}))
+    for bad, said in ((ratios, "not a validation_detail.json"), (tmp_path / "absent.json", "absent")):
+        run = subprocess.run([sys.executable, "scripts/reproduce_figures.py", "--out",
+                              str(tmp_path / "out"), "--validation", str(bad)], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+        assert run.returncode == 2, run.stderr[-2000:]
+        assert said in run.stderr and "Traceback" not in run.stderr
+        assert not (tmp_path / "out").exists()  # nothing written, nothing simulated
