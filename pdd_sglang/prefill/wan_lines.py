@@ -33,9 +33,11 @@ and the router, which records a prompt at main only once main's copy landed, for
 had not got.
 
 Threads: the fan-out's owner (``pdd-fanout``) puts work, reclassifies and drops; the WAN senders
-(``pdd-wan-xfer-N``) take, yield and release; the line report and ``/server_info`` read
-:meth:`queued_by_class`. Everything here is under one condition lock, held only for list work,
-never across a send.
+(``pdd-wan-xfer-N``) take, hand over, put back and release, a sender only the work it took (so
+a line may have one sender writing its holder and others still landing the windows of works
+they handed over); the line report and ``/server_info`` read :meth:`queued_by_class`. Every
+table here (each line's queue, holder, draining works, first-queued times) is under one
+condition lock, held only for list work, never across a send. No SGLang table is touched here.
 """
 
 from __future__ import annotations

@@ -391,10 +391,9 @@ class ClassedLink(FairShareLink):
         handed = holder.sent + window_bytes
         boundary = math.ceil(handed / slice_bytes) * slice_bytes
         holder.yield_at = min(max(boundary, holder.sent), holder.size_bytes)
-        # The sender hands over once the window has room for its next slice, that is once the
-        # line has taken a slice past what the window held (at once with no window).
-        # (An event, never at once: the sender is another thread, and a copy started this instant
-        # may still turn cache-only first.)
+        # The sender hands over once its window has room for its next slice: once the line has
+        # taken a slice past what the window held (with no window, at the next event, never in
+        # this call: a copy started this instant may still turn cache-only first).
         holder.handover_at = min(max(boundary + slice_bytes - window_bytes, holder.sent),
                                  holder.yield_at)
 

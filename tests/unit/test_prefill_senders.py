@@ -64,20 +64,27 @@ def test_a_copy_to_main_aborted_while_it_is_written_stops_at_the_next_batch():
     assert fanout.published["destinations_aborted"] == 1
 
 
-def test_a_cache_only_copy_yields_to_a_needed_now_one_at_its_next_slice_and_resumes_there():
-    """Issue 34: a copy a request waits for goes before one that only warms main's cache, on the
-    wire and not only in the queue."""
+def _a_needed_now_copy_behind_a_cache_only_one(room):
+    """A cache-only copy of ``room`` taken by a sender, and a needed-now one of ``room + 1``
+    queued behind it on the same line: (kv, fanout, lines, cache_only, needed_now)."""
     from pdd_sglang.prefill.wan_lines import CopyClass, WanLines
 
     kv = Kv()
     fanout = make_fanout(kv)
     fanout.wan_engine.slice_bytes = 4 * PAGE_BYTES
     lines = WanLines(LINE_BYTES_PER_S)
-    _, cache_only = _room_of_ten_pages(kv, fanout, 42)
+    _, cache_only = _room_of_ten_pages(kv, fanout, room)
     lines.put(cache_only, 10 * PAGE_BYTES, 10, CopyClass.CACHE_ONLY)
     assert lines.take() is cache_only
-    _, needed_now = _room_of_ten_pages(kv, fanout, 43)
+    _, needed_now = _room_of_ten_pages(kv, fanout, room + 1)
     lines.put(needed_now, 10 * PAGE_BYTES, 10, CopyClass.NEEDED_NOW)
+    return kv, fanout, lines, cache_only, needed_now
+
+
+def test_a_cache_only_copy_yields_to_a_needed_now_one_at_its_next_slice_and_resumes_there():
+    """Issue 34: a copy a request waits for goes before one that only warms main's cache, on the
+    wire and not only in the queue."""
+    kv, fanout, lines, cache_only, needed_now = _a_needed_now_copy_behind_a_cache_only_one(42)
     assert senders.send_work(kv, cache_only, None, lines) == (senders.YIELDED, None)
     assert [s for s in kv.sent_kv if s[0] == MAIN] == [(MAIN, 0, 4)]  # one slice, then yields
     lines.put_back(cache_only)
@@ -100,17 +107,8 @@ def test_a_yielding_copy_frees_its_line_before_it_waits_for_its_window_to_land(m
     import threading
 
     from pdd_sglang.prefill.wan_engine import WanCopy
-    from pdd_sglang.prefill.wan_lines import CopyClass, WanLines
 
-    kv = Kv()
-    fanout = make_fanout(kv)
-    fanout.wan_engine.slice_bytes = 4 * PAGE_BYTES
-    lines = WanLines(LINE_BYTES_PER_S)
-    _, cache_only = _room_of_ten_pages(kv, fanout, 44)
-    lines.put(cache_only, 10 * PAGE_BYTES, 10, CopyClass.CACHE_ONLY)
-    assert lines.take() is cache_only
-    _, needed_now = _room_of_ten_pages(kv, fanout, 45)
-    lines.put(needed_now, 10 * PAGE_BYTES, 10, CopyClass.NEEDED_NOW)
+    kv, _, lines, cache_only, needed_now = _a_needed_now_copy_behind_a_cache_only_one(44)
     taken_while_landing = []
     finish = WanCopy.finish
 
