@@ -48,6 +48,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from pdd_sglang.dev import results as published  # noqa: E402
 from pdd_sglang.dev.wan_emulator import WanLine, check_prerequisites  # noqa: E402
 from pdd_sglang.dev.wan_emulator.line_bench import line_goodput, run_point, tune  # noqa: E402
 from pdd_sglang.policy.wan_codec import stage_raw  # noqa: E402
@@ -156,6 +157,7 @@ def main() -> int:
                         help="untimed copies per rule first (the lanes of a serving prefill are warm)")
     parser.add_argument("--no-ceiling", action="store_true")
     parser.add_argument("--out", default="out/wan_line_bench")
+    published.add_publish_flag(parser)
     args = parser.parse_args()
     if args.concurrent < 1 or args.bdp_multiple < 1 or args.kv_buffers < 1:
         parser.error("--concurrent, --bdp-multiple and --kv-buffers must be >= 1")
@@ -168,6 +170,8 @@ def main() -> int:
     path.write_text(json.dumps(result, indent=1) + "\n")
     print_table(result)
     print(f"wrote {path}")
+    if args.publish:
+        published.publish("wan_line_bench", result)
     return 0
 
 

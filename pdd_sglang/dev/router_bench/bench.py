@@ -98,6 +98,7 @@ class Settings:
     log_dir: Path = Path("router_bench_logs")
     cgroup: bool = True
     profile: bool = False  # py-spy on the PDD routers (router_bench/profiling.py)
+    publish: bool = False  # also the current result in docs/results/ (dev/results.py)
 
 
 def _python() -> str:
