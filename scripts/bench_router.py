@@ -86,6 +86,8 @@ def parse_args(argv=None) -> Settings:
     p.add_argument("--log-dir", type=Path, default=Path("router_bench_logs"))
     published.add_publish_flag(p)
     a = p.parse_args(argv)
+    if a.publish and a.quick:
+        p.error("--publish: the current result is a full run, not --quick")
     routers = tuple(r for r in a.routers.split(",") if r)
     unknown = set(routers) - set(ROUTERS)
     if unknown:

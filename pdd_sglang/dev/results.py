@@ -55,11 +55,22 @@ def machine() -> str:
 
 def publish(name: str, report: dict, files: Optional[dict] = None) -> Path:
     """Write ``report`` as ``docs/results/<name>.json`` (and ``files``: {name in docs/results/:
-    source path}), then render the docs from the results."""
+    source path}), then render the docs from the results. A report the docs cannot be rendered
+    from (a run without what its area reads) is refused, and the current file kept."""
     stamped = {**report, "run": {"date": datetime.datetime.now(datetime.timezone.utc)
                                  .strftime("%Y-%m-%d"), "machine": machine()}}
     path = RESULTS / f"{name}.json"
+    before = path.read_bytes() if path.exists() else None
     path.write_text(json.dumps(stamped, indent=2) + "\n")
+    try:
+        areas()
+    except (KeyError, TypeError, ValueError, IndexError) as err:
+        if before is None:
+            path.unlink()
+        else:
+            path.write_bytes(before)
+        raise ValueError(f"{path.relative_to(REPO)}: not published, the docs cannot be rendered "
+                         f"from this run ({type(err).__name__}: {err}); the current one is kept")
     for target, source in (files or {}).items():
         if Path(source).exists():
             shutil.copyfile(source, RESULTS / target)

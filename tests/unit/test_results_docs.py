@@ -73,6 +73,23 @@ def test_publish_overwrites_the_one_file_stamps_it_and_renders(tmp_path, monkeyp
         "tp_matrix.json"]
 
 
+def test_a_run_the_docs_cannot_render_is_not_published(tmp_path, monkeypatch):
+    folder = tmp_path / "results"
+    folder.mkdir()
+    monkeypatch.setattr(results, "RESULTS", folder)
+    monkeypatch.setattr(results, "REPO", tmp_path)
+    current = (ROOT / "docs" / "results" / "router_bench.json").read_bytes()
+    (folder / "router_bench.json").write_bytes(current)
+    quick = json.loads(current)
+    quick["runs"] = [run for run in quick["runs"] if run["concurrency"] != 256]
+    with pytest.raises(ValueError, match="not published"):
+        results.publish("router_bench", quick)
+    assert (folder / "router_bench.json").read_bytes() == current
+    with pytest.raises(ValueError, match="not published"):
+        results.publish("tp_matrix", {"results": []})
+    assert not (folder / "tp_matrix.json").exists()
+
+
 def test_a_doc_without_its_markers_is_refused():
     with pytest.raises(ValueError, match="markers"):
         results.replace_block("no markers\n", "x", results.README)
