@@ -147,6 +147,24 @@ SETUP_HEADER = ["setup", "TTFT P50 s", "P90 s", "P99 s", "ITL P50 ms", "WAN MB",
                 "relay's share of decode", "requests", "errors"]
 
 
+STAGES = ("router_to_prefill", "registration_wait", "prefill_queue", "prefill_forward",
+          "kv_and_first_token", "router_to_client")
+
+
+def _excess(bar: dict) -> list:
+    """Where PDD's TTFT went beyond same-DC's, by stage: percentiles, and the same requests
+    paired (the means add up to the TTFT's)."""
+    by_stage, paired = bar.get("pdd_excess_by_stage"), bar.get("pdd_excess_paired")
+    if not by_stage or not paired:
+        return []
+    rows = [[stage, f"{by_stage.get(stage, {}).get('p50_s', 0):+.3f}",
+             f"{by_stage.get(stage, {}).get('p99_s', 0):+.3f}",
+             f"{paired['stage_diff_mean_s'].get(stage, 0):+.3f}"] for stage in STAGES]
+    return ["", f"PDD less same-DC PD at the load point, s ({paired['pairs']} requests paired: TTFT "
+            f"{paired['ttft_diff_p50_s']:+.3f} at the median, {paired['ttft_diff_mean_s']:+.3f} on "
+            "average):", "", *_table(["stage", "P50", "P99", "paired mean"], rows)]
+
+
 def demo_area(d: dict) -> Area:
     bar, w = d["bar"], d["workload"]
     misses = [label for key, label in DEMO_CHECKS.items() if bar["checks"].get(key) is False]
@@ -167,7 +185,7 @@ def demo_area(d: dict) -> Area:
            f"under a quota of {d['cpu_budget']['server_cores']:g} core")
     detail = ["Load point:", "", *_table(SETUP_HEADER, _setup_rows(d["setups"])), "",
               "Latency point (one conversation at a time):", "",
-              *_table(SETUP_HEADER, _setup_rows(d["latency_setups"]))]
+              *_table(SETUP_HEADER, _setup_rows(d["latency_setups"])), *_excess(bar)]
     return Area("TTFT against same-datacenter PD", "demo.json", "scripts/demo.py",
                 "The demo (`make demo`)", ran, _demo_on(d), figure, goal, _date(d), detail)
 
@@ -220,8 +238,19 @@ def faults_area(f: dict) -> Area:
                 f"{_machine(f)}; tiny model, CPU engine; {_line(f['line'])}", figure,
                 f"nothing lost or leaked; recovery <= one request's copy alone + "
                 f"{RELAY_DEATH_SLACK_S:g} s: " + _verdict(misses), _date(f),
-                _table(["fault", "sent", "completed", "errored", "lost", "leaked slots",
-                        "recovery s", "goal s"], rows))
+                [*_table(["fault", "sent", "completed", "errored", "lost", "leaked slots",
+                          "recovery s", "goal s"], rows), *_first_after(f)])
+
+
+def _first_after(f: dict) -> list:
+    """What the first request after each fault went through, and what was ahead on the line."""
+    rows = [[name, first.get("outcome"), first.get("ttft_s"),
+             f"{first.get('needed_now_bytes_ahead_at_send', 0) / 1e6:.1f}",
+             f"{first.get('cache_only_bytes_ahead_at_send', 0) / 1e6:.1f}"]
+            for name, r in f["faults"].items() if (first := r.get("first_request_after"))]
+    return ["", "The first request after each fault:", "",
+            *_table(["fault", "ended", "TTFT s", "needed-now MB ahead", "cache-only MB ahead"],
+                    rows)] if rows else []
 
 
 def soak_area(s: dict) -> Area:
