@@ -273,7 +273,8 @@ def soak_area(s: dict) -> Area:
                 f"{_machine(s)}; tiny model, CPU engine; {_line(s['line'])}", figure,
                 "nothing lost, no mismatch, leak or dead thread: " + _verdict(misses), _date(s),
                 [*_table(["fault", "times", "recovery s"], rows), "",
-                 f"Ended: {json.dumps(s['completed_by_outcome'])}."])
+                 "How the requests ended: " + ", ".join(
+                     f"{n} {k.replace('_', ' ')}" for k, n in s["completed_by_outcome"].items()) + "."])
 
 
 def wan_line_area(w: dict) -> Area:
@@ -282,7 +283,8 @@ def wan_line_area(w: dict) -> Area:
     rules = sorted({p["rule"] for p in points})
     one = {(p["rate_mbit"], p["rtt_ms"]): p["utilization"] for p in points
            if p["rule"] == p["product_rule"] and p["concurrent"] == 1}
-    misses = [f"{r:g} x {t:g}" for (r, t), u in sorted(one.items()) if u < WAN_LINE_FILL_GOAL]
+    misses = [f"{r:g} Mbit/s x {t:g} ms" for (r, t), u in sorted(one.items())
+              if u < WAN_LINE_FILL_GOAL]
     rows = []
     for rate, rtt in lines:
         cell = {(p["rule"], p["concurrent"]): p["utilization"] for p in points
@@ -330,7 +332,7 @@ def codec_area(c: dict) -> Area:
                 "lossless is bit-exact and smaller than raw: " + _verdict(misses), _date(c),
                 [*_table(["codec", "ratio", "compress MB/s a core", "decompress MB/s a core",
                           "greedy token agreement", f"copy s at {rates} Mbit/s"], rows), "",
-                 c["caveat"]])
+                 _sentence(c["caveat"]) + "."])
 
 
 def codec_gpu_area(g: dict) -> Area:
@@ -491,13 +493,17 @@ def readme_block(found: list[Area]) -> str:
     return "\n".join(_table(["area", "what ran", "on", "figure", "goal", "date"], rows))
 
 
+def _sentence(text: str) -> str:
+    return text[:1].upper() + text[1:]
+
+
 def page_block(found: list[Area]) -> str:
     lines = []
     for a in found:
         lines += [f"## {a.name}", "",
                   f"`{a.script}`, {a.date} ([{a.file}](results/{a.file}); method: "
-                  f"[measurements.md](measurements.md#{anchor(a.method)})). {a.ran}; on "
-                  f"{a.on}.", "", f"**{a.figure}.** Goal: {a.goal}.", "", *a.detail, ""]
+                  f"[measurements.md](measurements.md#{anchor(a.method)})). {_sentence(a.ran)}; on "
+                  f"{a.on}.", "", f"**{_sentence(a.figure)}.** Goal: {a.goal}.", "", *a.detail, ""]
     return "\n".join(lines).rstrip()
 
 
