@@ -388,9 +388,9 @@ def router_area(r: dict) -> Area:
                 "The router against sglang-router (`scripts/bench_router.py`)",
                 f"closed-loop streams through each router to scripted servers, "
                 f"{s['prompt_tokens']}-token prompts, {s['answer_tokens']}-token answers at "
-                f"{s['token_rate']:g} tokens/s, one worker, loopback; 256 streams and "
+                f"{s['token_rate']:g} tokens/s, one worker; 256 streams and "
                 f"saturation medians of {s['repeats']}",
-                f"{_machine(r)}; scripted servers; {s['router_cores']:g} core a router",
+                f"{_machine(r)}; scripted servers; {s['router_cores']:g} core a router; no WAN",
                 figure, goal, _date(r),
                 _table(["run", "streams", "answer tokens", "router", "mode", "+TTFT P99 ms",
                         "+ITL P99 ms", "req/s", "CPU ms a request", "repeats"], rows))
@@ -406,7 +406,7 @@ def tp_area(t: dict) -> Area:
                 "Mixed TP (`scripts/tp_matrix.py`)",
                 "prefill, relay and main at every combination of TP 1 and 2, against plain "
                 f"SGLang at TP {t['reference_tp']}",
-                f"{_machine(t)}; tiny model, CPU engine",
+                f"{_machine(t)}; tiny model, CPU engine; no WAN",
                 f"{len(t['results']) - len(failed)} of {len(t['results'])} combinations "
                 f"token-exact; KV digest mismatches {digest}",
                 "every combination token-exact: " + _verdict(failed), _date(t),
