@@ -156,9 +156,11 @@ def serving(args) -> dict:
     for rate, rtt in args.points:
         rows += serving_bench.run_point(rate, rtt, tuple(args.serving_copies), out,
                                         LONG_FAT_LINE_SYSCTLS, codec=args.serving_codec,
-                                        reference_copies=args.serving_reference_copies)
+                                        reference_copies=args.serving_reference_copies,
+                                        staging_mb=args.serving_staging_mb)
     return {"serving": rows, "null_reasons": serving_bench.NULL_REASONS,
             "sysctls": LONG_FAT_LINE_SYSCTLS, "kv_codec": args.serving_codec,
+            "main_staging_mb": args.serving_staging_mb,
             "date": time.strftime("%Y-%m-%d %H:%M"), "loadavg_1m_before": args.loadavg,
             "note": "2 shared cores: the forwarder, the prefill, main and the bench share them; "
                     "utilization = the copy's KV bytes over its time on the line / the line's "
@@ -216,6 +218,8 @@ def main() -> int:
                         help="LAYERSxTOKENS per copy (layers 32 or 80)")
     parser.add_argument("--serving-codec", default="auto",
                         choices=("auto", "raw", "lossless"), help="the prefill's --pdd-wan-kv-codec")
+    parser.add_argument("--serving-staging-mb", type=float, default=None,
+                        help="main's --pdd-wan-staging-mb (default: its own)")
     parser.add_argument("--serving-reference-copies", type=int, default=1,
                         help="timed stream-reference copies per row (after one warm)")
     args = parser.parse_args()

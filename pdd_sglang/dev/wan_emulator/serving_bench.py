@@ -72,6 +72,10 @@ SAMPLE_S = 0.05
 STAGING_SAMPLE_S = 0.5
 LEAD_S = 1.5  # the background request decodes alone this long before the copy is asked
 BACKGROUND_PROMPT = 16
+# The background request's most tokens (it stops once the copy landed): enough to decode through
+# the slowest copy of the default rows (80 layers x 256 tokens one-sided at 100 x 40: about 40 s
+# of main's 0.1 s steps; 32 layers x 1,024 tokens: 35 s of 0.04-0.06 s steps).
+BACKGROUND_TOKENS = 1536
 TAIL_S = 0.5  # after main's first token of the copied request, before the background stops
 
 
@@ -182,12 +186,6 @@ def _prompt(rng: random.Random, tokens: int) -> list:
     return [rng.randrange(10, 1000) for _ in range(tokens)]
 
 
-def _background_tokens(step_s: float, copy_s: float, forward_s: float) -> int:
-    """Background tokens enough to decode through the lead, the copy's forward, its time on the
-    line (half again, for a slow start) and its landing."""
-    return int((LEAD_S + forward_s + 1.5 * copy_s + 5.0) / max(step_s, 1e-3)) + 1
-
-
 class Sampler:
     """Samples, on its own threads, the line's bytes out at B (every ``SAMPLE_S``) and main's
     staging region (every ``STAGING_SAMPLE_S``) until stopped."""
@@ -256,14 +254,14 @@ class Pair:
     bootstrap_port: int
     rng: random.Random
     step_s: float = 0.05  # main's decode step, alone, measured in warm-up
-    forward_s_per_token: float = 0.0
 
     def cpu_s(self) -> float:
         return self.group.snapshot().cpu_s
 
 
 def start_pair(line: WanLine, layers: int, max_tokens: int, log_dir: Path, codec: str,
-               background: int) -> Pair:
+               background: int, staging_mb: Optional[float] = None) -> Pair:
+    """``staging_mb``: main's ``--pdd-wan-staging-mb`` (None: its default)."""
     model = ensure_tiny_model(MODELS[layers])
     group = cpu_budget.CpuGroup(f"pdd-serving-bench-{layers}l", 2.0).create()
     port = free_port()
@@ -274,10 +272,11 @@ def start_pair(line: WanLine, layers: int, max_tokens: int, log_dir: Path, codec
                               "--pdd-role", "prefill", "--disaggregation-bootstrap-port",
                               str(port), "--pdd-wan-kv-codec", codec, *line.prefill_flags(),
                               *TRANSPORT, *NON_OVERLAP_LOOP_ARGS), **common)
+    staging = () if staging_mb is None else ("--pdd-wan-staging-mb", f"{staging_mb:g}")
     main = NetnsServer("main", host=line.address("b"), netns=line.namespace("b"),
                        exec_prefix=tuple(line.exec_prefix("b")),
                        max_total_tokens=max_tokens + background + 2 * BACKGROUND_PROMPT + 64,
-                       extra_args=("--pdd-role", "main", *TRANSPORT), **common)
+                       extra_args=("--pdd-role", "main", *TRANSPORT, *staging), **common)
     try:
         Cluster([prefill, main]).__enter__()
     except BaseException:
@@ -295,16 +294,13 @@ def stop_pair(pair: Pair) -> None:
 
 def warm(pair: Pair, tokens: int) -> None:
     """A copy of ``tokens`` (sessions, connections, the lanes' congestion windows, as a serving
-    prefill's are), then main's decode step and the prefill's forward, measured alone."""
+    prefill's are), then main's decode step alone."""
     PdRequest(pair.prefill, pair.main, pair.bootstrap_port, _prompt(pair.rng, tokens),
               2).start().join()
     probe = PdRequest(pair.prefill, pair.main, pair.bootstrap_port,
                       _prompt(pair.rng, BACKGROUND_PROMPT), 40).start().join()
     gaps = sorted(gap for gap, _ in probe.streamed.gaps().values())
     pair.step_s = gaps[len(gaps) // 2] if gaps else pair.step_s
-    began = time.monotonic()
-    _forward_alone(pair, tokens)
-    pair.forward_s_per_token = (time.monotonic() - began) / tokens
     for server in (pair.prefill, pair.main):
         server.wait_idle(120)
 
@@ -332,15 +328,11 @@ def _wait_first_token(request: PdRequest, timeout_s: float) -> float:
     return request.streamed.first_at()
 
 
-def measure_copy(pair: Pair, tokens: int, background_cap: int) -> dict:
-    """One copy of ``tokens`` with a background request decoding on main (see the module
-    docstring); the row's measured fields, less the reference's."""
+def measure_copy(pair: Pair, tokens: int, background: int) -> dict:
+    """One copy of ``tokens`` with a background request (of at most ``background`` tokens)
+    decoding on main (see the module docstring); the row's measured fields, less the
+    reference's."""
     kv_bytes = tokens * MODELS[pair.layers].kv_bytes_per_token
-    copy_s = kv_bytes * 8 / (pair.line.rate_mbit * 1e6)
-    background = min(background_cap, _background_tokens(
-        pair.step_s, copy_s, pair.forward_s_per_token * tokens))
-    alone = _background_pair(pair, background).join()  # the positions' gaps with no copy
-    pair.main.wait_idle(120)
     cpu_before = pair.cpu_s()
     _forward_alone(pair, tokens)
     cpu_forward = pair.cpu_s() - cpu_before
@@ -360,6 +352,10 @@ def measure_copy(pair: Pair, tokens: int, background_cap: int) -> dict:
         time.sleep(TAIL_S)
     beside.abort()
     beside.join()
+    reached = beside.streamed.events[-1][1] if beside.streamed.events else 0
+    pair.main.wait_idle(120)
+    # the same positions with no copy: the background alone, as far as it went beside the copy
+    alone = _background_pair(pair, max(reached, 2)).join()
     first, last = sampled.on_line(pair.line.rate_mbit)
     mean, peak, positions = itl_ratio(alone.streamed, beside.streamed, first, landed_at)
     covered = beside.streamed.events and beside.streamed.events[-1][0] >= landed_at
@@ -394,7 +390,7 @@ def measure_copy(pair: Pair, tokens: int, background_cap: int) -> dict:
 
 def run_point(rate_mbit: float, rtt_ms: float, copies: tuple, out: Path, sysctls: dict,
               codec: str = "auto", reference_copies: int = 1,
-              log: Callable[[str], None] = print) -> list:
+              staging_mb: Optional[float] = None, log: Callable[[str], None] = print) -> list:
     """Every copy of ``copies`` ((layers, tokens), ...) across one fresh line; their rows."""
     line = WanLine(rate_mbit, rtt_ms, 0.0, seed=5)
     tag = f"{rate_mbit:g}mbit_{rtt_ms:g}ms"
@@ -407,8 +403,8 @@ def run_point(rate_mbit: float, rtt_ms: float, copies: tuple, out: Path, sysctls
         log(f"== {rate_mbit:g} Mbit/s x {rtt_ms:g} ms: the line's goodput {goodput:.1f} Mbit/s")
         for layers in sorted({layers for layers, _ in copies}):
             rooms = [tokens for each_layers, tokens in copies if each_layers == layers]
-            cap = 1024
-            pair = start_pair(line, layers, max(rooms), out / tag, codec, cap)
+            cap = BACKGROUND_TOKENS
+            pair = start_pair(line, layers, max(rooms), out / tag, codec, cap, staging_mb)
             try:
                 warm(pair, min(rooms))
                 for tokens in rooms:
