@@ -349,6 +349,7 @@ def measure_copy(pair: Pair, tokens: int, background: int) -> dict:
         landed_at = _wait_first_token(copy, 600)
         copy.join()
         cpu_copy = pair.cpu_s() - cpu_before
+        mode = copy_mode(before, copies_by_mode(pair.prefill))
         time.sleep(TAIL_S)
     beside.abort()
     beside.join()
@@ -361,7 +362,7 @@ def measure_copy(pair: Pair, tokens: int, background: int) -> dict:
     covered = beside.streamed.events and beside.streamed.events[-1][0] >= landed_at
     staging = [s for s in sampled.staging if s]
     row = {"layers": pair.layers, "tokens": tokens, "copy_bytes": kv_bytes,
-           "mode": copy_mode(before, copies_by_mode(pair.prefill)),
+           "mode": mode,
            "on_line_s": round(last - first, 3),
            "achieved_mbit": kv_bytes * 8 / (last - first) / 1e6,
            "main_itl_ratio": mean if covered else None, "main_itl_max_ratio": peak,
