@@ -9,9 +9,11 @@ whole process tree's CPU), and a PDD main in cluster B. Then, per room size, one
 from outside the servers:
 
 - the copy: a P->MD request of that many prompt tokens; its time on the line is the span of the
-  bytes out of the line at B (the kernel's counter), sampled every ``SAMPLE_S``, over which it carried at least a
-  quarter of the line's rate; ``utilization`` is the copy's KV bytes over that span against the
-  line's goodput, ``reference_utilization`` the stream reference's for a copy of the same bytes
+  bytes out of the line at B (the kernel's counter), sampled every ``SAMPLE_S``, over which it
+  carried at least a quarter of the line's rate; ``utilization`` is the copy's bytes on the wire
+  (the prefill's ledger: fewer than its KV bytes when coded) over that span against the line's
+  goodput (``kv_mbit``: its KV bytes over the span), ``reference_utilization`` the stream
+  reference's for a copy of its KV bytes
   (:mod:`~pdd_sglang.dev.wan_emulator.stream_reference`, run after the servers stop);
 - main's ITL for its other running requests: a P->MD request of a short prompt decodes on main,
   streamed, while the copy crosses and lands; its gaps at the token positions that fell between
@@ -328,6 +330,13 @@ def _wait_first_token(request: PdRequest, timeout_s: float) -> float:
     return request.streamed.first_at()
 
 
+def _wire_bytes(prefill: NetnsServer, room: int) -> int:
+    """What the room's copy to main took on the wire (the prefill's transfer ledger: its KV
+    bytes raw, its records' bytes packed or coded)."""
+    rows = prefill.pdd_state()["transfers"]["by_request"]
+    return sum(r["wire_bytes"] for r in rows if r["room"] == room and r["role"] == "main")
+
+
 def measure_copy(pair: Pair, tokens: int, background: int) -> dict:
     """One copy of ``tokens`` with a background request (of at most ``background`` tokens)
     decoding on main (see the module docstring); the row's measured fields, less the
@@ -350,6 +359,7 @@ def measure_copy(pair: Pair, tokens: int, background: int) -> dict:
         copy.join()
         cpu_copy = pair.cpu_s() - cpu_before
         mode = copy_mode(before, copies_by_mode(pair.prefill))
+        wire_bytes = _wire_bytes(pair.prefill, copy.body["bootstrap_room"])
         time.sleep(TAIL_S)
     beside.abort()
     beside.join()
@@ -363,8 +373,9 @@ def measure_copy(pair: Pair, tokens: int, background: int) -> dict:
     staging = [s for s in sampled.staging if s]
     row = {"layers": pair.layers, "tokens": tokens, "copy_bytes": kv_bytes,
            "mode": mode,
-           "on_line_s": round(last - first, 3),
-           "achieved_mbit": kv_bytes * 8 / (last - first) / 1e6,
+           "on_line_s": round(last - first, 3), "wire_bytes": wire_bytes,
+           "achieved_mbit": wire_bytes * 8 / (last - first) / 1e6,
+           "kv_mbit": kv_bytes * 8 / (last - first) / 1e6,
            "main_itl_ratio": mean if covered else None, "main_itl_max_ratio": peak,
            "main_itl_positions": positions, "main_step_alone_s": pair.step_s,
            "landed_after_last_record_s": round(landed_at - last, 3),
