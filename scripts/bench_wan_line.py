@@ -152,19 +152,22 @@ def parse_copy(text: str) -> tuple[int, int]:
 
 def serving(args) -> dict:
     out = Path(args.out)
-    rows = []
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"serving": [], "null_reasons": serving_bench.NULL_REASONS,
+              "sysctls": LONG_FAT_LINE_SYSCTLS, "kv_codec": args.serving_codec,
+              "main_staging_mb": args.serving_staging_mb,
+              "date": time.strftime("%Y-%m-%d %H:%M"), "loadavg_1m_before": args.loadavg,
+              "note": "2 shared cores: the forwarder, the prefill, main and the bench share "
+                      "them; utilization = the copy's bytes on the wire over its time on the "
+                      "line / the line's bulk TCP goodput"}
     for rate, rtt in args.points:
-        rows += serving_bench.run_point(rate, rtt, tuple(args.serving_copies), out,
-                                        LONG_FAT_LINE_SYSCTLS, codec=args.serving_codec,
-                                        reference_copies=args.serving_reference_copies,
-                                        staging_mb=args.serving_staging_mb)
-    return {"serving": rows, "null_reasons": serving_bench.NULL_REASONS,
-            "sysctls": LONG_FAT_LINE_SYSCTLS, "kv_codec": args.serving_codec,
-            "main_staging_mb": args.serving_staging_mb,
-            "date": time.strftime("%Y-%m-%d %H:%M"), "loadavg_1m_before": args.loadavg,
-            "note": "2 shared cores: the forwarder, the prefill, main and the bench share them; "
-                    "utilization = the copy's KV bytes over its time on the line / the line's "
-                    "bulk TCP goodput"}
+        result["serving"] += serving_bench.run_point(
+            rate, rtt, tuple(args.serving_copies), out, LONG_FAT_LINE_SYSCTLS,
+            codec=args.serving_codec, reference_copies=args.serving_reference_copies,
+            staging_mb=args.serving_staging_mb)
+        # each point's rows as soon as they are measured: a later point's failure keeps them
+        (out / "wan_line_bench.json").write_text(json.dumps(result, indent=1) + "\n")
+    return result
 
 
 def print_serving(result: dict) -> None:

@@ -76,8 +76,11 @@ LEAD_S = 1.5  # the background request decodes alone this long before the copy i
 BACKGROUND_PROMPT = 16
 # The background request's most tokens (it stops once the copy landed): enough to decode through
 # the slowest copy of the default rows (80 layers x 256 tokens one-sided at 100 x 40: about 40 s
-# of main's 0.1 s steps; 32 layers x 1,024 tokens: 35 s of 0.04-0.06 s steps).
-BACKGROUND_TOKENS = 1536
+# of main's 0.1 s steps; 32 layers x 1,024 tokens: 35 s of 0.04-0.06 s steps). Main's pool holds
+# twice that beside the room: SGLang's decode admits a room only with the running requests'
+# remaining tokens reserved (measured: an 80-layer room of 256 tokens waited in pre-allocation
+# for 300 s beside a 1,536-token background in a pool of 1,888).
+BACKGROUND_TOKENS = 1024
 TAIL_S = 0.5  # after main's first token of the copied request, before the background stops
 
 
@@ -277,7 +280,7 @@ def start_pair(line: WanLine, layers: int, max_tokens: int, log_dir: Path, codec
     staging = () if staging_mb is None else ("--pdd-wan-staging-mb", f"{staging_mb:g}")
     main = NetnsServer("main", host=line.address("b"), netns=line.namespace("b"),
                        exec_prefix=tuple(line.exec_prefix("b")),
-                       max_total_tokens=max_tokens + background + 2 * BACKGROUND_PROMPT + 64,
+                       max_total_tokens=max_tokens + 2 * background + 2 * BACKGROUND_PROMPT + 128,
                        extra_args=("--pdd-role", "main", *TRANSPORT, *staging), **common)
     try:
         Cluster([prefill, main]).__enter__()
