@@ -43,7 +43,7 @@ from pdd_sglang.dev.testing.cluster import RELAY_CPU_ARGS, Cluster, SGLangServer
 from pdd_sglang.dev.testing.mixed_tp import (TpSizes, mixed_tp_cluster, start_router, tp_args,
                                              tp_env)
 from pdd_sglang.dev.testing.pristine import pristine_env, pristine_sglang
-from pdd_sglang.dev.testing.tiny_model import TinyModelSpec, ensure_tiny_model
+from pdd_sglang.dev.testing.tiny_model import KV_8B_MODEL, TinyModelSpec, ensure_tiny_model
 
 KV_CODEC_BY_PAGE_SIZE = {1: "auto", 16: "lossless"}
 # Every KV chunk to main waits this long (a test-only WAN delay), so the relay runs ahead.
@@ -64,10 +64,11 @@ def tiny_model():
     return spec, ensure_tiny_model(spec)
 
 
-def _pdd_cluster(page_size: int, model_path, log_dir) -> Cluster:
-    """Prefill, relay, main and at page 1 a second main (short handoff timeout); mains check
-    their WAN copy against the relay's (``--pdd-enable-kv-digest``) and damage one when its
-    route asks."""
+def _pdd_cluster(page_size: int, model_path, log_dir, second_main: bool | None = None,
+                 **server) -> Cluster:
+    """Prefill, relay, main and (by default at page 1) a second main (short handoff timeout);
+    mains check their WAN copy against the relay's (``--pdd-enable-kv-digest``) and damage one
+    when its route asks. ``server``: more SGLangServer fields for each (a KV pool's size)."""
     bootstrap_port = free_port()
     common = ("--disaggregation-transfer-backend", "mooncake_tcp", "--page-size", str(page_size),
               "--pdd-debug-kv-digest")
@@ -75,7 +76,7 @@ def _pdd_cluster(page_size: int, model_path, log_dir) -> Cluster:
     # Issue 36: page 16 forces the lossless WAN codec (its handoff, dual-path and digest tests
     # run on coded copies, decoded at main); page 1 keeps auto, raw on the declared 10 Gb/s.
     codec = KV_CODEC_BY_PAGE_SIZE[page_size]
-    forked = dict(fork_children=True)  # see the module docstring
+    forked = dict(fork_children=True, **server)  # forked: see the module docstring
     main_args = ("--pdd-role", "main", "--enable-metrics", "--pdd-enable-kv-digest",
                  "--pdd-debug-corrupt-wan-kv", *common)
     servers = [
@@ -91,7 +92,9 @@ def _pdd_cluster(page_size: int, model_path, log_dir) -> Cluster:
             *RELAY_CPU_ARGS), **forked),
         SGLangServer("main", model_path, log_dir, extra_args=main_args, **forked),
     ]
-    if page_size == 1:  # its users (two mains, the slow relay) need no other page size
+    if second_main is None:  # its users (two mains, the slow relay) need no other page size
+        second_main = page_size == 1
+    if second_main:
         servers.append(SGLangServer("main2", model_path, log_dir, extra_args=(
             *main_args, "--pdd-handoff-timeout", repr(MAIN2_HANDOFF_TIMEOUT_S)), **forked))
     cluster = Cluster(servers)
@@ -137,8 +140,25 @@ def _tp(model_path, log_dir) -> Cluster:
     return mixed_tp_cluster(MAKE_TEST_TP, model_path, log_dir, extra=(plain,))
 
 
+# The KV-realistic cluster's pools: 1,024 tokens of 256 KiB (KV_8B_MODEL in float32) each.
+KV_8B_POOL_TOKENS = 1024
+
+
+def _kv_8b(_tiny_model_path, log_dir) -> Cluster:
+    """``test_kv_realistic.py``'s cluster on the KV-realistic model (``KV_8B_MODEL``: Llama-3-8B's
+    32 layers x 8 KV heads x head dim 128): PDD prefill, relay and main as the page-1 cluster's
+    (no second main), and its own greedy reference, a plain server of the patched venv (no
+    ``--pdd-role``), every one forked with a pool of ``KV_8B_POOL_TOKENS``."""
+    model_path = ensure_tiny_model(KV_8B_MODEL)
+    pool = dict(max_total_tokens=KV_8B_POOL_TOKENS)
+    cluster = _pdd_cluster(1, model_path, log_dir, second_main=False, **pool)
+    cluster.servers["plain"] = SGLangServer("plain", model_path, log_dir, fork_children=True,
+                                            **pool)
+    return cluster
+
+
 # name -> how to build it: servers a single test owns, started early by ``start_beside``
-BESIDE = {"no_role": _no_role_pair, "tp": _tp}
+BESIDE = {"no_role": _no_role_pair, "tp": _tp, "kv_8b": _kv_8b}
 
 
 class SharedClusters:
@@ -305,6 +325,17 @@ def tp_cluster(shared_clusters):
             cluster.stop()
 
 
+@pytest.fixture(scope="module")
+def kv_8b_cluster(shared_clusters):
+    """``test_kv_realistic.py``'s cluster (``_kv_8b``), started beside the TP tests; stopped
+    when the module ends."""
+    cluster = shared_clusters.take_beside("kv_8b")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
 @pytest.fixture
 def router_cluster(shared_clusters):
     """P, RLD and MD of the page-1 cluster behind the PDD router (the plain server beside)."""
@@ -333,6 +364,8 @@ def router_cluster(shared_clusters):
 # - ``test_tp.py``'s TP cluster (four servers of a launcher, one or two schedulers and a
 #   detokenizer each) starts beside the shutdown test, which stops the page-16 servers; the TP
 #   tests run after it, before the tail.
+# - ``test_kv_realistic.py``'s cluster on the KV-realistic model (four servers with pools of 256
+#   MiB) starts beside the TP tests, and its test runs after them.
 # - The foreground reaches the quick demo's result minutes before the demo ends (the demo's pace
 #   is its line and its CPU quotas), so the Ctrl-C run (four servers cut short in start-up) and
 #   the fault suite's start sit there at no cost to the session.
@@ -344,6 +377,8 @@ DEMO_TESTS = ("test_demo.py",)
 FAULT_SUITE = ("test_fault_suite.py",)
 NO_ROLE = ("test_no_role.py",)
 TP_TESTS = ("test_tp.py",)  # after the shutdown test, beside which its TP cluster starts
+TP_ORDER = (5, 1)
+KV_8B_TESTS = ("test_kv_realistic.py",)  # after the TP tests, beside which its cluster starts
 LAST = ("test_shutdown.py",)  # stops the live cluster's servers
 LAST_ORDER = (5,)
 FAULT_SUITE_STARTS_AT = (1,)  # the quick demo's result
@@ -369,7 +404,9 @@ def _order(item) -> tuple:
     if name in NO_ROLE:
         return (4, 16, 1)
     if name in TP_TESTS:
-        return (5, 1)
+        return TP_ORDER
+    if name in KV_8B_TESTS:
+        return (5, 2)
     if name in LAST:
         return LAST_ORDER
     if folder == "integration":
@@ -402,6 +439,8 @@ def _background_and_ahead(request, start_background, still_running):
     if order == LAST_ORDER and _collected(request.session, TP_TESTS):
         # The TP cluster's four servers (six ranks) fit once the page-16 cluster's servers stop.
         request.getfixturevalue("shared_clusters").start_beside("tp")
+    if order == TP_ORDER and _collected(request.session, KV_8B_TESTS):
+        request.getfixturevalue("shared_clusters").start_beside("kv_8b")
     if order == PAGE16_TESTS:
         clusters = request.getfixturevalue("shared_clusters")
         if clusters.page_size == 16:  # from the second page-16 test on: its servers are up
