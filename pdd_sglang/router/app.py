@@ -15,11 +15,12 @@ import orjson
 from aiohttp import web
 
 from pdd_sglang.router import errors
+from pdd_sglang.router.chat_answer import answer_for
+from pdd_sglang.router.chat_translation import ChatIntake, ChatTranslator, parse_chat
 from pdd_sglang.router.dispatch import StreamEndedEarly
 from pdd_sglang.router.openai_format import OpenAIStream
-from pdd_sglang.router.request_parsing import (GenerateJob, parse_chat, parse_completion,
-                                               parse_generate, parse_json_object,
-                                               parse_off_loop)
+from pdd_sglang.router.request_parsing import (GenerateJob, parse_completion, parse_generate,
+                                               parse_json_object, parse_off_loop)
 from pdd_sglang.router.service import RouterService
 from pdd_sglang.router.servers import MAIN, PREFILL, NoHealthyServer
 from pdd_sglang.router.splice import SplicedUpdate, SpliceError
@@ -72,6 +73,19 @@ def _failure_message(err: Exception) -> str:
 class Handlers:
     def __init__(self, service: RouterService):
         self.service = service
+        self._chat = None
+
+    @property
+    def chat(self) -> ChatTranslator:
+        if self._chat is None:  # the model is known once the service has started
+            self._chat = ChatTranslator(self.service.pool, self.service.client,
+                                        self.service.model)
+        return self._chat
+
+    def _chat_answer(self, body: dict, context: dict):
+        config = self.service.config
+        return answer_for(body, context, config.tool_call_parser, config.reasoning_parser,
+                          self.service.model.tokenizer)
 
     # ---- request intake -----------------------------------------------------------------
     async def _intake(self, request: web.Request, parse, api: str):
@@ -81,6 +95,9 @@ class Handlers:
         try:
             body = parse_json_object(await request.read())
             parsed = await parse_off_loop(parse, body, self.service.model)
+            if isinstance(parsed, ChatIntake):  # SGLang's own translation, on a prefill
+                parsed = await self.chat.translate(parsed)
+                parsed = (parsed.job, parsed.model_name, self._chat_answer(body, parsed.answer))
             job = parsed[0] if isinstance(parsed, tuple) else parsed
             placement = self.service.dispatcher.place(job)
         except errors.RequestRejected as err:
@@ -151,10 +168,10 @@ class Handlers:
         body, parsed, placement, started, refusal = await self._intake(request, parse, "openai")
         if refusal is not None:
             return refusal
-        job, model_name = parsed
+        job, model_name = parsed[:2]
         api = "chat" if chat else "completions"
         include_usage = job.stream and bool((body.get("stream_options") or {}).get("include_usage"))
-        formatter = OpenAIStream(chat, model_name, include_usage)
+        formatter = OpenAIStream(chat, model_name, include_usage, parsed[2] if chat else None)
         if not job.stream:
             final = None
             try:
@@ -171,7 +188,9 @@ class Handlers:
             try:
                 async with self._run(job, placement, api, started) as updates:
                     async for update in updates:
-                        for chunk in formatter.chunks(update):
+                        chunks = (formatter.chunks(update) if formatter.answer is None
+                                  else await formatter.parsed_chunks(update))
+                        for chunk in chunks:
                             await response.write(_sse(chunk))
             except _FAILURES as err:
                 await response.write(_sse({"error": {"message": _failure_message(err),

@@ -18,6 +18,7 @@ from pdd_sglang.router.app import build_app
 from pdd_sglang.router.config import LinkParams, PrefillEndpoint, RouterConfig
 from pdd_sglang.router.service import RouterService
 from pdd_sglang.dev.testing.cluster import free_port
+from pdd_sglang.dev.testing.fake_chat import fake_chat_translation
 from pdd_sglang.dev.testing.tiny_model import ensure_tiny_model
 
 
@@ -58,6 +59,11 @@ class FakeServer:
         app.router.add_get("/model_info", model_info)
         app.router.add_post("/generate", self.generate)
         app.router.add_post("/abort_request", self.abort)
+        if self.role == "prefill":
+            async def chat_request(request):
+                return web.json_response(fake_chat_translation(await request.json()))
+
+            app.router.add_post("/pdd/chat_request", chat_request)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
         await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
