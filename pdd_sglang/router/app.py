@@ -31,6 +31,10 @@ logger = logging.getLogger("pdd_sglang.router")
 _SERVICE = web.AppKey("service", RouterService)
 _FAILURES = (UpstreamError, StreamEndedEarly, SpliceError)
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+RESPONSES_REFUSAL = (
+    "The PDD router does not serve the Responses API (/v1/responses): use /v1/chat/completions, "
+    "sending each turn's messages with its tools, tool calls and tool results (tool_calls and "
+    "reasoning_content come back as SGLang's server returns them)")
 
 
 def _sse(payload) -> bytes:
@@ -197,6 +201,17 @@ class Handlers:
                                                      "type": "InternalServerError", "code": 500}}))
         return await _until_client_leaves(request, response, chunks())
 
+    async def responses(self, request: web.Request) -> web.Response:
+        """OpenAI's Responses API is refused, naming what to use: a response keeps server-side
+        state (``store``, ``previous_response_id``, background runs) on the one server that made
+        it, and runs its built-in tools in loops of several generations, while the router
+        splices one generation per request across three servers. An agent sends each turn to
+        /v1/chat/completions with its tools, tool calls and tool results instead."""
+        self.service.metrics.errors.labels("responses_api").inc()
+        return web.json_response({"error": {
+            "message": RESPONSES_REFUSAL, "type": "Not Implemented", "param": None,
+            "code": 501}}, status=501, dumps=_dumps)
+
     async def models(self, request: web.Request) -> web.Response:
         model = self.service.model
         card = {"id": model.served_model_name, "object": "model", "created": int(time.time()),
@@ -251,6 +266,8 @@ def build_app(service: RouterService) -> web.Application:
     app.router.add_post("/v1/completions", handlers.completions)
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
     app.router.add_get("/v1/models", handlers.models)
+    app.router.add_route("*", "/v1/responses", handlers.responses)
+    app.router.add_route("*", "/v1/responses/{tail:.*}", handlers.responses)
     app.router.add_get("/health", handlers.health)
     app.router.add_get("/metrics", handlers.metrics)
     app.router.add_get("/model_info", handlers.model_info)

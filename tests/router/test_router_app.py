@@ -386,6 +386,26 @@ def test_bad_requests_never_reach_a_server(body, status):
     asyncio.run(with_router([RELAY_SCRIPT, MAIN_SCRIPT], test))
 
 
+def test_responses_api_is_refused_naming_chat_completions_and_images_by_their_part():
+    async def test(session, url, prefill, relay, main):
+        async with session.post(url + "/v1/responses", json={"input": "w1"}) as resp:
+            assert resp.status == 501
+            error = (await resp.json())["error"]
+        assert "/v1/chat/completions" in error["message"] and error["code"] == 501
+        async with session.get(url + "/v1/responses/resp_1") as resp:
+            assert resp.status == 501
+        image = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]
+        async with session.post(url + "/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": image}]}) as resp:
+            assert resp.status == 400
+            error = await resp.json()
+        assert error["message"].startswith("messages[0].content[0] of type 'image_url'")
+        assert error["type"] == "BadRequestError"
+        assert not prefill.bodies and not relay.bodies and not main.bodies
+
+    asyncio.run(with_router([RELAY_SCRIPT, MAIN_SCRIPT], test))
+
+
 def test_the_next_turn_reaches_main_only_once_the_previous_copy_has_landed():
     async def test(session, url, prefill, relay, main):
         for prompt in ([5, 6, 7], [5, 6, 7, 8]):  # turn 2 extends turn 1
