@@ -27,9 +27,8 @@ from pdd_sglang.router.errors import RequestRejected
 def _sglang():
     """SGLang's chat serving (imports torch: loaded with the first request that parses)."""
     from sglang.srt.entrypoints.openai import protocol, serving_chat
-    from sglang.srt.parser.reasoning_parser import ResponseTemplateReasoningDetector
 
-    return protocol, serving_chat, ResponseTemplateReasoningDetector
+    return protocol, serving_chat
 
 
 class _Template:
@@ -43,19 +42,24 @@ class _TokenizerManager:
 
 
 def _serving_class():
-    _, serving_chat, _ = _sglang()
+    _, serving_chat = _sglang()
 
     class _Serving(serving_chat.OpenAIServingChat):
         """SGLang's chat serving, built without a tokenizer manager: what its answer methods
         read, and the server's decisions for this request."""
 
         def __init__(self, tool_call_parser, reasoning_parser, tokenizer, context: dict):
+            protocol, _ = _sglang()
             self.tool_call_parser = tool_call_parser
             self.reasoning_parser = reasoning_parser
             self.tokenizer_manager = _TokenizerManager(tokenizer)
             self.template_manager = _Template(context["force_reasoning"])
             self._active = bool(tool_call_parser) and context["tool_call_parsing"]
             self._history = context["history_tool_calls"]
+            self._tools = [protocol.Tool.model_validate(t) for t in context["tools"]]
+
+        def _effective_tools(self, request) -> list:
+            return self._tools  # the server's, system messages' tools included
 
         def _tool_call_parsing_active(self, request) -> bool:
             return self._active
@@ -74,11 +78,9 @@ _SERVING = None
 
 def answer_for(body: dict, context: dict, tool_call_parser: Optional[str],
                reasoning_parser: Optional[str], tokenizer: Any) -> Optional["ChatAnswer"]:
-    """The request's answer parser, or None when SGLang's server would parse nothing."""
-    separate = reasoning_parser is not None and body.get("separate_reasoning", True) is not False
-    tools = bool(tool_call_parser) and context["tool_call_parsing"]
-    if not (separate or tools):
-        return None
+    """The request's answer parser, or None when SGLang's server would parse nothing; a
+    refusal when the router's parsers are not the servers'."""
+    # The router parses as the servers' own chat serving would, or the answer is not SGLang's.
     for flag, ours, theirs in (("--tool-call-parser", tool_call_parser,
                                 context.get("tool_call_parser")),
                                ("--reasoning-parser", reasoning_parser,
@@ -86,6 +88,10 @@ def answer_for(body: dict, context: dict, tool_call_parser: Optional[str],
         if ours != theirs:
             raise RequestRejected(f"the router runs {flag} {ours} and the prefill {theirs}: "
                                   "start both with the same", "parser_mismatch", status=500)
+    separate = reasoning_parser is not None and body.get("separate_reasoning", True) is not False
+    tools = bool(tool_call_parser) and context["tool_call_parsing"]
+    if not (separate or tools):
+        return None
     if context["own_encoding"]:
         raise RequestRejected("this model's chat encoding parses its own answers, which the PDD "
                               "router cannot", "unsupported_encoding", status=500)
@@ -96,15 +102,13 @@ def answer_for(body: dict, context: dict, tool_call_parser: Optional[str],
 class ChatAnswer:
     def __init__(self, body: dict, context: dict, tool_call_parser, reasoning_parser, tokenizer):
         global _SERVING
-        protocol, _, self._template_detector = _sglang()
+        protocol, _ = _sglang()
         if _SERVING is None:
             _SERVING = _serving_class()
         self.serving = _SERVING(tool_call_parser, reasoning_parser, tokenizer, context)
         request = protocol.ChatCompletionRequest.model_validate(body)
         request._response_parser_prefix = context["parser_prefix"]
         request._response_parser_tool_grammar = context["constrained"]
-        # The tools as the server's translation left them in effect.
-        request.tools = [protocol.Tool.model_validate(t) for t in context["tools"]] or None
         self.request = request
         self.tools_active = self.serving._active
         self._reasoning: dict = {}
@@ -118,7 +122,7 @@ class ChatAnswer:
         serving, request = self.serving, self.request
         reasoning, answer_started = None, False
         if serving.reasoning_parser:
-            protocol, serving_chat, _ = _sglang()
+            _, serving_chat = _sglang()
             parser = serving_chat.ReasoningParser(
                 model_type=serving.reasoning_parser, stream_reasoning=False,
                 force_reasoning=serving.template_manager.force_reasoning, request=request,
@@ -130,7 +134,7 @@ class ChatAnswer:
         if self.tools_active and not answer_started:
             finish_reason = dict(finish_reason or {"type": "stop"})
             tool_calls, text, finish_reason = serving._process_tool_calls(
-                text, request.tools or [], finish_reason, request.tool_choice,
+                text, serving._effective_tools(request), finish_reason, request.tool_choice,
                 serving._history, request._response_parser_prefix,
                 request._response_parser_tool_grammar)
         if tool_calls is not None:
@@ -168,7 +172,7 @@ class ChatAnswer:
 
     def final_reason(self, reason: Optional[str]) -> Optional[str]:
         """SGLang's streamed finish reason: "tool_calls" after whole tool calls."""
-        _, serving_chat, _ = _sglang()
+        _, serving_chat = _sglang()
         if (reason == "stop" and self.has_tool_calls.get(0)
                 and not serving_chat._incomplete_tool_call_indices(self._calls.get(0))):
             return "tool_calls"

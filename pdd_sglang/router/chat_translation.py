@@ -31,7 +31,6 @@ from pdd_sglang.router.request_parsing import (GenerateJob, _check_context, _ttf
 from pdd_sglang.router.servers import PREFILL, NoHealthyServer, ServerPool
 
 ROUTE = "/pdd/chat_request"
-TIMEOUT_S = 60.0  # a long conversation's template and tokenization, on a busy prefill
 # Body fields that are the router's, not SGLang's chat request's.
 _ROUTER_FIELDS = ("ttft_slo_ms",)
 
@@ -74,9 +73,9 @@ class ChatTranslator:
             raise NoHealthyServer(PREFILL)
         prefill = prefills[next(self._turn) % len(prefills)]
         body = {k: v for k, v in intake.body.items() if k not in _ROUTER_FIELDS}
-        try:
-            status, payload = await self.client._exchange(
-                prefill, b"POST", ROUTE, orjson.dumps(body), timeout_s=TIMEOUT_S)
+        try:  # bounded as every answer is: --read-timeout-s without data
+            status, payload = await self.client._exchange(prefill, b"POST", ROUTE,
+                                                          orjson.dumps(body))
         except OSError as err:  # the prefill is gone or stalled: as a failed placement
             raise NoHealthyServer(PREFILL) from err
         answer = orjson.loads(payload or b"null")

@@ -40,8 +40,8 @@ from __future__ import annotations
 import pytest
 
 from pdd_sglang.dev.testing.cluster import RELAY_CPU_ARGS, Cluster, SGLangServer, free_port
-from pdd_sglang.dev.testing.mixed_tp import (TpSizes, mixed_tp_cluster, start_router, tp_args,
-                                             tp_env)
+from pdd_sglang.dev.testing.mixed_tp import (TpSizes, mixed_tp_cluster, pdd_servers,
+                                             start_router, tp_args, tp_env)
 from pdd_sglang.dev.testing.pristine import pristine_env, pristine_sglang
 from pdd_sglang.dev.testing.tiny_model import TinyModelSpec, ensure_tiny_model
 
@@ -137,8 +137,36 @@ def _tp(model_path, log_dir) -> Cluster:
     return mixed_tp_cluster(MAKE_TEST_TP, model_path, log_dir, extra=(plain,))
 
 
+# The agentic model's servers and the router's over them: SGLang's Qwen parsers (the model's
+# tool-call markup and thinking tags), and the tiny model's KV bytes per token for the router, so
+# ROUTER_WAN_GBPS puts the P->MD / P->RLD->MD boundary at 100 uncached tokens here too.
+AGENTIC_PARSERS = ("--tool-call-parser", "qwen25", "--reasoning-parser", "qwen3")
+AGENTIC_ROUTER_ARGS = (*AGENTIC_PARSERS, "--kv-bytes-per-token", "512")
+
+
+def _agentic(model_path, log_dir) -> Cluster:
+    """``test_router_agentic.py``'s servers: PDD prefill, relay and main (page size 1, as
+    ``pdd_sglang.dev.testing.mixed_tp`` starts them) and a plain reference, all on the agentic
+    test model (a byte-level BPE that spells JSON and Qwen's tool-call markup; not the tiny
+    model of ``model_path``) with SGLang's Qwen parsers."""
+    from dataclasses import replace
+
+    from pdd_sglang.dev.testing.agentic_model import ensure_agentic_model
+
+    agentic = ensure_agentic_model()
+    bootstrap_port = free_port()
+    servers = [replace(server, extra_args=(*server.extra_args, *AGENTIC_PARSERS))
+               for server in pdd_servers(TpSizes(1, 1, 1), agentic, log_dir, bootstrap_port)]
+    plain = SGLangServer("plain", agentic, log_dir, extra_args=AGENTIC_PARSERS,
+                         fork_children=True)
+    cluster = Cluster([*servers, plain])
+    cluster.bootstrap_port, cluster.log_dir, cluster.router = bootstrap_port, log_dir, None
+    cluster.model_path = agentic
+    return cluster
+
+
 # name -> how to build it: servers a single test owns, started early by ``start_beside``
-BESIDE = {"no_role": _no_role_pair, "tp": _tp}
+BESIDE = {"no_role": _no_role_pair, "tp": _tp, "agentic": _agentic}
 
 
 class SharedClusters:
@@ -305,6 +333,22 @@ def tp_cluster(shared_clusters):
             cluster.stop()
 
 
+@pytest.fixture(scope="module")
+def agentic_cluster(shared_clusters):
+    """``_agentic``'s servers behind the PDD router (with the same parsers), for one module;
+    stopped when it ends."""
+    cluster = shared_clusters.take_beside("agentic")
+    try:
+        start_router(cluster, AGENTIC_ROUTER_ARGS)
+        yield cluster
+    finally:
+        try:
+            if cluster.router is not None:
+                cluster.router.stop()
+        finally:
+            cluster.stop()
+
+
 @pytest.fixture
 def router_cluster(shared_clusters):
     """P, RLD and MD of the page-1 cluster behind the PDD router (the plain server beside)."""
@@ -344,6 +388,7 @@ DEMO_TESTS = ("test_demo.py",)
 FAULT_SUITE = ("test_fault_suite.py",)
 NO_ROLE = ("test_no_role.py",)
 TP_TESTS = ("test_tp.py",)  # after the shutdown test, beside which its TP cluster starts
+AGENTIC_TESTS = ("test_router_agentic.py",)  # after the TP tests: their servers have stopped
 LAST = ("test_shutdown.py",)  # stops the live cluster's servers
 LAST_ORDER = (5,)
 FAULT_SUITE_STARTS_AT = (1,)  # the quick demo's result
@@ -370,6 +415,8 @@ def _order(item) -> tuple:
         return (4, 16, 1)
     if name in TP_TESTS:
         return (5, 1)
+    if name in AGENTIC_TESTS:
+        return (5, 2)
     if name in LAST:
         return LAST_ORDER
     if folder == "integration":

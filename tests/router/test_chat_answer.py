@@ -207,9 +207,14 @@ def test_a_spliced_tool_call_answer_parses_as_sglang_parses_the_whole_text(token
 
 def test_no_parser_no_parsing_and_a_mismatched_parser_is_refused(tokenizer):
     body = {"messages": MESSAGES, "tools": TOOLS}
-    assert answer_for(body, _context(), None, None, tokenizer) is None
+    none = _context(tool_call_parser=None, reasoning_parser=None, tool_call_parsing=False)
+    assert answer_for(body, none, None, None, tokenizer) is None
     # tool_choice "none" (SGLang's server then parses no tool call) and no reasoning parser.
-    assert answer_for(body, _context(tool_call_parsing=False), "qwen25", None, tokenizer) is None
+    assert answer_for(body, _context(tool_call_parsing=False, reasoning_parser=None), "qwen25",
+                      None, tokenizer) is None
+    # Servers that parse behind a router that does not: their answers would differ.
+    with pytest.raises(RequestRejected):
+        answer_for(body, _context(), None, None, tokenizer)
     with pytest.raises(RequestRejected) as info:
         answer_for(body, _context(tool_call_parser="hermes"), "qwen25", "qwen3", tokenizer)
     assert "--tool-call-parser qwen25" in info.value.message
