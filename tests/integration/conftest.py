@@ -321,9 +321,13 @@ def tp_cluster(shared_clusters):
     """``test_tp.py``'s TP cluster (``_tp``), started beside the page-16 tests, with P, RLD and
     MD behind the PDD router; stopped when the module ends (its last test stops its PDD servers
     itself, checking their shutdown)."""
-    cluster = shared_clusters.take_beside("tp")
+    yield from _behind_router(shared_clusters.take_beside("tp"))
+
+
+def _behind_router(cluster: Cluster, router_args: tuple = ()):
+    """``cluster`` with the PDD router over it, until the fixture ends; then both stopped."""
     try:
-        start_router(cluster)
+        start_router(cluster, router_args)
         yield cluster
     finally:
         try:
@@ -337,16 +341,7 @@ def tp_cluster(shared_clusters):
 def agentic_cluster(shared_clusters):
     """``_agentic``'s servers behind the PDD router (with the same parsers), for one module;
     stopped when it ends."""
-    cluster = shared_clusters.take_beside("agentic")
-    try:
-        start_router(cluster, AGENTIC_ROUTER_ARGS)
-        yield cluster
-    finally:
-        try:
-            if cluster.router is not None:
-                cluster.router.stop()
-        finally:
-            cluster.stop()
+    yield from _behind_router(shared_clusters.take_beside("agentic"), AGENTIC_ROUTER_ARGS)
 
 
 @pytest.fixture
