@@ -85,18 +85,44 @@ def answer_for(body: dict, context: dict, tool_call_parser: Optional[str],
                                 context.get("tool_call_parser")),
                                ("--reasoning-parser", reasoning_parser,
                                 context.get("reasoning_parser"))):
-        if ours != theirs:
-            raise RequestRejected(f"the router runs {flag} {ours} and the prefill {theirs}: "
-                                  "start both with the same", "parser_mismatch", status=500)
+        if not _same_parser(flag, ours, theirs):
+            raise _server_fault(f"the router runs {flag} {ours} and the prefill {theirs}: "
+                                "start both with the same", "parser_mismatch")
+    # The names the servers resolved them to (SGLang's answer code reads a few of them).
+    tool_call_parser, reasoning_parser = context["tool_call_parser"], context["reasoning_parser"]
     separate = reasoning_parser is not None and body.get("separate_reasoning", True) is not False
     tools = bool(tool_call_parser) and context["tool_call_parsing"]
     if not (separate or tools):
         return None
     if context["own_encoding"]:
-        raise RequestRejected("this model's chat encoding parses its own answers, which the PDD "
-                              "router cannot", "unsupported_encoding", status=500)
+        raise _server_fault("this model's chat encoding parses its own answers, which the PDD "
+                            "router cannot", "unsupported_encoding")
     return ChatAnswer(body, context, tool_call_parser, reasoning_parser if separate else None,
                       tokenizer)
+
+
+def _server_fault(message: str, cause: str) -> RequestRejected:
+    """A refusal that is the deployment's fault, in SGLang's shape for a server error."""
+    return RequestRejected(message, cause, status=500, payload={
+        "object": "error", "message": message, "type": "InternalServerError", "param": None,
+        "code": 500})
+
+
+def _same_parser(flag: str, ours: Optional[str], theirs: Optional[str]) -> bool:
+    """Whether two parser names are one parser in SGLang's tables (a server reports a
+    deprecated name, such as ``qwen25``, by the name it resolved it to)."""
+    if ours is None or theirs is None or ours == theirs:
+        return ours == theirs
+    if flag == "--tool-call-parser":
+        from sglang.srt.function_call.function_call_parser import FunctionCallParser
+
+        table = FunctionCallParser.ToolCallParserEnum
+    else:
+        from sglang.srt.parser.reasoning_parser import ReasoningParser
+
+        table = ReasoningParser.DetectorMap
+        ours, theirs = ours.lower(), theirs.lower()
+    return ours in table and table.get(ours) is table.get(theirs)
 
 
 class ChatAnswer:

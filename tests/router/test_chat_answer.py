@@ -212,6 +212,9 @@ def test_no_parser_no_parsing_and_a_mismatched_parser_is_refused(tokenizer):
     # tool_choice "none" (SGLang's server then parses no tool call) and no reasoning parser.
     assert answer_for(body, _context(tool_call_parsing=False, reasoning_parser=None), "qwen25",
                       None, tokenizer) is None
+    # A deprecated name is the parser a server resolves it to (qwen25: qwen).
+    assert answer_for(body, _context(tool_call_parser="qwen"), "qwen25", "qwen3",
+                      tokenizer) is not None
     # Servers that parse behind a router that does not: their answers would differ.
     with pytest.raises(RequestRejected):
         answer_for(body, _context(), None, None, tokenizer)
