@@ -40,8 +40,8 @@ from __future__ import annotations
 import pytest
 
 from pdd_sglang.dev.testing.cluster import RELAY_CPU_ARGS, Cluster, SGLangServer, free_port
-from pdd_sglang.dev.testing.mixed_tp import (TpSizes, mixed_tp_cluster, start_router, tp_args,
-                                             tp_env)
+from pdd_sglang.dev.testing.mixed_tp import (TpSizes, mixed_tp_cluster, pdd_servers,
+                                             start_router, tp_args, tp_env)
 from pdd_sglang.dev.testing.pristine import pristine_env, pristine_sglang
 from pdd_sglang.dev.testing.tiny_model import KV_8B_MODEL, TinyModelSpec, ensure_tiny_model
 
@@ -157,8 +157,36 @@ def _kv_8b(_tiny_model_path, log_dir) -> Cluster:
     return cluster
 
 
+# The agentic model's servers and the router's over them: SGLang's Qwen parsers (the model's
+# tool-call markup and thinking tags), and the tiny model's KV bytes per token for the router, so
+# ROUTER_WAN_GBPS puts the P->MD / P->RLD->MD boundary at 100 uncached tokens here too.
+AGENTIC_PARSERS = ("--tool-call-parser", "qwen25", "--reasoning-parser", "qwen3")
+AGENTIC_ROUTER_ARGS = (*AGENTIC_PARSERS, "--kv-bytes-per-token", "512")
+
+
+def _agentic(model_path, log_dir) -> Cluster:
+    """``test_router_agentic.py``'s servers: PDD prefill, relay and main (page size 1, as
+    ``pdd_sglang.dev.testing.mixed_tp`` starts them) and a plain reference, all on the agentic
+    test model (a byte-level BPE that spells JSON and Qwen's tool-call markup; not the tiny
+    model of ``model_path``) with SGLang's Qwen parsers."""
+    from dataclasses import replace
+
+    from pdd_sglang.dev.testing.agentic_model import ensure_agentic_model
+
+    agentic = ensure_agentic_model()
+    bootstrap_port = free_port()
+    servers = [replace(server, extra_args=(*server.extra_args, *AGENTIC_PARSERS))
+               for server in pdd_servers(TpSizes(1, 1, 1), agentic, log_dir, bootstrap_port)]
+    plain = SGLangServer("plain", agentic, log_dir, extra_args=AGENTIC_PARSERS,
+                         fork_children=True)
+    cluster = Cluster([*servers, plain])
+    cluster.bootstrap_port, cluster.log_dir, cluster.router = bootstrap_port, log_dir, None
+    cluster.model_path = agentic
+    return cluster
+
+
 # name -> how to build it: servers a single test owns, started early by ``start_beside``
-BESIDE = {"no_role": _no_role_pair, "tp": _tp, "kv_8b": _kv_8b}
+BESIDE = {"no_role": _no_role_pair, "tp": _tp, "kv_8b": _kv_8b, "agentic": _agentic}
 
 
 class SharedClusters:
@@ -313,9 +341,13 @@ def tp_cluster(shared_clusters):
     """``test_tp.py``'s TP cluster (``_tp``), started beside the page-16 tests, with P, RLD and
     MD behind the PDD router; stopped when the module ends (its last test stops its PDD servers
     itself, checking their shutdown)."""
-    cluster = shared_clusters.take_beside("tp")
+    yield from _behind_router(shared_clusters.take_beside("tp"))
+
+
+def _behind_router(cluster: Cluster, router_args: tuple = ()):
+    """``cluster`` with the PDD router over it, until the fixture ends; then both stopped."""
     try:
-        start_router(cluster)
+        start_router(cluster, router_args)
         yield cluster
     finally:
         try:
@@ -334,6 +366,13 @@ def kv_8b_cluster(shared_clusters):
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def agentic_cluster(shared_clusters):
+    """``_agentic``'s servers behind the PDD router (with the same parsers), for one module;
+    stopped when it ends."""
+    yield from _behind_router(shared_clusters.take_beside("agentic"), AGENTIC_ROUTER_ARGS)
 
 
 @pytest.fixture
@@ -379,6 +418,8 @@ NO_ROLE = ("test_no_role.py",)
 TP_TESTS = ("test_tp.py",)  # after the shutdown test, beside which its TP cluster starts
 TP_ORDER = (5, 1)
 KV_8B_TESTS = ("test_kv_realistic.py",)  # after the TP tests, beside which its cluster starts
+AGENTIC_TESTS = ("test_router_agentic.py",)  # after the KV-realistic test, beside which its cluster starts
+KV_8B_ORDER = (5, 2)
 LAST = ("test_shutdown.py",)  # stops the live cluster's servers
 LAST_ORDER = (5,)
 FAULT_SUITE_STARTS_AT = (1,)  # the quick demo's result
@@ -406,7 +447,9 @@ def _order(item) -> tuple:
     if name in TP_TESTS:
         return TP_ORDER
     if name in KV_8B_TESTS:
-        return (5, 2)
+        return KV_8B_ORDER
+    if name in AGENTIC_TESTS:
+        return (5, 3)
     if name in LAST:
         return LAST_ORDER
     if folder == "integration":
@@ -441,6 +484,9 @@ def _background_and_ahead(request, start_background, still_running):
         request.getfixturevalue("shared_clusters").start_beside("tp")
     if order == TP_ORDER and _collected(request.session, KV_8B_TESTS):
         request.getfixturevalue("shared_clusters").start_beside("kv_8b")
+    if order == KV_8B_ORDER and _collected(request.session, AGENTIC_TESTS):
+        # The KV-realistic test mostly waits on its handoffs; the agentic servers start beside it.
+        request.getfixturevalue("shared_clusters").start_beside("agentic")
     if order == PAGE16_TESTS:
         clusters = request.getfixturevalue("shared_clusters")
         if clusters.page_size == 16:  # from the second page-16 test on: its servers are up
