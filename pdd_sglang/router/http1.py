@@ -318,7 +318,10 @@ class Pool:
     """Keep-alive connections by server, taken last-released-first, none kept idle longer than
     ``keepalive_s``; no limit on how many (each in-flight request holds one per server)."""
 
-    def __init__(self, connect_timeout_s: float, keepalive_s: float):
+    def __init__(self, connect_timeout_s: float, keepalive_s: float,
+                 authorization: Optional[bytes] = None):
+        # Every request's Authorization header (the servers' --api-key), unless send() names one.
+        self.authorization = authorization
         self.connect_timeout_s = connect_timeout_s
         self.keepalive_s = keepalive_s
         self.loop = asyncio.get_running_loop()
@@ -335,12 +338,16 @@ class Pool:
         return target
 
     async def send(self, url: str, method: bytes, path: str, body: bytes = b"",
-                   content_type: Optional[bytes] = None, fresh: bool = False) -> Connection:
+                   content_type: Optional[bytes] = None, fresh: bool = False,
+                   authorization: Optional[bytes] = None) -> Connection:
         """The request written on a pooled connection (a new one when none is idle, or when
         ``fresh``); read its answer from the connection, then hand it to ``release``."""
         target = self.target(url)
         head = b"%s %s HTTP/1.1\r\nHost: %s\r\n" % (
             method, (target.prefix + path).encode("latin-1"), target.host_header)
+        authorization = authorization or self.authorization
+        if authorization is not None:
+            head += b"Authorization: %s\r\n" % authorization
         if content_type is not None:
             head += b"Content-Type: %s\r\n" % content_type
         if body or method == b"POST":

@@ -41,6 +41,7 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -167,12 +168,16 @@ def _get(url: str, timeout_s: float = 2.0) -> int:
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as resp:
             return resp.status
+    except urllib.error.HTTPError as err:
+        with err:
+            return err.code
     except Exception:  # noqa: BLE001 - not up yet
         return 0
 
 
 def _wait_ready(targets: list, timeout_s: float) -> None:
-    """Each (url, proc or None, log): its /health answers 200 in time, or the bench stops."""
+    """Each (url, proc or None, log): its /health answers 200 in time, and its /ready too
+    where it has one (the PDD router listens before it serves), or the bench stops."""
     deadline = time.monotonic() + timeout_s
     pending = list(targets)
     while pending:
@@ -180,7 +185,7 @@ def _wait_ready(targets: list, timeout_s: float) -> None:
         if proc is not None and proc.poll() is not None:
             tail = Path(log).read_text(errors="replace")[-2000:] if log else ""
             raise RuntimeError(f"{url} exited with {proc.returncode} before it was ready:\n{tail}")
-        if _get(url + "/health") == 200:
+        if _get(url + "/health") == 200 and _get(url + "/ready") in (200, 404):
             pending.pop(0)
             continue
         if time.monotonic() > deadline:

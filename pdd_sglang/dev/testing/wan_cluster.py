@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from pdd_sglang.dev.testing.cluster import SGLangServer, free_port
+from pdd_sglang.dev.testing.cluster import (TEST_API_KEY, TEST_ROUTER_KEY, SGLangServer,
+                                             bearer, free_port)
 from pdd_sglang.dev.wan_emulator import netns
 
 
@@ -52,7 +53,8 @@ class NetnsServer(SGLangServer):
     def post_raw(self, path: str, timeout_s: float = 60.0) -> int:
         """POST with an empty body; the HTTP status (e.g. ``/flush_cache``)."""
         with in_namespace(self.netns):
-            request = urllib.request.Request(self.url + path, data=b"", method="POST")
+            request = urllib.request.Request(self.url + path, data=b"", method="POST",
+                                             headers=self.headers)
             try:
                 with urllib.request.urlopen(request, timeout=timeout_s) as resp:
                     return resp.status
@@ -62,16 +64,26 @@ class NetnsServer(SGLangServer):
 
 
 class RouterProcess:
-    """``python -m pdd_sglang.router`` in a namespace, in its own process group, always stopped."""
+    """``python -m pdd_sglang.router`` in a namespace, in its own process group, always stopped.
+
+    With keys on, as the test clusters run: it takes ``api_key`` from its clients (``headers``)
+    and sends the servers ``server_api_key``, both from the environment (out of the process
+    list). ``expose``: every answer carries the router's summary (the tests and the demo's
+    stage split read it)."""
 
     def __init__(self, log_path: Path, args: Sequence[str], *, host: str = "127.0.0.1",
-                 exec_prefix: Sequence[str] = (), netns_name: Optional[str] = None):
+                 exec_prefix: Sequence[str] = (), netns_name: Optional[str] = None,
+                 api_key: Optional[str] = TEST_ROUTER_KEY,
+                 server_api_key: Optional[str] = TEST_API_KEY, expose: bool = True):
         self.host = host
         self.log_path = Path(log_path)
         self.netns = netns_name
-        self._exec_prefix, self._args = tuple(exec_prefix), tuple(args)
+        self.headers = bearer(api_key)
+        self._exec_prefix = tuple(exec_prefix)
+        self._args = (*args, *(("--expose-internal-details",) if expose else ()))
         repo_root = Path(__file__).resolve().parents[3]
-        self.env = {**os.environ,
+        keys = {"PDD_ROUTER_API_KEY": api_key or "", "PDD_SERVER_API_KEY": server_api_key or ""}
+        self.env = {**os.environ, **keys,
                     "PYTHONPATH": os.pathsep.join(filter(None, [str(repo_root),
                                                                 os.environ.get("PYTHONPATH")]))}
         self._new_port()
@@ -108,7 +120,7 @@ class RouterProcess:
                                    f"{self.log_tail()}")
             try:
                 with in_namespace(self.netns):
-                    with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
+                    with urllib.request.urlopen(self.url + "/ready", timeout=5) as resp:
                         # The port is picked free outside the router's namespace, so another
                         # server there may hold it and answer: ready once this router listens.
                         if resp.status == 200 and self._listening_since(started_at):
@@ -124,8 +136,9 @@ class RouterProcess:
         return self.process is not None and self.process.poll() is None
 
     def get_text(self, path: str, timeout_s: float = 30.0) -> str:
+        request = urllib.request.Request(self.url + path, headers=self.headers)
         with in_namespace(self.netns):
-            with urllib.request.urlopen(self.url + path, timeout=timeout_s) as resp:
+            with urllib.request.urlopen(request, timeout=timeout_s) as resp:
                 return resp.read().decode()
 
     def _listening_since(self, offset: int) -> bool:
