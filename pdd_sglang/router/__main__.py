@@ -23,6 +23,7 @@ from aiohttp import web
 
 from pdd_sglang.router.app import build_app, service_of
 from pdd_sglang.router.config import parse_args
+from pdd_sglang.router.front_door import listener_tls
 from pdd_sglang.router.metrics import MULTIPROC_ENV
 from pdd_sglang.router.service import RouterService
 from pdd_sglang.router.shared_state import PeerBus
@@ -110,19 +111,22 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         def serve_worker(index: int, sockets: list, ready_fd: int) -> None:
             service = RouterService(config, index, PeerBus(index, sockets))
             run_event_loop(serve(build_app(service), config.host, config.port, reuse_port=True,
-                                 listening=lambda: _listening(index, ready_fd)))
+                                 listening=lambda: _listening(index, ready_fd),
+                                 ssl_context=listener_tls(config)))
 
         metrics_dir = _metrics_dir()
         try:
+            scheme = "https" if config.ssl_certfile else "http"
             status = run_workers(config.workers, serve_worker, f"PDD router listening on "
-                                 f"http://{config.host}:{config.port} ({config.workers} workers)")
+                                 f"{scheme}://{config.host}:{config.port} ({config.workers} "
+                                 "workers)")
         finally:
             if metrics_dir is not None:
                 shutil.rmtree(metrics_dir, ignore_errors=True)
         logger.info("PDD router stopped")
         sys.exit(status)
     app = build_app(RouterService(config))
-    run_event_loop(serve(app, config.host, config.port))
+    run_event_loop(serve(app, config.host, config.port, ssl_context=listener_tls(config)))
     logger.info("PDD router stopped")
 
 

@@ -249,6 +249,17 @@ class RouterConfig:
     server_admin_api_key: Optional[str] = setting(
         None, "key the router sends the servers' /flush_cache (their --admin-api-key; default: "
         "--server-api-key)", env="PDD_SERVER_ADMIN_API_KEY", secret=True)
+    # TLS: the router's listener with SGLang's flag names; its calls to https:// servers.
+    ssl_keyfile: Optional[str] = setting(None, "serve TLS with this private key (as SGLang's "
+                                         "flag; with --ssl-certfile)")
+    ssl_certfile: Optional[str] = setting(None, "serve TLS with this certificate chain (as "
+                                          "SGLang's flag; with --ssl-keyfile)")
+    server_ssl_ca_certs: Optional[str] = setting(
+        None, "CA bundle that https:// server URLs are verified against (default: the system's)")
+    server_ssl_certfile: Optional[str] = setting(
+        None, "client certificate the router presents to https:// servers (with "
+        "--server-ssl-keyfile)")
+    server_ssl_keyfile: Optional[str] = setting(None, "its private key")
     expose_internal_details: bool = setting(
         False, "show every client the servers' URLs, timing marks and placement (meta_info.pdd, "
         "OpenAI metadata, /server_info, /health, /metrics labels); otherwise only a request "
@@ -256,6 +267,10 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         _check_ranges(self)
+        if bool(self.ssl_keyfile) != bool(self.ssl_certfile):
+            raise ValueError("--ssl-keyfile and --ssl-certfile go together")
+        if self.server_ssl_keyfile and not self.server_ssl_certfile:
+            raise ValueError("--server-ssl-keyfile needs --server-ssl-certfile")
 
 
 @dataclass(frozen=True)

@@ -13,12 +13,18 @@ operator: with ``--expose-internal-details``, or to a request bearing the admin 
 ``meta_info.pdd`` and OpenAI's ``metadata`` are left out, ``/health`` and ``/server_info`` name
 each server by role and index (``main-0``), and so do ``/metrics``' labels.
 
+TLS, both ways: the router's listener (``--ssl-keyfile``, ``--ssl-certfile``, SGLang's names)
+and its calls to ``https://`` servers, verified against ``--server-ssl-ca-certs`` (default: the
+system's CAs), presenting ``--server-ssl-certfile`` where the servers ask for a client
+certificate.
+
 Owner: the router's event loop; stateless past the config.
 """
 
 from __future__ import annotations
 
 import secrets
+import ssl
 from typing import Optional
 
 from aiohttp import web
@@ -112,3 +118,20 @@ def upstream_keys(config: RouterConfig) -> tuple[Optional[bytes], Optional[bytes
     administrative routes (their admin key, else the same key)."""
     key = bearer(config.server_api_key)
     return key, bearer(config.server_admin_api_key) or key
+
+
+def listener_tls(config: RouterConfig) -> Optional[ssl.SSLContext]:
+    """The router's own TLS (None: plain HTTP)."""
+    if not config.ssl_certfile:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(config.ssl_certfile, config.ssl_keyfile)
+    return context
+
+
+def upstream_tls(config: RouterConfig) -> ssl.SSLContext:
+    """How the router checks https:// servers and proves itself to them."""
+    context = ssl.create_default_context(cafile=config.server_ssl_ca_certs)
+    if config.server_ssl_certfile:
+        context.load_cert_chain(config.server_ssl_certfile, config.server_ssl_keyfile)
+    return context

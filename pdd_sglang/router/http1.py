@@ -319,7 +319,8 @@ class Pool:
     ``keepalive_s``; no limit on how many (each in-flight request holds one per server)."""
 
     def __init__(self, connect_timeout_s: float, keepalive_s: float,
-                 authorization: Optional[bytes] = None):
+                 authorization: Optional[bytes] = None,
+                 ssl_context: Optional[ssl_module.SSLContext] = None):
         # Every request's Authorization header (the servers' --api-key), unless send() names one.
         self.authorization = authorization
         self.connect_timeout_s = connect_timeout_s
@@ -328,7 +329,8 @@ class Pool:
         self._idle: dict[tuple, list[Connection]] = {}
         self._open_conns: set[Connection] = set()  # idle or in use: close() ends them all
         self._targets: dict[str, Target] = {}
-        self._ssl: Optional[ssl_module.SSLContext] = None
+        # For https:// servers (the system's CAs unless given one).
+        self._ssl: Optional[ssl_module.SSLContext] = ssl_context
         self.opened = 0  # connections opened, for tests and probes
 
     def target(self, url: str) -> Target:

@@ -16,7 +16,7 @@ from pdd_sglang.router.landing import LandingCopies
 from pdd_sglang.router.line_state import LineAccounting, poll_prefill_lines
 from pdd_sglang.router.placement import Placer
 from pdd_sglang.router.prefix_mirror import PrefixMirror
-from pdd_sglang.router.front_door import server_names, upstream_keys
+from pdd_sglang.router.front_door import server_names, upstream_keys, upstream_tls
 from pdd_sglang.router.servers import (MAIN, PREFILL, RELAY, HealthMonitor, ServerPool,
                                        Upstream, role_mismatch)
 from pdd_sglang.router.shared_state import PeerBus, SharedState
@@ -40,7 +40,8 @@ class RouterService:
         self.worker, self.bus = worker, bus
         self.pool = ServerPool(config.prefills, config.relays, config.mains)
         self.client = UpstreamClient(config.connect_timeout_s, config.read_timeout_s,
-                                     config.upstream_keepalive_s, upstream_keys(config))
+                                     config.upstream_keepalive_s, upstream_keys(config),
+                                     upstream_tls(config))
         # One of several workers: every worker's metrics in the supervisor's files (metrics.py).
         self.metrics = RouterMetrics(shared=bus is not None and share_between_workers())
         self.health = HealthMonitor(self.pool, self.client, config.health_interval_s,

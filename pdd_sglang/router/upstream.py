@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import ssl
 from typing import Callable, Optional
 
 import orjson
@@ -95,10 +96,12 @@ class UpstreamClient:
     connections taken last-released-first, dropped after ``keepalive_s`` idle."""
 
     def __init__(self, connect_timeout_s: float, read_timeout_s: float, keepalive_s: float,
-                 keys: tuple[Optional[bytes], Optional[bytes]] = (None, None)):
+                 keys: tuple[Optional[bytes], Optional[bytes]] = (None, None),
+                 tls: Optional[ssl.SSLContext] = None):
         # The Authorization header's value on every call, and on administrative ones
         # (router/front_door.upstream_keys); None: no header.
         self.key, self.admin_key = keys
+        self.tls = tls  # for https:// servers (router/front_door.upstream_tls)
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
         self.keepalive_s = keepalive_s
@@ -112,7 +115,7 @@ class UpstreamClient:
         # the request with "server disconnected" (seen across the emulated WAN, where the race
         # window is an RTT wide). Kept as long as that allows (--upstream-keepalive-s): a burst
         # of requests that finds the pool emptied opens a connection per request and server.
-        self._pool = Pool(self.connect_timeout_s, self.keepalive_s, self.key)
+        self._pool = Pool(self.connect_timeout_s, self.keepalive_s, self.key, self.tls)
         self.silences.start()
 
     async def close(self) -> None:

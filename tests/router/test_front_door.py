@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 
 import aiohttp
 import pytest
 from aiohttp import web
 
 from pdd_sglang.dev.testing.cluster import free_port
+from pdd_sglang.dev.testing.tls import make_pki
 from pdd_sglang.dev.testing.tiny_model import ensure_tiny_model
 from pdd_sglang.router.app import build_app
 from pdd_sglang.router.config import LinkParams, PrefillEndpoint, RouterConfig, parse_args
+from pdd_sglang.router.front_door import listener_tls
 from pdd_sglang.router.service import RouterService
 
 from test_router_app import MAIN_SCRIPT, RELAY_SCRIPT, FakeServer, sse
@@ -29,15 +32,16 @@ def auth(key: str) -> dict:
     return {"Authorization": f"Bearer {key}"}
 
 
-async def keyed_router(test, start_servers: bool = True, model_path: str = "", **settings):
+async def keyed_router(test, start_servers: bool = True, model_path: str = "",
+                       server_tls=None, client_tls=None, **settings):
     """Servers with SGLang's keys on, a router with ``settings`` (keys on unless given);
-    ``model_path``: what the servers say they serve (default: the tiny model)."""
+    ``model_path``: what the servers say they serve (default: the tiny model); ``server_tls``:
+    the servers' TLS; ``client_tls``: the test client's, to a router serving TLS."""
     model_path = model_path or str(ensure_tiny_model())
-    servers = [FakeServer("prefill", model_path, api_key=SERVER_KEY, admin_api_key=SERVER_ADMIN),
-               FakeServer("relay", model_path, RELAY_SCRIPT, api_key=SERVER_KEY,
-                          admin_api_key=SERVER_ADMIN),
-               FakeServer("main", model_path, MAIN_SCRIPT, api_key=SERVER_KEY,
-                          admin_api_key=SERVER_ADMIN)]
+    keyed = dict(api_key=SERVER_KEY, admin_api_key=SERVER_ADMIN, ssl_context=server_tls)
+    servers = [FakeServer("prefill", model_path, **keyed),
+               FakeServer("relay", model_path, RELAY_SCRIPT, **keyed),
+               FakeServer("main", model_path, MAIN_SCRIPT, **keyed)]
     prefill, relay, main = servers
     keys = dict(api_key=KEY, admin_api_key=ADMIN, server_api_key=SERVER_KEY,
                 server_admin_api_key=SERVER_ADMIN)
@@ -51,10 +55,12 @@ async def keyed_router(test, start_servers: bool = True, model_path: str = "", *
     runner = web.AppRunner(build_app(service), handler_cancellation=True)
     await runner.setup()
     port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    await web.TCPSite(runner, "127.0.0.1", port, ssl_context=listener_tls(config)).start()
+    scheme = "https" if config.ssl_certfile else "http"
     try:
-        async with aiohttp.ClientSession() as session:
-            await test(session, f"http://127.0.0.1:{port}", service, servers)
+        async with aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(ssl=client_tls if client_tls else True)) as session:
+            await test(session, f"{scheme}://127.0.0.1:{port}", service, servers)
     finally:
         await runner.cleanup()
         for server in servers:
@@ -223,3 +229,47 @@ def test_the_servers_kv_figure_is_what_the_router_places_with():
     # The operator's figure wins.
     assert load_model_info({"model_path": "/nowhere"}, info, str(ensure_tiny_model()),
                            512.0, False).kv_bytes_per_token == 512.0
+
+
+def _tls(tmp_path):
+    """A test CA; servers that present its certificate and demand the client's."""
+    pki = make_pki(tmp_path / "pki")
+    servers = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=pki.ca_file)
+    servers.load_cert_chain(pki.server.certfile, pki.server.keyfile)
+    servers.verify_mode = ssl.CERT_REQUIRED
+    return pki, servers
+
+
+def test_the_router_reaches_keyed_servers_over_tls_with_a_ca_bundle_and_a_client_cert(tmp_path):
+    """Servers on TLS that demand a client certificate and their key; the router serving TLS
+    itself: the whole path encrypted, each leg verified against the test's CA."""
+    pki, servers_tls = _tls(tmp_path)
+    client = ssl.create_default_context(cafile=pki.ca_file)
+
+    async def test(session, url, service, servers):
+        await service.starting
+        async with session.post(url + "/generate", json=BODY, headers=auth(KEY)) as resp:
+            assert resp.status == 200
+            assert (await resp.json())["output_ids"] == [10, 11, 12, 13, 14]
+        assert all(s.bodies for s in servers) and [s.refused for s in servers] == [[], [], []]
+        async with session.post(url + "/flush_cache", headers=auth(ADMIN)) as resp:
+            assert resp.status == 200
+        # A client that does not trust the test's CA cannot talk to the router.
+        async with aiohttp.ClientSession() as untrusting:
+            with pytest.raises(aiohttp.ClientConnectorCertificateError):
+                await untrusting.get(url + "/health")
+    asyncio.run(keyed_router(
+        test, server_tls=servers_tls, client_tls=client, server_ssl_ca_certs=pki.ca_file,
+        server_ssl_certfile=pki.client.certfile, server_ssl_keyfile=pki.client.keyfile,
+        ssl_certfile=pki.server.certfile, ssl_keyfile=pki.server.keyfile))
+
+
+def test_without_the_ca_bundle_or_the_client_cert_the_router_reaches_no_server(tmp_path):
+    pki, servers_tls = _tls(tmp_path)
+    for settings in ({}, {"server_ssl_ca_certs": pki.ca_file}):  # system CAs; no client cert
+        async def test(session, url, service, servers):
+            with pytest.raises(RuntimeError, match="no prefill server answered"):
+                await service.starting
+            assert not any(s.bodies for s in servers)
+        asyncio.run(keyed_router(test, server_tls=servers_tls, startup_timeout_s=0.5,
+                                 **settings))

@@ -25,7 +25,7 @@ class FakeServer:
     """Answers like an SGLang server of one role; ``script`` makes its /generate stream."""
 
     def __init__(self, role: str, model_path: str, script=None, delay_s: float = 0.0,
-                 failures: int = 0, api_key=None, admin_api_key=None):
+                 failures: int = 0, api_key=None, admin_api_key=None, ssl_context=None):
         self.role, self.model_path, self.script, self.delay_s = role, model_path, script, delay_s
         # SGLang's --api-key and --admin-api-key, checked by SGLang's own rules.
         self.api_key, self.admin_api_key = api_key, admin_api_key
@@ -33,7 +33,8 @@ class FakeServer:
         self.flushed = 0
         self.failures = failures  # answer this many /generate calls with SGLang's 500
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.ssl_context = ssl_context  # TLS (SGLang's --ssl-certfile), client certs as it asks
+        self.url = f"{'https' if ssl_context else 'http'}://127.0.0.1:{self.port}"
         self.aborted: list[str] = []
         self.bodies: list[dict] = []
         self.finished_streams = 0  # streams written to the end (the client read them whole)
@@ -66,7 +67,8 @@ class FakeServer:
         app.router.add_post("/flush_cache", self.flush_cache)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port,
+                          ssl_context=self.ssl_context).start()
 
     @web.middleware
     async def _check_key(self, request, handler):
