@@ -16,7 +16,8 @@ from aiohttp import web
 
 from pdd_sglang.router import errors
 from pdd_sglang.router.dispatch import StreamEndedEarly
-from pdd_sglang.router.front_door import FrontDoor, health_view, meta_for_client, without_urls
+from pdd_sglang.router.front_door import (FrontDoor, health_view, meta_for_client,
+                                          without_addresses, without_urls)
 from pdd_sglang.router.openai_format import OpenAIStream
 from pdd_sglang.router.request_parsing import (GenerateJob, parse_chat, parse_completion,
                                                parse_generate, parse_json_object,
@@ -75,6 +76,12 @@ class Handlers:
         self.service = service
         self.door = door
 
+    def _failure(self, request: web.Request, err: Exception) -> str:
+        """What the client is told of a failure: its servers named by role without detail."""
+        message = _failure_message(err)
+        return message if self.door.detail(request) else without_addresses(message,
+                                                                           self.service.pool)
+
     # ---- request intake -----------------------------------------------------------------
     async def _intake(self, request: web.Request, parse, api: str):
         """Parse and place, or an error response; nothing reaches a server before this passes."""
@@ -125,7 +132,8 @@ class Handlers:
                     async for update in updates:
                         final = update
             except _FAILURES as err:
-                return errors.upstream_failure_response(_failure_message(err), "generate", 500)
+                return errors.upstream_failure_response(self._failure(request, err),
+                                                        "generate", 500)
             return web.Response(body=orjson.dumps(_generate_body(final, detail)),
                                 content_type="application/json")
         response = EventStream(status=200, headers=_SSE_HEADERS)
@@ -142,8 +150,8 @@ class Handlers:
                         if incremental:
                             sent_chars, sent_ids = len(update.text), len(update.output_ids)
             except _FAILURES as err:
-                await response.write(errors.generate_stream_error_chunk(_failure_message(err),
-                                                                        500))
+                await response.write(errors.generate_stream_error_chunk(
+                    self._failure(request, err), 500))
         return await _until_client_leaves(request, response, chunks())
 
     # ---- OpenAI -------------------------------------------------------------------------
@@ -168,7 +176,8 @@ class Handlers:
                     async for update in updates:
                         final = update
             except _FAILURES as err:
-                return errors.openai_error(_failure_message(err), 500, "InternalServerError")
+                return errors.openai_error(self._failure(request, err), 500,
+                                           "InternalServerError")
             answer = formatter.response(final)
             if not self.door.detail(request):
                 answer.pop("metadata", None)
@@ -183,7 +192,7 @@ class Handlers:
                         for chunk in formatter.chunks(update):
                             await response.write(_sse(chunk))
             except _FAILURES as err:
-                await response.write(_sse({"error": {"message": _failure_message(err),
+                await response.write(_sse({"error": {"message": self._failure(request, err),
                                                      "type": "InternalServerError", "code": 500}}))
         return await _until_client_leaves(request, response, chunks())
 

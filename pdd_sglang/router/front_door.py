@@ -26,6 +26,7 @@ from __future__ import annotations
 import secrets
 import ssl
 from typing import Optional
+from urllib.parse import urlsplit
 
 from aiohttp import web
 from sglang.srt.utils.auth import AuthLevel, decide_request_auth
@@ -98,6 +99,13 @@ def without_urls(text: bytes, pool) -> bytes:
     for url, name in server_names(pool).items():
         text = text.replace(b'"%s"' % url.encode(), b'"%s"' % name.encode())
     return text
+
+
+def without_addresses(message: str, pool) -> str:
+    """A failure's message with each server's URL, and its host:port, as its name."""
+    for url, name in server_names(pool).items():
+        message = message.replace(url, name).replace(urlsplit(url).netloc, name)
+    return message
 
 
 def health_view(view: list[dict], pool) -> list[dict]:

@@ -273,3 +273,15 @@ def test_without_the_ca_bundle_or_the_client_cert_the_router_reaches_no_server(t
             assert not any(s.bodies for s in servers)
         asyncio.run(keyed_router(test, server_tls=servers_tls, startup_timeout_s=0.5,
                                  **settings))
+
+
+def test_a_failure_told_to_a_client_names_servers_by_role():
+    from pdd_sglang.router.front_door import without_addresses
+    from pdd_sglang.router.servers import ServerPool
+    pool = ServerPool((PrefillEndpoint("http://10.0.0.11:30000"),), ("http://10.0.0.12:30000",),
+                      ("https://md1.example:8443",))
+    message = ("main server failed: ConnectError('cannot connect to md1.example:8443: refused') "
+               "after the relay http://10.0.0.12:30000 and prefill 10.0.0.11:30000")
+    told = without_addresses(message, pool)
+    assert told == ("main server failed: ConnectError('cannot connect to main-0: refused') "
+                    "after the relay relay-0 and prefill prefill-0")

@@ -41,14 +41,15 @@ def prompt_text(tokens: int, salt: int) -> str:
     return " ".join(f"w{(salt * 31 + i * 7) % 1000}" for i in range(tokens))
 
 
-async def _one(session, url: str, body: bytes, result: LoadResult) -> None:
+async def _one(session, url: str, body: bytes, result: LoadResult, headers: dict) -> None:
     sent = time.perf_counter()
     last_at = None
     chunks = 0
     last_line = b""
     try:
         async with session.post(url + "/generate", data=body,
-                                headers={"Content-Type": "application/json"}) as resp:
+                                headers={"Content-Type": "application/json",
+                                         **headers}) as resp:
             if resp.status != 200:
                 raise RuntimeError(f"HTTP {resp.status}: {(await resp.read())[:200]!r}")
             while True:  # one SSE event per read, not a line
@@ -88,7 +89,9 @@ def _estimate_error(meta: dict, result: LoadResult) -> None:
 
 
 async def run_load(url: str, concurrency: int, duration_s: float, answer_tokens: int,
-                   prompt_tokens: int, max_requests: int | None = None) -> LoadResult:
+                   prompt_tokens: int, max_requests: int | None = None,
+                   headers: dict | None = None, ssl_context=None) -> LoadResult:
+    """``headers``: the key the router or server takes; ``ssl_context``: for an https URL."""
     result = LoadResult()
     prompts = [prompt_text(prompt_tokens, salt) for salt in range(8)]
     deadline = time.perf_counter() + duration_s
@@ -102,10 +105,11 @@ async def run_load(url: str, concurrency: int, duration_s: float, answer_tokens:
                                  "sampling_params": {"max_new_tokens": answer_tokens,
                                                      "temperature": 0, "ignore_eos": True},
                                  "stream": True})
-            await _one(session, url, body, result)
+            await _one(session, url, body, result, headers or {})
 
     timeout = aiohttp.ClientTimeout(total=None, sock_read=120)
-    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    connector = aiohttp.TCPConnector(limit=0, force_close=False,
+                                     ssl=ssl_context if ssl_context is not None else True)
     started = time.perf_counter()
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         await asyncio.gather(*(worker(i, session) for i in range(concurrency)))

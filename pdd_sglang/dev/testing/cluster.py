@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -107,6 +108,9 @@ class SGLangServer:
     fork_children: bool = field(default_factory=lambda: os.environ.get(FORK_CHILDREN_ENV) == "1")
     process: Optional[subprocess.Popen] = None
     api_key: Optional[str] = TEST_API_KEY  # SGLang's --api-key; None: an open server
+    # With SGLang's --ssl-certfile/--ssl-keyfile in extra_args: served on https, verified here
+    # against this CA bundle.
+    ca_file: Optional[str] = None
 
     @property
     def headers(self) -> dict:
@@ -115,7 +119,12 @@ class SGLangServer:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{'https' if self.ca_file else 'http'}://{self.host}:{self.port}"
+
+    def urlopen(self, request, timeout_s: float):
+        """urllib's urlopen, trusting the server's CA where it serves TLS."""
+        context = ssl.create_default_context(cafile=self.ca_file) if self.ca_file else None
+        return urllib.request.urlopen(request, timeout=timeout_s, context=context)
 
     @property
     def log_path(self) -> Path:
@@ -163,7 +172,7 @@ class SGLangServer:
                     f"log {self.log_path}:\n{self.log_tail()}"
                 )
             try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
+                with self.urlopen(self.url + "/health", 5) as resp:
                     if resp.status == 200:
                         self._warn_if_spawned_instead()
                         return
@@ -255,7 +264,7 @@ class SGLangServer:
     # ---- HTTP helpers -------------------------------------------------------------------
     def get_json(self, path: str, timeout_s: float = 30.0):
         request = urllib.request.Request(self.url + path, headers=self.headers)
-        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+        with self.urlopen(request, timeout_s) as resp:
             return json.loads(resp.read())
 
     def post_json(self, path: str, body: dict, timeout_s: float = 300.0):
@@ -263,7 +272,7 @@ class SGLangServer:
             self.url + path, data=json.dumps(body).encode(),
             headers={"Content-Type": "application/json", **self.headers},
         )
-        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+        with self.urlopen(request, timeout_s) as resp:
             return json.loads(resp.read())
 
     def pdd_state(self) -> dict:
