@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import subprocess
 import sys
 import time
@@ -372,7 +373,9 @@ def test_bench_serving_through_router_has_no_errors(router_cluster, tmp_path):
            "--num-prompts", "8", "--random-input-len", "64", "--random-output-len", "8",
            "--tokenizer", str(router_cluster.model_path), "--model",
            str(router_cluster.model_path), "--output-file", str(out)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    # SGLang's bench sends $OPENAI_API_KEY as its bearer key: the router's (keys on).
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "OPENAI_API_KEY": TEST_ROUTER_KEY})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     record = json.loads(out.read_text().splitlines()[-1])
     assert record["completed"] == 8, record
