@@ -217,12 +217,13 @@ class Handlers:
         service = self.service
         pool = service.pool
         ok = service.started and bool(pool.healthy(PREFILL)) and bool(pool.healthy(MAIN))
-        view = pool.health_view()
+        view, error = pool.health_view(), service.start_error
         if not self.door.detail(request):
             view = health_view(view, pool)
+            error = error and without_addresses(error, pool)
         body = {"ready": ok, "servers": view}
-        if service.start_error is not None:
-            body["error"] = service.start_error
+        if error is not None:
+            body["error"] = error
         return web.json_response(body, status=200 if ok else 503, dumps=_dumps)
 
     async def metrics(self, request: web.Request) -> web.Response:
