@@ -69,7 +69,9 @@ def main() -> int:
         parser.error("--seconds and --rate must be > 0")
     args.out.mkdir(parents=True, exist_ok=True)
     log_dir = Path(tempfile.mkdtemp(prefix="pdd-line-poll-"))
+    # Open (no --api-key): the poller below measures the route alone.
     prefill = SGLangServer("prefill", ensure_tiny_model(), log_dir, fork_children=False,
+                           api_key=None,
                            extra_args=("--pdd-role", "prefill", "--disaggregation-bootstrap-port",
                                        str(free_port()), "--disaggregation-transfer-backend",
                                        "mooncake_tcp"))

@@ -124,10 +124,13 @@ def plain_pair(label: str, out: Path, model: Path, env: dict):
     """A plain prefill + decode pair (no ``--pdd-role``) behind the PD proxy, started once."""
     log_dir = out / label
     bootstrap_port = free_port()
-    prefill = SGLangServer(f"{label}-prefill", model, log_dir, env=dict(env), extra_args=(
+    # Open servers (no --api-key), as the plain PD proxy below calls them.
+    prefill = SGLangServer(f"{label}-prefill", model, log_dir, env=dict(env), api_key=None,
+                           extra_args=(
         "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bootstrap_port),
         *TRANSPORT))
-    decode = SGLangServer(f"{label}-decode", model, log_dir, env=dict(env), extra_args=(
+    decode = SGLangServer(f"{label}-decode", model, log_dir, env=dict(env), api_key=None,
+                          extra_args=(
         "--disaggregation-mode", "decode", *TRANSPORT, *RELAY_CPU_ARGS))
     with Cluster([prefill, decode]), PdProxy(prefill, decode, bootstrap_port) as proxy:
         proxy.log_dir = log_dir

@@ -75,6 +75,9 @@ def parse_args(argv=None) -> Settings:
     p.add_argument("--pdd-root-before", default=None,
                    help="a copy of this repository at an older commit: its PDD router is measured "
                         "too, as build 'before'")
+    p.add_argument("--keys-tls", action="store_true",
+                   help="keys and TLS on every leg: client -> router and router -> servers "
+                        "(the PDD routers of this tree only)")
     p.add_argument("--no-cgroup", action="store_true",
                    help="no CPU quota (CPU time read from /proc instead)")
     p.add_argument("--profile", action="store_true",
@@ -102,7 +105,7 @@ def parse_args(argv=None) -> Settings:
         p.error(f"--out {a.out}: {err}")
     s = Settings(routers=routers, out=a.out, log_dir=a.log_dir, cgroup=not a.no_cgroup,
                  incremental=not a.cumulative, pdd_root_before=a.pdd_root_before,
-                 profile=a.profile, publish=a.publish)
+                 profile=a.profile, publish=a.publish, keys_tls=a.keys_tls)
     if a.quick:
         s.concurrency, s.duration_s, s.answer_tokens, s.prompt_tokens = [1, 8], 2.0, 20, 256
         s.token_rate, s.long_answer_tokens, s.long_token_rate = 100.0, 1000, 1000.0

@@ -66,7 +66,8 @@ def generate(server: SGLangServer, ids: list[int], new_tokens: int, stream: bool
     result = agentic.RequestResult(0, 0, len(ids), 0, new_tokens)
     agentic.stream_generate(server.host, server.port, {
         "input_ids": ids, "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0.0,
-                                              "ignore_eos": True}}, 600.0, result)
+                                              "ignore_eos": True}}, 600.0, result,
+        server.headers)
     if result.error:
         raise RuntimeError(f"profile request failed: {result.error}")
     return result
@@ -101,7 +102,8 @@ def http_bytes(server: SGLangServer, ids: list[int], new_tokens: int) -> tuple[i
         "max_new_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True}}).encode()
     conn = http.client.HTTPConnection(server.host, server.port, timeout=600)
     try:
-        conn.request("POST", "/generate", body=body, headers={"Content-Type": "application/json"})
+        conn.request("POST", "/generate", body=body,
+                     headers={"Content-Type": "application/json", **server.headers})
         response = conn.getresponse()
         return len(body), len(response.read())
     finally:

@@ -14,14 +14,16 @@ import logging
 import os
 import shutil
 import signal
+import ssl
 import sys
 import tempfile
 from typing import Callable, Optional, Sequence
 
 from aiohttp import web
 
-from pdd_sglang.router.app import build_app
+from pdd_sglang.router.app import build_app, service_of
 from pdd_sglang.router.config import parse_args
+from pdd_sglang.router.front_door import listener_tls
 from pdd_sglang.router.metrics import MULTIPROC_ENV
 from pdd_sglang.router.service import RouterService
 from pdd_sglang.router.shared_state import PeerBus
@@ -32,8 +34,11 @@ LISTEN_BACKLOG = 4096
 
 
 async def serve(app: web.Application, host: str, port: int, reuse_port: bool = False,
-                listening: Optional[Callable[[], None]] = None) -> None:
-    """Serve ``app`` until a signal; ``listening`` is told once it listens (else it logs so)."""
+                listening: Optional[Callable[[], None]] = None,
+                ssl_context: Optional[ssl.SSLContext] = None) -> None:
+    """Serve ``app`` until a signal; ``listening`` is told once it listens (else it logs so).
+    It listens at once and learns its servers meanwhile (its /ready says when it serves); a
+    start-up that fails ends the process with its reason (SystemExit)."""
     # handler_cancellation: a client that goes away cancels its handler, which aborts the
     # request on every server holding it.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
@@ -41,32 +46,31 @@ async def serve(app: web.Application, host: str, port: int, reuse_port: bool = F
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    logger.info("PDD router starting: waiting for its servers")
-    # Start-up waits for the servers; a signal meanwhile stops it as well.
-    setup = asyncio.ensure_future(runner.setup())
-    stopped = asyncio.ensure_future(stop.wait())
-    await asyncio.wait({setup, stopped}, return_when=asyncio.FIRST_COMPLETED)
-    if not setup.done():
-        setup.cancel()
-        await asyncio.gather(setup, return_exceptions=True)
-        logger.info("PDD router stopping before its servers were ready")
-        await _cleanup(runner)
-        return
-    stopped.cancel()
-    setup.result()  # a start-up failure is the operator's to see
-    gc.freeze()  # what start-up loaded (the tokenizer, the modules) is never collected
+    await runner.setup()
+    failure = None
     try:
         # A backlog for a thousand clients connecting at once (aiohttp's default is 128).
-        await web.TCPSite(runner, host, port, backlog=LISTEN_BACKLOG,
+        await web.TCPSite(runner, host, port, backlog=LISTEN_BACKLOG, ssl_context=ssl_context,
                           reuse_port=reuse_port or None).start()
+        scheme = "https" if ssl_context is not None else "http"
         if listening is None:
-            logger.info("PDD router listening on http://%s:%s", host, port)
+            logger.info("PDD router listening on %s://%s:%s", scheme, host, port)
         else:
             listening()
-        await stop.wait()
+        logger.info("PDD router starting: waiting for its servers")
+        starting = service_of(app).starting
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if starting.done() and not starting.cancelled() and starting.exception() is not None:
+            failure = starting.exception()
+        elif starting.done():
+            gc.freeze()  # what start-up loaded (the tokenizer, the modules) is never collected
+            await stopped
         logger.info("PDD router stopping: closing the listener and aborting open requests")
     finally:
         await _cleanup(runner)
+    if failure is not None:
+        raise SystemExit(f"PDD router: {failure}")
 
 
 async def _cleanup(runner: web.AppRunner) -> None:
@@ -107,19 +111,22 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         def serve_worker(index: int, sockets: list, ready_fd: int) -> None:
             service = RouterService(config, index, PeerBus(index, sockets))
             run_event_loop(serve(build_app(service), config.host, config.port, reuse_port=True,
-                                 listening=lambda: _listening(index, ready_fd)))
+                                 listening=lambda: _listening(index, ready_fd),
+                                 ssl_context=listener_tls(config)))
 
         metrics_dir = _metrics_dir()
         try:
+            scheme = "https" if config.ssl_certfile else "http"
             status = run_workers(config.workers, serve_worker, f"PDD router listening on "
-                                 f"http://{config.host}:{config.port} ({config.workers} workers)")
+                                 f"{scheme}://{config.host}:{config.port} ({config.workers} "
+                                 "workers)")
         finally:
             if metrics_dir is not None:
                 shutil.rmtree(metrics_dir, ignore_errors=True)
         logger.info("PDD router stopped")
         sys.exit(status)
     app = build_app(RouterService(config))
-    run_event_loop(serve(app, config.host, config.port))
+    run_event_loop(serve(app, config.host, config.port, ssl_context=listener_tls(config)))
     logger.info("PDD router stopped")
 
 

@@ -18,6 +18,8 @@ from pdd_sglang.router import errors
 from pdd_sglang.router.chat_answer import answer_for
 from pdd_sglang.router.chat_translation import ChatIntake, ChatTranslator, parse_chat
 from pdd_sglang.router.dispatch import StreamEndedEarly
+from pdd_sglang.router.front_door import (FrontDoor, health_view, meta_for_client,
+                                          without_addresses, without_urls)
 from pdd_sglang.router.openai_format import OpenAIStream
 from pdd_sglang.router.request_parsing import (GenerateJob, parse_completion, parse_generate,
                                                parse_json_object, parse_off_loop)
@@ -75,9 +77,16 @@ def _failure_message(err: Exception) -> str:
 
 
 class Handlers:
-    def __init__(self, service: RouterService):
+    def __init__(self, service: RouterService, door: FrontDoor):
         self.service = service
+        self.door = door
         self._chat = None
+
+    def _failure(self, request: web.Request, err: Exception) -> str:
+        """What the client is told of a failure: its servers named by role without detail."""
+        message = _failure_message(err)
+        return message if self.door.detail(request) else without_addresses(message,
+                                                                           self.service.pool)
 
     @property
     def chat(self) -> ChatTranslator:
@@ -96,6 +105,8 @@ class Handlers:
         """Parse and place, or an error response; nothing reaches a server before this passes."""
         started = time.perf_counter()
         body = None
+        if not self.service.started:
+            return body, None, None, None, _not_ready(api)
         try:
             body = parse_json_object(await request.read())
             parsed = await parse_off_loop(parse, body, self.service.model)
@@ -134,6 +145,7 @@ class Handlers:
                                                                  "generate")
         if refusal is not None:
             return refusal
+        detail = self.door.detail(request)
         if not job.stream:
             final = None
             try:
@@ -141,8 +153,9 @@ class Handlers:
                     async for update in updates:
                         final = update
             except _FAILURES as err:
-                return errors.upstream_failure_response(_failure_message(err), "generate", 500)
-            return web.Response(body=orjson.dumps(_generate_body(final)),
+                return errors.upstream_failure_response(self._failure(request, err),
+                                                        "generate", 500)
+            return web.Response(body=orjson.dumps(_generate_body(final, detail)),
                                 content_type="application/json")
         response = EventStream(status=200, headers=_SSE_HEADERS)
         await response.prepare(request)
@@ -153,12 +166,13 @@ class Handlers:
             try:
                 async with self._run(job, placement, "generate", started) as updates:
                     async for update in updates:
-                        await response.write(_sse(_generate_body(update, sent_chars, sent_ids)))
+                        await response.write(_sse(_generate_body(update, detail, sent_chars,
+                                                                 sent_ids)))
                         if incremental:
                             sent_chars, sent_ids = len(update.text), len(update.output_ids)
             except _FAILURES as err:
-                await response.write(errors.generate_stream_error_chunk(_failure_message(err),
-                                                                        500))
+                await response.write(errors.generate_stream_error_chunk(
+                    self._failure(request, err), 500))
         return await _until_client_leaves(request, response, chunks())
 
     # ---- OpenAI -------------------------------------------------------------------------
@@ -183,8 +197,12 @@ class Handlers:
                     async for update in updates:
                         final = update
             except _FAILURES as err:
-                return errors.openai_error(_failure_message(err), 500, "InternalServerError")
-            return web.json_response(formatter.response(final), dumps=_dumps)
+                return errors.openai_error(self._failure(request, err), 500,
+                                           "InternalServerError")
+            answer = formatter.response(final)
+            if not self.door.detail(request):
+                answer.pop("metadata", None)
+            return web.json_response(answer, dumps=_dumps)
         response = EventStream(status=200, headers=_SSE_HEADERS)
         await response.prepare(request)
 
@@ -197,7 +215,7 @@ class Handlers:
                         for chunk in chunks:
                             await response.write(_sse(chunk))
             except _FAILURES as err:
-                await response.write(_sse({"error": {"message": _failure_message(err),
+                await response.write(_sse({"error": {"message": self._failure(request, err),
                                                      "type": "InternalServerError", "code": 500}}))
         return await _until_client_leaves(request, response, chunks())
 
@@ -213,6 +231,8 @@ class Handlers:
             "code": 501}}, status=501, dumps=_dumps)
 
     async def models(self, request: web.Request) -> web.Response:
+        if not self.service.started:
+            return _not_ready("openai")
         model = self.service.model
         card = {"id": model.served_model_name, "object": "model", "created": int(time.time()),
                 "owned_by": "sglang", "root": model.model_path, "parent": None,
@@ -221,17 +241,34 @@ class Handlers:
 
     # ---- operations ---------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
-        pool = self.service.pool
-        ok = bool(pool.healthy(PREFILL)) and bool(pool.healthy(MAIN))
-        # The status is the answer (as SGLang's); the body, each server as the router sees it.
-        return web.json_response({"servers": pool.health_view()}, status=200 if ok else 503,
+        """Liveness: the router answers (it listens from its start, before its servers do)."""
+        return web.json_response({"status": "alive", "ready": self.service.started},
                                  dumps=_dumps)
+
+    async def ready(self, request: web.Request) -> web.Response:
+        """Readiness: 503 until the router has learnt its servers and the model, and whenever
+        no prefill or no main is in rotation. The body: each server as the router sees it."""
+        service = self.service
+        pool = service.pool
+        ok = service.started and bool(pool.healthy(PREFILL)) and bool(pool.healthy(MAIN))
+        view, error = pool.health_view(), service.start_error
+        if not self.door.detail(request):
+            view = health_view(view, pool)
+            error = error and without_addresses(error, pool)
+        body = {"ready": ok, "servers": view}
+        if error is not None:
+            body["error"] = error
+        return web.json_response(body, status=200 if ok else 503, dumps=_dumps)
 
     async def metrics(self, request: web.Request) -> web.Response:
         body = self.service.metrics.render(self.service.pool)
+        if not self.door.detail(request):
+            body = without_urls(body, self.service.pool)
         return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
 
     async def model_info(self, request: web.Request) -> web.Response:
+        if not self.service.started:
+            return _not_ready("generate")
         model = self.service.model
         return web.json_response({"model_path": model.model_path,
                                   "served_model_name": model.served_model_name,
@@ -239,19 +276,30 @@ class Handlers:
                                  dumps=_dumps)
 
     async def server_info(self, request: web.Request) -> web.Response:
-        return web.json_response(await self.service.servers_info(), dumps=_dumps)
+        if self.door.detail(request):
+            return web.json_response(await self.service.servers_info(), dumps=_dumps)
+        return web.json_response(self.service.servers_summary(), dumps=_dumps)
 
     async def flush_cache(self, request: web.Request) -> web.Response:
+        if not self.service.started:
+            return _not_ready("generate")
         ok = await self.service.flush_cache()
         return web.Response(status=200 if ok else 500, text="Cache flushed.\n" if ok else
                             "Cache flush failed on some server.\n")
 
 
-def _generate_body(update: SplicedUpdate, sent_chars: int = 0, sent_ids: int = 0) -> dict:
+def _generate_body(update: SplicedUpdate, detail: bool, sent_chars: int = 0,
+                   sent_ids: int = 0) -> dict:
     """SGLang's /generate chunk: the text and ids after what the client has (all of them on a
-    cumulative stream)."""
+    cumulative stream); the router's summary only with ``detail`` (router/front_door.py)."""
     return {"text": update.text[sent_chars:] if sent_chars else update.text,
-            "output_ids": list(update.output_ids[sent_ids:]), "meta_info": update.meta}
+            "output_ids": list(update.output_ids[sent_ids:]),
+            "meta_info": meta_for_client(update.meta, detail)}
+
+
+def _not_ready(api: str) -> web.Response:
+    return errors.upstream_failure_response("the router is not ready: it is still learning its "
+                                            "servers (see its /ready)", api)
 
 
 def _dumps(value) -> str:
@@ -259,9 +307,12 @@ def _dumps(value) -> str:
 
 
 def build_app(service: RouterService) -> web.Application:
-    app = web.Application(client_max_size=64 * 1024 * 1024)
+    door = FrontDoor(service.config)
+    # The key check only where a key is set: no cost per request on an open router.
+    app = web.Application(client_max_size=64 * 1024 * 1024,
+                          middlewares=[door.middleware()] if door.keyed else [])
     app[_SERVICE] = service
-    handlers = Handlers(service)
+    handlers = Handlers(service, door)
     app.router.add_post("/generate", handlers.generate)
     app.router.add_post("/v1/completions", handlers.completions)
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
@@ -269,6 +320,7 @@ def build_app(service: RouterService) -> web.Application:
     app.router.add_route("*", "/v1/responses", handlers.responses)
     app.router.add_route("*", "/v1/responses/{tail:.*}", handlers.responses)
     app.router.add_get("/health", handlers.health)
+    app.router.add_get("/ready", handlers.ready)
     app.router.add_get("/metrics", handlers.metrics)
     app.router.add_get("/model_info", handlers.model_info)
     app.router.add_get("/get_model_info", handlers.model_info)
@@ -276,7 +328,7 @@ def build_app(service: RouterService) -> web.Application:
     app.router.add_post("/flush_cache", handlers.flush_cache)
 
     async def on_startup(app: web.Application) -> None:
-        await service.start()
+        service.begin()  # the router listens meanwhile (its /health, its /ready)
 
     async def on_cleanup(app: web.Application) -> None:
         await service.stop()
@@ -284,3 +336,7 @@ def build_app(service: RouterService) -> web.Application:
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)
     return app
+
+
+def service_of(app: web.Application) -> RouterService:
+    return app[_SERVICE]

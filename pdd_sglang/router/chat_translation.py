@@ -74,8 +74,7 @@ class ChatTranslator:
         prefill = prefills[next(self._turn) % len(prefills)]
         body = {k: v for k, v in intake.body.items() if k not in _ROUTER_FIELDS}
         try:  # bounded as every answer is: --read-timeout-s without data
-            status, payload = await self.client._exchange(prefill, b"POST", ROUTE,
-                                                          orjson.dumps(body))
+            status, payload = await self.client.post_json(prefill, ROUTE, orjson.dumps(body))
         except OSError as err:  # the prefill is gone or stalled: as a failed placement
             raise NoHealthyServer(PREFILL) from err
         answer = orjson.loads(payload or b"null")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -54,15 +55,20 @@ class Flag:
     # A list of servers: argparse's "URL [PORT] ..." groups -> the setting's tuple.
     servers_from: Optional[Callable[[list], tuple]] = None
     metavar: Optional[str] = None
+    # An environment variable the setting is read from when its flag is not given (a secret
+    # kept out of the process list).
+    env: Optional[str] = None
 
 
     def option(self, field_name: str) -> str:
         return self.name or "--" + field_name.replace("_", "-")
 
 
-def setting(default: Any = dataclasses.MISSING, help: str = "", **flag: Any) -> Any:
-    """A settings field: its default, and how the command line sets it (:class:`Flag`)."""
-    return field(default=default, metadata={_FLAG: Flag(help, **flag)})
+def setting(default: Any = dataclasses.MISSING, help: str = "", secret: bool = False,
+            **flag: Any) -> Any:
+    """A settings field: its default, and how the command line sets it (:class:`Flag`); a
+    ``secret`` one stays out of the config's repr (and so out of logs)."""
+    return field(default=default, repr=not secret, metadata={_FLAG: Flag(help, **flag)})
 
 
 def _check_ranges(settings: Any) -> None:
@@ -121,10 +127,11 @@ class LinkParams:
         unit=GBIT_PER_S, above=0)
     rtt_s: float = setting(0.020, "WAN round-trip time, ms", name="--wan-rtt-ms",
                            unit=MILLISECONDS, at_least=0)
-    # None: computed from the model's config once it is known (ModelInfo.kv_bytes_per_token).
+    # None: learnt from main once it answers (router/model.py, ModelInfo.kv_bytes_per_token).
     kv_bytes_per_token: Optional[float] = setting(
-        None, "KV bytes one token costs on the wire (default: 2 x layers x KV heads x head dim x "
-        "dtype size, from the model's config; set it for MLA or compressed KV)", above=0)
+        None, "KV bytes one token costs on the wire (default: what main's /server_info reports, "
+        "from SGLang's model config and KV dtype; the router refuses to start without it)",
+        above=0)
 
     def __post_init__(self) -> None:
         _check_ranges(self)
@@ -179,6 +186,9 @@ class RouterConfig:
         "(idle-line)", choices=PLACEMENTS)
     tokenizer_path: Optional[str] = setting(None, "tokenizer (default: the servers' own, from "
                                                   "main's /model_info)")
+    trust_remote_code: bool = setting(
+        False, "let transformers run the tokenizer's own code from its directory (as SGLang's "
+        "--trust-remote-code)")
     mirror_max_tokens: Optional[int] = setting(
         None, "tokens per main's prefix mirror (default: main's KV pool size)", above=0)
     health_interval_s: float = setting(5.0, "seconds between health polls of each server",
@@ -232,9 +242,42 @@ class RouterConfig:
     log_prefill_stats: bool = setting(
         False, "log each request's prefill time stats (a pdd-prefill-stats JSON line, read by "
         "the demo's stage split)")
+    # The front door (router/front_door.py): SGLang's key flags and rules, each key also from
+    # the environment.
+    api_key: Optional[str] = setting(
+        None, "key clients must send (Authorization: Bearer KEY) on every route but /health, "
+        "/ready and /metrics, as SGLang's --api-key", env="PDD_ROUTER_API_KEY", secret=True)
+    admin_api_key: Optional[str] = setting(
+        None, "key for /flush_cache (then the only one it takes) and for answers with internal "
+        "detail, as SGLang's --admin-api-key", env="PDD_ROUTER_ADMIN_API_KEY", secret=True)
+    server_api_key: Optional[str] = setting(
+        None, "key the router sends every server on every call (the servers' --api-key)",
+        env="PDD_SERVER_API_KEY", secret=True)
+    server_admin_api_key: Optional[str] = setting(
+        None, "key the router sends the servers' /flush_cache (their --admin-api-key; default: "
+        "--server-api-key)", env="PDD_SERVER_ADMIN_API_KEY", secret=True)
+    # TLS: the router's listener with SGLang's flag names; its calls to https:// servers.
+    ssl_keyfile: Optional[str] = setting(None, "serve TLS with this private key (as SGLang's "
+                                         "flag; with --ssl-certfile)")
+    ssl_certfile: Optional[str] = setting(None, "serve TLS with this certificate chain (as "
+                                          "SGLang's flag; with --ssl-keyfile)")
+    server_ssl_ca_certs: Optional[str] = setting(
+        None, "CA bundle that https:// server URLs are verified against (default: the system's)")
+    server_ssl_certfile: Optional[str] = setting(
+        None, "client certificate the router presents to https:// servers (with "
+        "--server-ssl-keyfile)")
+    server_ssl_keyfile: Optional[str] = setting(None, "its private key")
+    expose_internal_details: bool = setting(
+        False, "show every client the servers' URLs, timing marks and placement (meta_info.pdd, "
+        "OpenAI metadata, /server_info, /health, /metrics labels); otherwise only a request "
+        "with --admin-api-key sees them")
 
     def __post_init__(self) -> None:
         _check_ranges(self)
+        if bool(self.ssl_keyfile) != bool(self.ssl_certfile):
+            raise ValueError("--ssl-keyfile and --ssl-certfile go together")
+        if self.server_ssl_keyfile and not self.server_ssl_certfile:
+            raise ValueError("--server-ssl-keyfile needs --server-ssl-certfile")
 
 
 @dataclass(frozen=True)
@@ -299,6 +342,9 @@ def _add_flag(parser: argparse.ArgumentParser, declared: Declared) -> None:
         shown = default if default is None or flag.unit is None else flag.unit.from_setting(default)
         if shown is not None:
             help_text += " (default: %(default)s)"
+        if flag.env is not None:  # read at parse time; its value never shown in the help
+            shown = os.environ.get(flag.env) or shown
+            help_text += f" (also from ${flag.env})"
         parser.add_argument(declared.option, dest=declared.dest, type=_scalar(declared.type),
                             default=shown, choices=flag.choices, metavar=declared.metavar,
                             help=help_text)

@@ -6,8 +6,9 @@ and aiohttp's client cost about a quarter of a set-up's CPU (two requests per ro
 building a ClientRequest with its default headers, URL and payload objects, a timer context, its
 connector's bookkeeping). The SGLang servers speak plain HTTP/1.1: a JSON body answered with a
 Content-Length, or a chunked stream of SSE events. So a request here is one write of a prepared
-head and body, and the answer is parsed as it arrives: the head once, then the chunked framing,
-each SSE event handed to the reader without a copy of the whole body.
+head and body, and the answer is framed by httptools (llhttp) as it arrives, each SSE event
+handed to the reader without a copy of the whole body; an answer holding more than
+``MAX_BODY_BYTES`` unread is dropped.
 
 What it keeps of aiohttp's behaviour (router/upstream.py relies on it):
 - the pool: no size limit; the connection released last is the next one taken, so the ones that
@@ -21,7 +22,8 @@ What it keeps of aiohttp's behaviour (router/upstream.py relies on it):
   (aiohttp retries idempotent requests once); a POST is never resent;
 - errors are OSErrors: ``ConnectError`` when nothing accepted the connection (refused, no
   route), TimeoutError for the connect and read timeouts, ConnectionResetError when the server
-  closed the connection mid-answer, ``BadResponse`` for a reply that is not HTTP/1.1.
+  closed the connection mid-answer, ``BadResponse`` for a reply that is not HTTP/1.1 (llhttp's
+  reason: conflicting or duplicate lengths, a malformed or truncated chunk, ...) or too large.
 
 Owner: the router's event loop; nothing here is thread-safe.
 """
@@ -34,10 +36,12 @@ import time
 from typing import Callable, Optional
 from urllib.parse import urlsplit
 
-MAX_HEAD_BYTES = 64 << 10
-_CRLF = b"\r\n"
-# _chunk_left's states besides a count of data bytes still to come
-_SIZE_LINE, _DATA_END, _TRAILER = 0, -1, -2
+import httptools
+
+# What an answer may hold unread (its body, or a stream's events not yet handed over) before
+# the connection is dropped as a BadResponse: a cumulative stream's last event holds the whole
+# answer (upstream.MAX_EVENT_BYTES), a busy prefill's /server_info about 1 MB.
+MAX_BODY_BYTES = 64 << 20
 
 
 class ConnectError(OSError):
@@ -72,7 +76,12 @@ class Target:
 
 
 class Connection(asyncio.Protocol):
-    """One connection to a server and the answer being read on it (one at a time)."""
+    """One connection to a server and the answer being read on it (one at a time).
+
+    The answer is framed by httptools (llhttp, the parser uvicorn runs): status line, headers,
+    Content-Length or chunked bodies, and what HTTP/1.1 refuses (a Content-Length beside a
+    Transfer-Encoding, duplicate lengths, a malformed or truncated chunk), each a BadResponse
+    naming llhttp's reason. One parser per answer: bytes past the answer's end are refused."""
 
     def __init__(self, pool: "Pool", key: tuple):
         self.pool, self.key = pool, key
@@ -82,20 +91,14 @@ class Connection(asyncio.Protocol):
         self.error: Optional[BaseException] = None
         self.received = 0  # reads with data, for the silence watch (upstream.SilenceWatch)
         self._waiter: Optional[asyncio.Future] = None
-        self._raw = bytearray()  # received, not parsed yet
         self._body = bytearray()  # the answer's body, de-chunked, not read yet
         self._scanned = 0  # how far _body holds no event separator
         # The reader of a stream's events (read_events): each complete event as it arrives,
         # True once the reader wants no more.
         self._on_event: Optional[Callable[[bytes], bool]] = None
         self._max_event = 0
-        self.status = 0
-        self._head_done = False
-        self.body_done = False
         self.keep_alive = True
-        self._chunked = False
-        self._chunk_left = _SIZE_LINE
-        self._length = -1  # body bytes still to come; -1: until the connection closes
+        self._reset()
 
     # -- the protocol: called by the event loop -------------------------------------------
     def connection_made(self, transport) -> None:
@@ -104,28 +107,21 @@ class Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.received += 1
         try:
-            if not self._head_done:
-                self._raw += data
-                end = self._raw.find(b"\r\n\r\n")
-                if end < 0:
-                    if len(self._raw) > MAX_HEAD_BYTES:
-                        raise BadResponse("response head too large")
-                    return
-                self._parse_head(bytes(self._raw[:end]))
-                data = bytes(self._raw[end + 4:])
-                self._raw.clear()
-            if data:
-                self._feed(data)
+            self._parser.feed_data(data)
+            if self._past_end:
+                raise BadResponse("data after the end of the answer")
+            if len(self._body) > self.pool.max_body_bytes:
+                raise BadResponse(f"answer body over {self.pool.max_body_bytes} bytes unread")
             if self._on_event is not None and not self._deliver_events():
                 return  # the events went to the reader's callback: no wake of the reader
-        except (ValueError, BadResponse) as err:
+        except (ValueError, BadResponse, httptools.HttpParserError) as err:
             self._fail(err if isinstance(err, BadResponse) else BadResponse(str(err)))
             self.transport.close()
             return
         self._wake()
 
     def eof_received(self) -> None:
-        if self._head_done and self._length < 0 and not self._chunked:
+        if self._head_done and not self._framed:
             self.body_done = True  # a body delimited by the connection's end
         self.keep_alive = False
 
@@ -137,77 +133,24 @@ class Connection(asyncio.Protocol):
         self.pool.forget(self)
         self._wake()
 
-    # -- the answer ---------------------------------------------------------------------
-    def _parse_head(self, head: bytes) -> None:
-        lines = head.split(_CRLF)
-        version, _, rest = lines[0].partition(b" ")
-        if not version.startswith(b"HTTP/1."):
-            raise BadResponse(f"not an HTTP/1.x response: {lines[0][:80]!r}")
-        self.status = int(rest[:3])
-        self.keep_alive = version == b"HTTP/1.1"
-        for line in lines[1:]:
-            name, _, value = line.partition(b":")
-            name = name.strip().lower()
-            if name == b"content-length":
-                self._length = int(value)
-            elif name == b"transfer-encoding":
-                self._chunked = b"chunked" in value.lower()
-            elif name == b"connection":
-                value = value.strip().lower()
-                self.keep_alive = value != b"close" and (self.keep_alive or value == b"keep-alive")
-        if self._chunked:
-            self._length = -1
-        elif self.status in (204, 304) or 100 <= self.status < 200:
-            self._length = 0  # no body (a 1xx is never asked for: no Expect header is sent)
-        if self._length < 0 and not self._chunked:
-            self.keep_alive = False
-        self._head_done = True
-        self.body_done = self._length == 0
+    # -- the answer, as httptools parses it (its callbacks) -------------------------------
+    def on_message_begin(self) -> None:
+        self._past_end = self.body_done  # a second answer: nothing was asked for it
 
-    def _feed(self, data: bytes) -> None:
-        if self.body_done:
-            raise BadResponse("data after the end of the answer")
-        if not self._chunked:
-            if self._length >= 0:
-                if len(data) > self._length:
-                    raise BadResponse("more body than its Content-Length")
-                self._length -= len(data)
-                self.body_done = self._length == 0
-            self._body += data
-            return
-        raw = self._raw
-        raw += data
-        pos, end = 0, len(raw)
-        while pos < end and not self.body_done:
-            left = self._chunk_left
-            if left > 0:
-                take = min(left, end - pos)
-                self._body += memoryview(raw)[pos:pos + take]
-                pos += take
-                self._chunk_left = left - take if left > take else _DATA_END
-            elif left == _DATA_END:
-                if end - pos < 2:
-                    break
-                if raw[pos:pos + 2] != _CRLF:
-                    raise BadResponse("a chunk not followed by CRLF")
-                pos += 2
-                self._chunk_left = _SIZE_LINE
-            else:
-                eol = raw.find(_CRLF, pos)
-                if eol < 0:
-                    if end - pos > MAX_HEAD_BYTES:
-                        raise BadResponse("chunk size line too long")
-                    break
-                line = raw[pos:eol]
-                pos = eol + 2
-                if left == _TRAILER:
-                    self.body_done = not line
-                    continue
-                size = int(line.partition(b";")[0], 16)
-                self._chunk_left = size if size > 0 else _TRAILER
-        del raw[:pos]
-        if self.body_done and raw:
-            raise BadResponse("data after the end of the answer")
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name.lower() in (b"content-length", b"transfer-encoding"):
+            self._framed = True
+
+    def on_headers_complete(self) -> None:
+        self.status = self._parser.get_status_code()
+        self.keep_alive = self._parser.should_keep_alive()
+        self._head_done = True
+
+    def on_body(self, body: bytes) -> None:
+        self._body += body
+
+    def on_message_complete(self) -> None:
+        self.body_done = True
 
     def _fail(self, err: BaseException) -> None:
         if self.error is None:
@@ -303,9 +246,10 @@ class Connection(asyncio.Protocol):
         self._wake()
 
     def _reset(self) -> None:
-        """Ready for the next request on this connection."""
+        """Ready for the next request on this connection: a parser for its answer."""
+        self._parser = httptools.HttpResponseParser(self)
         self.status, self._head_done, self.body_done = 0, False, False
-        self._chunked, self._chunk_left, self._length, self._scanned = False, _SIZE_LINE, -1, 0
+        self._framed, self._past_end, self._scanned = False, False, 0
         self._body.clear()
 
 
@@ -318,14 +262,20 @@ class Pool:
     """Keep-alive connections by server, taken last-released-first, none kept idle longer than
     ``keepalive_s``; no limit on how many (each in-flight request holds one per server)."""
 
-    def __init__(self, connect_timeout_s: float, keepalive_s: float):
+    def __init__(self, connect_timeout_s: float, keepalive_s: float,
+                 authorization: Optional[bytes] = None,
+                 ssl_context: Optional[ssl_module.SSLContext] = None):
+        # Every request's Authorization header (the servers' --api-key), unless send() names one.
+        self.authorization = authorization
         self.connect_timeout_s = connect_timeout_s
         self.keepalive_s = keepalive_s
         self.loop = asyncio.get_running_loop()
         self._idle: dict[tuple, list[Connection]] = {}
         self._open_conns: set[Connection] = set()  # idle or in use: close() ends them all
         self._targets: dict[str, Target] = {}
-        self._ssl: Optional[ssl_module.SSLContext] = None
+        # For https:// servers (the system's CAs unless given one).
+        self._ssl: Optional[ssl_module.SSLContext] = ssl_context
+        self.max_body_bytes = MAX_BODY_BYTES
         self.opened = 0  # connections opened, for tests and probes
 
     def target(self, url: str) -> Target:
@@ -335,18 +285,22 @@ class Pool:
         return target
 
     async def send(self, url: str, method: bytes, path: str, body: bytes = b"",
-                   content_type: Optional[bytes] = None, fresh: bool = False) -> Connection:
+                   content_type: Optional[bytes] = None, fresh: bool = False,
+                   authorization: Optional[bytes] = None) -> Connection:
         """The request written on a pooled connection (a new one when none is idle, or when
         ``fresh``); read its answer from the connection, then hand it to ``release``."""
         target = self.target(url)
         head = b"%s %s HTTP/1.1\r\nHost: %s\r\n" % (
             method, (target.prefix + path).encode("latin-1"), target.host_header)
+        authorization = authorization or self.authorization
+        if authorization is not None:
+            head += b"Authorization: %s\r\n" % authorization
         if content_type is not None:
             head += b"Content-Type: %s\r\n" % content_type
         if body or method == b"POST":
             head += b"Content-Length: %d\r\n\r\n" % len(body)
         else:
-            head += _CRLF
+            head += b"\r\n"
         conn = None if fresh else self._take(target.key)
         if conn is None:
             conn = await self._open(target)

@@ -56,15 +56,26 @@ class ModelInfo:
         return self._detokenizers[key]
 
 
-def kv_bytes_per_token_from_config(model_path: str, dtype: Optional[str]) -> Optional[float]:
-    """2 (K and V) x layers x KV heads x head dim x dtype bytes; None when the config lacks them
-    (MLA and other compressed layouts: pass --kv-bytes-per-token)."""
-    config_path = Path(model_path) / "config.json"
+class ModelUnknown(RuntimeError):
+    """The router could not learn what it must know of the model: it refuses to start."""
+
+
+def _config(model_path: str) -> Optional[dict]:
+    """The model's config.json (its text model's part), None when the router cannot read it."""
     try:
-        config = json.loads(config_path.read_text())
+        config = json.loads((Path(model_path) / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    config = config.get("text_config", config)
+    return config.get("text_config", config)
+
+
+def kv_bytes_per_token_from_config(model_path: str, dtype: Optional[str]) -> Optional[float]:
+    """2 (K and V) x layers x KV heads x head dim x dtype bytes; None when the config lacks them
+    (MLA and other compressed layouts), or names no dtype this knows (transformers 5 writes
+    ``dtype``, older releases ``torch_dtype``)."""
+    config = _config(model_path)
+    if config is None:
+        return None
     layers = config.get("num_hidden_layers")
     heads = config.get("num_attention_heads")
     kv_heads = config.get("num_key_value_heads", heads)
@@ -72,30 +83,58 @@ def kv_bytes_per_token_from_config(model_path: str, dtype: Optional[str]) -> Opt
     head_dim = config.get("head_dim") or (hidden // heads if hidden and heads else None)
     if not (layers and kv_heads and head_dim) or "kv_lora_rank" in config:
         return None
-    dtype = dtype if dtype and dtype != "auto" else config.get("torch_dtype", "bfloat16")
-    return float(2 * layers * kv_heads * head_dim * _DTYPE_BYTES.get(str(dtype), 2))
+    if not dtype or dtype == "auto":
+        dtype = config.get("dtype") or config.get("torch_dtype")
+    if str(dtype) not in _DTYPE_BYTES:
+        return None
+    return float(2 * layers * kv_heads * head_dim * _DTYPE_BYTES[str(dtype)])
+
+
+def _pdd_state(server_info: dict) -> dict:
+    states = server_info.get("internal_states") or [{}]
+    return (states[0] or {}).get("pdd") or {}
 
 
 def load_model_info(model_info: dict, server_info: dict, tokenizer_path: Optional[str],
-                    kv_bytes_override: Optional[float]) -> ModelInfo:
-    """Build ModelInfo from a server's /model_info and /server_info answers."""
+                    kv_bytes_override: Optional[float], trust_remote_code: bool,
+                    source: str = "main") -> ModelInfo:
+    """Build ModelInfo from a server's /model_info and /server_info answers (``source`` names
+    that server); ModelUnknown, naming each thing it could not learn, rather than a guess."""
     from transformers import AutoTokenizer  # heavy: only when the router starts
 
     model_path = model_info["model_path"]
     path = tokenizer_path or model_info.get("tokenizer_path") or model_path
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=True)
-    context = server_info.get("context_length") or getattr(tokenizer, "model_max_length", None)
-    if not context or context > 10**9:
-        context = _context_from_config(model_path)
-    kv_bytes = kv_bytes_override or kv_bytes_per_token_from_config(
-        model_path, server_info.get("kv_cache_dtype") if server_info.get("kv_cache_dtype") not in
-        (None, "auto") else server_info.get("dtype"))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as err:  # noqa: BLE001 - whatever transformers raises, the operator reads
+        raise ModelUnknown(f"refusing to start: cannot load the tokenizer from {path!r} "
+                           f"({err}); set --tokenizer-path to the model's tokenizer (or "
+                           "--trust-remote-code where it needs its own code)") from err
+    pdd, config = _pdd_state(server_info), _config(model_path) or {}
+    context = (pdd.get("context_length") or server_info.get("context_length")
+               or config.get("max_position_embeddings"))
+    kv_dtype = server_info.get("kv_cache_dtype")
+    kv_bytes = (kv_bytes_override or pdd.get("kv_bytes_per_token")
+                or kv_bytes_per_token_from_config(model_path, kv_dtype if kv_dtype not in
+                                                  (None, "auto") else server_info.get("dtype")))
+    missing = []
+    if not context:
+        missing.append(f"the context length ({source}'s /server_info has no "
+                       "pdd.context_length, and no config.json at its model path "
+                       f"{model_path!r} names max_position_embeddings)")
+    if not kv_bytes:
+        missing.append(f"the KV bytes per token ({source}'s /server_info has no "
+                       "pdd.kv_bytes_per_token, and no config.json at its model path "
+                       f"{model_path!r} gives layers, KV heads, head dim and dtype); set "
+                       "--kv-bytes-per-token")
+    if missing:
+        raise ModelUnknown("refusing to start: could not learn " + "; nor ".join(missing))
     return ModelInfo(
         model_path=model_path,
         served_model_name=model_info.get("served_model_name") or model_path,
         context_length=int(context),
         tokenizer=tokenizer,
-        kv_bytes_per_token=kv_bytes or 50 * 1024.0,  # the brief's 1T-class figure
+        kv_bytes_per_token=float(kv_bytes),
         estimate=estimate_for(tokenizer),
     )
 
@@ -106,12 +145,3 @@ def estimate_for(tokenizer: Any) -> TokenEstimate:
     specials = len(tokenizer.encode(""))
     sample = len(tokenizer.encode(_SAMPLE_TEXT)) - specials
     return TokenEstimate(max(sample, 1) / len(_SAMPLE_TEXT.encode()), specials)
-
-
-def _context_from_config(model_path: str) -> int:
-    try:
-        config = json.loads((Path(model_path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return 4096
-    config = config.get("text_config", config)
-    return int(config.get("max_position_embeddings", 4096))

@@ -10,7 +10,7 @@ Their TP sizes (``tp_size`` in ``/server_info``) may differ between roles, as SG
 other; sizes SGLang cannot pair are checked the same way (:meth:`ServerPool.tp_mismatch`): the
 router refuses to start beside a relay or main whose size a prefill's does not divide or is not a
 divisor of, and a server whose size changed later to one that does not pair leaves rotation as a
-wrong role does. Each server's TP size is in the router's ``/health`` body and ``/metrics``.
+wrong role does. Each server's TP size is in the router's ``/ready`` body and ``/metrics``.
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ class ServerPool:
         return next(u.role for u in self.all() if u.url == url)
 
     def health_view(self) -> list[dict]:
-        """Each server as the router sees it (the router's ``/health`` body)."""
+        """Each server as the router sees it (the router's ``/ready`` body)."""
         return [{"role": u.role, "url": u.url, "healthy": u.healthy, "wan_out": u.wan_out,
                  "tp_size": u.tp_size, "refused": u.role_error} for u in self.all()]
 

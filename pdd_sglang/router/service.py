@@ -16,13 +16,17 @@ from pdd_sglang.router.landing import LandingCopies
 from pdd_sglang.router.line_state import LineAccounting, poll_prefill_lines
 from pdd_sglang.router.placement import Placer
 from pdd_sglang.router.prefix_mirror import PrefixMirror
-from pdd_sglang.router.servers import (MAIN, PREFILL, HealthMonitor, ServerPool, Upstream,
-                                       role_mismatch)
+from pdd_sglang.router.front_door import server_names, upstream_keys, upstream_tls
+from pdd_sglang.router.servers import (MAIN, PREFILL, RELAY, HealthMonitor, ServerPool,
+                                       Upstream, role_mismatch)
 from pdd_sglang.router.shared_state import PeerBus, SharedState
 from pdd_sglang.router.upstream import UpstreamClient
 
 logger = logging.getLogger("pdd_sglang.router")
 
+# What a server's /server_info holds that even the router's admin is not shown: its keys, and
+# the command line that names them.
+SERVER_SECRETS = frozenset({"api_key", "admin_api_key", "launch_command"})
 DEFAULT_MIRROR_TOKENS = 1_000_000  # when main does not report its KV pool size
 METRICS_REFRESH_S = 1.0  # with --workers: how stale another worker's gauges may be
 
@@ -36,7 +40,8 @@ class RouterService:
         self.worker, self.bus = worker, bus
         self.pool = ServerPool(config.prefills, config.relays, config.mains)
         self.client = UpstreamClient(config.connect_timeout_s, config.read_timeout_s,
-                                     config.upstream_keepalive_s)
+                                     config.upstream_keepalive_s, upstream_keys(config),
+                                     upstream_tls(config))
         # One of several workers: every worker's metrics in the supervisor's files (metrics.py).
         self.metrics = RouterMetrics(shared=bus is not None and share_between_workers())
         self.health = HealthMonitor(self.pool, self.client, config.health_interval_s,
@@ -46,6 +51,26 @@ class RouterService:
         self.dispatcher: Optional[Dispatcher] = None
         self._line_poll: Optional[asyncio.Task] = None
         self._metrics_refresh: Optional[asyncio.Task] = None
+        # The router listens from its start; it serves once start() is done (``started``), and
+        # start()'s failure is the operator's to read (``start_error``, the router's /ready).
+        self.starting: Optional[asyncio.Task] = None
+        self.started = False
+        self.start_error: Optional[str] = None
+
+    def begin(self) -> asyncio.Task:
+        """start() in the background: the router answers /health and /ready meanwhile."""
+        self.starting = asyncio.create_task(self.start())
+        self.starting.add_done_callback(self._start_done)
+        return self.starting
+
+    def _start_done(self, task: asyncio.Task) -> None:
+        if task.cancelled():
+            return
+        err = task.exception()
+        if err is None:
+            self.started = True
+        else:
+            self.start_error = str(err) or repr(err)
 
     async def start(self) -> None:
         await self.client.start()
@@ -60,7 +85,7 @@ class RouterService:
         # Loading a tokenizer takes seconds: keep the event loop free meanwhile.
         self.model = await asyncio.get_running_loop().run_in_executor(
             None, load_model_info, model_info, server_info, self.config.tokenizer_path,
-            self.config.link.kv_bytes_per_token)
+            self.config.link.kv_bytes_per_token, self.config.trust_remote_code, main.url)
         for upstream in self.pool.by_role[MAIN]:
             budget = (self.config.mirror_max_tokens or upstream.kv_pool_tokens
                       or DEFAULT_MIRROR_TOKENS)
@@ -147,6 +172,10 @@ class RouterService:
             await asyncio.sleep(METRICS_REFRESH_S)
 
     async def stop(self) -> None:
+        if self.starting is not None and not self.starting.done():
+            self.starting.cancel()
+            with contextlib.suppress(BaseException):
+                await self.starting
         await self.health.stop()
         for task in (self._line_poll, self._metrics_refresh):
             if task is not None:
@@ -163,7 +192,9 @@ class RouterService:
         """/server_info of every server, grouped like SGLang's PD router ("decode" = mains)."""
         async def info(upstream: Upstream):
             try:
-                return await self.client.get_json(upstream, "/server_info")
+                info = await self.client.get_json(upstream, "/server_info")
+                return {"url": upstream.url, **{key: value for key, value in info.items()
+                                                if key not in SERVER_SECRETS}}
             except Exception as err:
                 return {"url": upstream.url, "error": repr(err)}
 
@@ -174,8 +205,17 @@ class RouterService:
             out[key] = list(await asyncio.gather(*(info(u) for u in upstreams)))
         return out
 
+    def servers_summary(self) -> dict:
+        """/server_info without internal detail: each server by its name, its health, TP size
+        and request slots, grouped as servers_info groups them."""
+        names = server_names(self.pool)
+        return {key: [{"name": names[u.url], "healthy": u.healthy, "tp_size": u.tp_size,
+                       "max_running_requests": u.max_running_requests}
+                      for u in self.pool.by_role[role]]
+                for key, role in (("prefill", PREFILL), ("relay", RELAY), ("decode", MAIN))}
+
     async def flush_cache(self) -> bool:
-        results = await asyncio.gather(*(self.client.post_ok(u, "/flush_cache")
+        results = await asyncio.gather(*(self.client.post_ok(u, "/flush_cache", admin=True)
                                          for u in self.pool.all()))
         self.dispatcher.shared.mirrors_cleared()
         return all(results)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import ssl
 from typing import Callable, Optional
 
 import orjson
@@ -94,7 +95,13 @@ class UpstreamClient:
     """The router's requests to its servers, over router/http1.py's pool: keep-alive
     connections taken last-released-first, dropped after ``keepalive_s`` idle."""
 
-    def __init__(self, connect_timeout_s: float, read_timeout_s: float, keepalive_s: float):
+    def __init__(self, connect_timeout_s: float, read_timeout_s: float, keepalive_s: float,
+                 keys: tuple[Optional[bytes], Optional[bytes]] = (None, None),
+                 tls: Optional[ssl.SSLContext] = None):
+        # The Authorization header's value on every call, and on administrative ones
+        # (router/front_door.upstream_keys); None: no header.
+        self.key, self.admin_key = keys
+        self.tls = tls  # for https:// servers (router/front_door.upstream_tls)
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
         self.keepalive_s = keepalive_s
@@ -108,7 +115,7 @@ class UpstreamClient:
         # the request with "server disconnected" (seen across the emulated WAN, where the race
         # window is an RTT wide). Kept as long as that allows (--upstream-keepalive-s): a burst
         # of requests that finds the pool emptied opens a connection per request and server.
-        self._pool = Pool(self.connect_timeout_s, self.keepalive_s)
+        self._pool = Pool(self.connect_timeout_s, self.keepalive_s, self.key, self.tls)
         self.silences.start()
 
     async def close(self) -> None:
@@ -117,21 +124,22 @@ class UpstreamClient:
             self._pool.close()
 
     async def _exchange(self, upstream: Upstream, method: bytes, path: str, body: bytes = b"",
-                        timeout_s: Optional[float] = None) -> tuple[int, bytes]:
+                        timeout_s: Optional[float] = None,
+                        authorization: Optional[bytes] = None) -> tuple[int, bytes]:
         """One request answered whole: (status, body). ``timeout_s`` bounds all of it, and the
         answer fails after ``read_timeout_s`` without data (aiohttp's total and sock_read)."""
         if timeout_s is None:
-            return await self._answered(upstream, method, path, body)
+            return await self._answered(upstream, method, path, body, authorization)
         async with asyncio.timeout(timeout_s):
-            return await self._answered(upstream, method, path, body)
+            return await self._answered(upstream, method, path, body, authorization)
 
     async def _answered(self, upstream: Upstream, method: bytes, path: str,
-                        body: bytes) -> tuple[int, bytes]:
+                        body: bytes, authorization: Optional[bytes]) -> tuple[int, bytes]:
         # A GET whose reused connection the server had closed goes once more on a new one, as
         # aiohttp retries an idempotent request; a POST may have reached the server: never.
         for fresh in (False, True):
             conn = await self._pool.send(upstream.url, method, path, body,
-                                         _JSON if body else None, fresh)
+                                         _JSON if body else None, fresh, authorization)
             try:
                 payload = await conn.read(self.read_timeout_s)
                 return conn.status, payload
@@ -179,9 +187,18 @@ class UpstreamClient:
         except OSError:
             return HEALTH_STALLED
 
-    async def post_ok(self, upstream: Upstream, path: str, timeout_s: float = 60.0) -> bool:
+    async def post_json(self, upstream: Upstream, path: str, body: bytes) -> tuple[int, bytes]:
+        """POST a JSON body, answered whole: (status, body); bounded by ``read_timeout_s``
+        without data, as every answer is."""
+        return await self._exchange(upstream, b"POST", path, body)
+
+    async def post_ok(self, upstream: Upstream, path: str, timeout_s: float = 60.0,
+                      admin: bool = False) -> bool:
+        """Whether the server answered 200; ``admin``: an administrative route, sent with the
+        servers' admin key."""
         try:
-            status, _ = await self._exchange(upstream, b"POST", path, timeout_s=timeout_s)
+            status, _ = await self._exchange(upstream, b"POST", path, timeout_s=timeout_s,
+                                             authorization=self.admin_key if admin else None)
             return status == 200
         except OSError:  # timeouts included
             return False

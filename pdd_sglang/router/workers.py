@@ -9,8 +9,8 @@ Life cycle:
    and roles, polled once per interval as one router does; its tokenizer; its replica of the
    shared tables) and listens on the port with SO_REUSEPORT, so the kernel spreads connections
    over the workers. It writes a byte on the pipe once it listens.
-3. Once every worker listens, the supervisor logs ``PDD router listening on ...``, the line
-   tests, the demo and operators wait for.
+3. Once every worker listens, the supervisor logs ``PDD router listening on ...``; each worker
+   then learns its servers and the model, and its ``/ready`` says when it serves.
 4. SIGTERM or SIGINT to the supervisor goes on to every worker, which stops as one router does;
    the supervisor exits 0 once all have. A worker that exits on its own stops the others (its
    copies still open in their replicas would never end) and the supervisor exits 1.

@@ -116,7 +116,7 @@ def server_text(server: NetnsServer) -> str:
 
 def post_router(router: RouterProcess, body: dict) -> dict:
     request = urllib.request.Request(router.url + "/generate", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", **router.headers})
     with in_namespace(router.netns):
         with urllib.request.urlopen(request, timeout=300) as resp:
             assert resp.status == 200

@@ -227,7 +227,7 @@ def test_an_abort_reaches_a_request_main_holds_for_the_handoff(cluster):
         assert cluster["main"].pdd_state()["handoff"]["parked"] == 1
         request = urllib.request.Request(
             cluster["main"].url + "/abort_request", data=json.dumps({"rid": rid}).encode(),
-            headers={"Content-Type": "application/json"})
+            headers={"Content-Type": "application/json", **cluster["main"].headers})
         with urllib.request.urlopen(request, timeout=30) as resp:
             assert resp.status == 200
         assert fake.receive() == HandoffRefused(room=ready.room, reason="aborted_at_main")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import subprocess
 import sys
 import time
@@ -14,9 +15,12 @@ import urllib.request
 
 import pytest
 
+from pdd_sglang.dev.testing.cluster import TEST_API_KEY, TEST_ROUTER_KEY, bearer
 from pdd_sglang.dev.testing.conversation import FIRST_WORD_ID, WORDS
 
 GREEDY = {"temperature": 0.0}
+# What a client of the test router sends (keys on: RouterProcess), and of a test server.
+ROUTER_KEY, SERVER_KEY = bearer(TEST_ROUTER_KEY), bearer(TEST_API_KEY)
 # The router_cluster fixture's link puts the pipeline boundary here (conftest.py).
 ROUTER_RELAY_ABOVE_TOKENS = 100
 
@@ -29,10 +33,11 @@ def text_of(ids: list[int]) -> str:
     return " ".join(f"w{i - FIRST_WORD_ID}" for i in ids)
 
 
-def post(url: str, path: str, body, timeout_s: float = 300.0) -> tuple[int, dict]:
+def post(url: str, path: str, body, timeout_s: float = 300.0,
+         key: dict = ROUTER_KEY) -> tuple[int, dict]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     request = urllib.request.Request(url + path, data=data,
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", **key})
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as resp:
             return resp.status, json.loads(resp.read())
@@ -44,7 +49,7 @@ def post(url: str, path: str, body, timeout_s: float = 300.0) -> tuple[int, dict
 def post_stream(url: str, path: str, body: dict, timeout_s: float = 300.0) -> list[dict]:
     """Every SSE data payload but [DONE], which must end the stream."""
     request = urllib.request.Request(url + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", **ROUTER_KEY})
     events = []
     with urllib.request.urlopen(request, timeout=timeout_s) as resp:
         assert resp.status == 200
@@ -249,7 +254,7 @@ def test_openai_endpoints_match_plain_server(router_cluster, pipeline, length):
         content = text_of(words(10 + seed + length, length))
         payload = content if key == "prompt" else [{"role": "user", "content": content}]
         body = {key: payload, "max_tokens": 7, "temperature": 0}
-        _, reference = post(plain, path, body)
+        _, reference = post(plain, path, body, key=SERVER_KEY)
         status, whole = post(router, path, body)
         assert status == 200, whole
         assert whole["metadata"]["pdd"]["pipeline"] == pipeline
@@ -330,11 +335,14 @@ def test_agentic_chats_get_sglangs_prompt_and_answer(router_cluster, pipeline, l
 
 def test_models_health_metrics(router_cluster):
     router = router_cluster.router.url
-    with urllib.request.urlopen(router + "/v1/models") as resp:
+    with urllib.request.urlopen(urllib.request.Request(router + "/v1/models",
+                                                       headers=ROUTER_KEY)) as resp:
         models = json.loads(resp.read())
     assert models["data"][0]["root"] == str(router_cluster.model_path)
     assert models["data"][0]["max_model_len"] == 4096
     with urllib.request.urlopen(router + "/health") as resp:
+        assert resp.status == 200
+    with urllib.request.urlopen(router + "/ready") as resp:
         assert resp.status == 200
     assert metric(router, "pdd_router_time_to_first_token_seconds_count") > 0
     assert metric(router, "pdd_router_requests_total", pipeline="P->RLD->MD") > 0
@@ -366,7 +374,7 @@ def test_bad_requests_get_sglang_shapes_and_reach_no_server(router_cluster):
     router, plain = router_cluster.router.url, router_cluster["plain"].url
     ledger_before = len(router_cluster["prefill"].pdd_state()["transfers"]["by_request"])
     for path, body in BAD_REQUESTS:
-        expected = _error_shape(*post(plain, path, body))
+        expected = _error_shape(*post(plain, path, body, key=SERVER_KEY))
         got = _error_shape(*post(router, path, body))
         assert got == expected, (path, body if isinstance(body, bytes) else str(body)[:80])
     # An empty prompt crashes SGLang 0.5.23's CPU scheduler, so the router's answer is compared
@@ -395,7 +403,8 @@ def test_client_disconnect_mid_stream_frees_every_server(router_cluster, prompt_
     slots_before = {n: router_cluster[n].wait_idle()["free_request_slots"]
                     for n in ("prefill", "relay", "main")}
     conn = http.client.HTTPConnection(router.hostname, router.port, timeout=120)
-    conn.request("POST", "/generate", json.dumps(body), {"Content-Type": "application/json"})
+    conn.request("POST", "/generate", json.dumps(body),
+                 {"Content-Type": "application/json", **ROUTER_KEY})
     resp = conn.getresponse()
     assert resp.status == 200
     tokens_seen = 0
@@ -423,8 +432,62 @@ def test_bench_serving_through_router_has_no_errors(router_cluster, tmp_path):
            "--num-prompts", "8", "--random-input-len", "64", "--random-output-len", "8",
            "--tokenizer", str(router_cluster.model_path), "--model",
            str(router_cluster.model_path), "--output-file", str(out)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    # SGLang's bench sends $OPENAI_API_KEY as its bearer key: the router's (keys on).
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "OPENAI_API_KEY": TEST_ROUTER_KEY})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     record = json.loads(out.read_text().splitlines()[-1])
     assert record["completed"] == 8, record
+    assert_idle(router_cluster)
+
+
+def _status(url: str, path: str, headers: dict, data: bytes = None) -> tuple[int, str]:
+    request = urllib.request.Request(url + path, data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=120) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as err:
+        with err:
+            return err.code, err.read().decode()
+
+
+def test_keys_guard_the_router_and_its_answers_name_no_server(router_cluster, tmp_path):
+    """Keys on, as every test cluster runs: a request without the router's key gets 401 and
+    reaches no server; a wrong admin key cannot flush; a router without the operator setting
+    names no server in its answers, /server_info, /ready or metric labels, but shows them to
+    its admin key."""
+    from pdd_sglang.dev.testing.wan_cluster import RouterProcess
+    router = router_cluster.router.url
+    ledger_before = len(router_cluster["prefill"].pdd_state()["transfers"]["by_request"])
+    body = json.dumps({"input_ids": words(7, 12), "sampling_params": {"max_new_tokens": 3}})
+    for headers in ({}, bearer("wrong"), SERVER_KEY):
+        assert _status(router, "/generate", {"Content-Type": "application/json", **headers},
+                       body.encode())[0] == 401
+    assert len(router_cluster["prefill"].pdd_state()["transfers"]["by_request"]) == ledger_before
+    admin = "pdd-test-admin-key"
+    quiet = RouterProcess(tmp_path / "router-quiet.log", [
+        "--prefill", router_cluster["prefill"].url, str(router_cluster.bootstrap_port),
+        "--relay", router_cluster["relay"].url, "--main", router_cluster["main"].url,
+        "--health-interval-s", "1"], expose=False)
+    quiet.env["PDD_ROUTER_ADMIN_API_KEY"] = admin
+    quiet.start()
+    try:
+        for headers in (ROUTER_KEY, bearer("wrong")):
+            assert _status(quiet.url, "/flush_cache", headers, b"")[0] == 401
+        status, answer = _status(quiet.url, "/generate",
+                                 {"Content-Type": "application/json", **ROUTER_KEY},
+                                 body.encode())
+        assert status == 200 and "pdd" not in json.loads(answer)["meta_info"]
+        urls = [router_cluster[n].url for n in ("prefill", "relay", "main")]
+        texts = [answer] + [_status(quiet.url, path, ROUTER_KEY)[1]
+                            for path in ("/server_info", "/ready", "/metrics")]
+        assert not [u for u in urls for text in texts if u in text]
+        admin_key = bearer(admin)
+        status, answer = _status(quiet.url, "/generate",
+                                 {"Content-Type": "application/json", **admin_key}, body.encode())
+        assert json.loads(answer)["meta_info"]["pdd"]["main"] == router_cluster["main"].url
+        assert router_cluster["main"].url in _status(quiet.url, "/server_info", admin_key)[1]
+        assert _status(quiet.url, "/flush_cache", admin_key, b"")[0] == 200
+    finally:
+        quiet.stop()
     assert_idle(router_cluster)

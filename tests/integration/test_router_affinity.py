@@ -56,7 +56,8 @@ def via_router(cluster, prompt: list[int]) -> tuple[list[int], str]:
     body = {"input_ids": prompt,
             "sampling_params": {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0.0}}
     request = urllib.request.Request(cluster.router.url + "/generate", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json",
+                                              **cluster.router.headers})
     with urllib.request.urlopen(request, timeout=300) as resp:
         answer = json.loads(resp.read())
     return answer["output_ids"], answer["meta_info"]["pdd"]["main"]

@@ -61,3 +61,23 @@ def test_quick_bench_writes_one_row_per_router_mode_and_concurrency(tmp_path):
     assert {(r["kind"], r["concurrency"]) for r in runs if r.get("profiled")} == {
         ("load", 4), ("saturation", 4)}
     assert "| p_rld_md | after | load | 4 |" in done.stdout  # the profile's table
+
+
+def test_the_bench_runs_the_pdd_router_with_keys_and_tls_on_every_leg(tmp_path):
+    """--keys-tls: the client reaches the router over TLS with its key, the router the fake
+    servers over https with theirs (any refusal would be an error row)."""
+    out = tmp_path / "router_bench.json"
+    cmd = [sys.executable, str(REPO / "scripts/bench_router.py"), "--quick", "--no-cgroup",
+           "--keys-tls", "--routers", "pdd_p_rld_md", "--concurrency", "2",
+           "--duration-s", "0.7", "--long-answer-tokens", "120", "--out", str(out),
+           "--log-dir", str(tmp_path / "logs")]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["settings"]["keys_tls"] is True
+    assert {(r["mode"], r["kind"]) for r in report["runs"]} == {
+        ("p_rld_md", "load"), ("p_rld_md", "saturation"), ("p_rld_md", "long")}
+    for row in report["runs"]:
+        assert row["errors"] == 0 and row["rps"] > 0, row
+    log = (tmp_path / "logs" / "pdd-p_rld_md-after.log").read_text()
+    assert "listening on https://" in log

@@ -114,6 +114,15 @@ def test_kv_bytes_per_token_from_config(tmp_path):
         '"hidden_size": 64, "torch_dtype": "float32"}')
     assert kv_bytes_per_token_from_config(str(tmp_path), None) == 512
     assert kv_bytes_per_token_from_config(str(tmp_path), "bfloat16") == 256
+    # transformers 5 writes ``dtype``; it wins over an older ``torch_dtype``.
+    (tmp_path / "config.json").write_text(
+        '{"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, '
+        '"hidden_size": 64, "dtype": "bfloat16", "torch_dtype": "float32"}')
+    assert kv_bytes_per_token_from_config(str(tmp_path), None) == 256
+    # No dtype anywhere: no figure (the router refuses to start), not a guess.
+    (tmp_path / "config.json").write_text(
+        '{"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64}')
+    assert kv_bytes_per_token_from_config(str(tmp_path), None) is None
 
 
 class WordTokenizer:

@@ -26,11 +26,16 @@ class FakeServer:
     """Answers like an SGLang server of one role; ``script`` makes its /generate stream."""
 
     def __init__(self, role: str, model_path: str, script=None, delay_s: float = 0.0,
-                 failures: int = 0):
+                 failures: int = 0, api_key=None, admin_api_key=None, ssl_context=None):
         self.role, self.model_path, self.script, self.delay_s = role, model_path, script, delay_s
+        # SGLang's --api-key and --admin-api-key, checked by SGLang's own rules.
+        self.api_key, self.admin_api_key = api_key, admin_api_key
+        self.refused: list[str] = []  # paths refused for their key
+        self.flushed = 0
         self.failures = failures  # answer this many /generate calls with SGLang's 500
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.ssl_context = ssl_context  # TLS (SGLang's --ssl-certfile), client certs as it asks
+        self.url = f"{'https' if ssl_context else 'http'}://127.0.0.1:{self.port}"
         self.aborted: list[str] = []
         self.bodies: list[dict] = []
         self.finished_streams = 0  # streams written to the end (the client read them whole)
@@ -39,7 +44,8 @@ class FakeServer:
         self.runner = None
 
     async def start(self):
-        app = web.Application()
+        app = web.Application(middlewares=[self._check_key] if self.api_key else [])
+
         async def health(request):
             return web.Response(status=200)
 
@@ -64,9 +70,28 @@ class FakeServer:
                 return web.json_response(fake_chat_translation(await request.json()))
 
             app.router.add_post("/pdd/chat_request", chat_request)
+        app.router.add_post("/flush_cache", self.flush_cache)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port,
+                          ssl_context=self.ssl_context).start()
+
+    @web.middleware
+    async def _check_key(self, request, handler):
+        from sglang.srt.utils.auth import AuthLevel, decide_request_auth
+        level = AuthLevel.ADMIN_OPTIONAL if request.path == "/flush_cache" else AuthLevel.NORMAL
+        decision = decide_request_auth(
+            method=request.method, path=request.path,
+            authorization_header=request.headers.get("Authorization"), api_key=self.api_key,
+            admin_api_key=self.admin_api_key, auth_level=level)
+        if not decision.allowed:
+            self.refused.append(request.path)
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    async def flush_cache(self, request):
+        self.flushed += 1
+        return web.Response(text="Cache flushed.\n")
 
     async def abort(self, request):
         self.aborted.append((await request.json())["rid"])
@@ -127,9 +152,13 @@ async def with_router(scripts, test, delay_s=0.0, policy=None, prefill_failures=
                           mains=(main.url,), link=LinkParams(1.0, 0.0),  # 1 B/s: always relay
                           retry_after_first_token=retry_after_first_token,
                           incremental_streaming_output=incremental_streaming_output,
+                          # These tests read the router's summary (meta_info.pdd).
+                          expose_internal_details=True,
                           **({"policy": policy} if policy is not None else {}))
-    runner = web.AppRunner(build_app(RouterService(config)), handler_cancellation=True)
+    service = RouterService(config)
+    runner = web.AppRunner(build_app(service), handler_cancellation=True)
     await runner.setup()
+    await service.starting
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     try:

@@ -165,7 +165,7 @@ def two_workers(tmp_path):
         "--workers", "2", "--prefill", backends.url("prefill"), "--main", backends.url("m1"),
         backends.url("m2"), "--health-interval-s", str(HEALTH_INTERVAL_S),
         "--kv-bytes-per-token", str(KV_BYTES_PER_TOKEN), "--hide-wan-below-s", "1000",
-        "--main-load-penalty-tokens", "64"])
+        "--main-load-penalty-tokens", "64"], api_key=None)  # its clients send no key
     # The router's start-up polls run while this loop is not: serve the backends meanwhile.
     starting = loop.run_in_executor(None, router.start, 120.0)
     try:

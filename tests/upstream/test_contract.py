@@ -343,6 +343,16 @@ OPERATOR_SYMBOLS = [
     ("entrypoints/engine.py", "Engine._launch_detokenizer_subprocesses"),
     ("utils/common.py", "set_prometheus_multiproc_dir"),
     ("utils/common.py", "kill_itself_when_parent_died"),
+    # The router's front door decides on keys with SGLang's own rules (router/front_door.py).
+    ("utils/auth.py", "AuthLevel.NORMAL"),
+    ("utils/auth.py", "AuthLevel.ADMIN_OPTIONAL"),
+    ("utils/auth.py", "decide_request_auth"),
+    ("utils/auth.py", "AuthDecision.allowed"),
+    ("utils/auth.py", "AuthDecision.error_status_code"),
+    # PDD's /server_info reports the model's KV bytes per token and context length from these
+    # (pdd_sglang/diagnostics/server_info.py); the router places with them.
+    ("configs/model_config.py", "ModelConfig.get_total_num_kv_heads"),
+    ("mem_cache/allocator/base.py", "BaseTokenToKVPoolAllocator.get_kvcache"),
 ]
 
 

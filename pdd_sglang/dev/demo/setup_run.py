@@ -101,7 +101,7 @@ def run_setup(label: str, line: WanLine, prefill: NetnsServer, main: NetnsServer
             agentic.stream_generate(router.host, router.port, {
                 "input_ids": system + [5, 6, 7, 8, 9, 10, 11, 12],
                 "sampling_params": {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}},
-                300.0, warm)
+                300.0, warm, router.headers)
         if warm.error:
             raise Aborted(f"{label}: warm-up request failed: {warm.error}\n"
                           f"router log:\n{router.log_tail()}")
@@ -136,7 +136,8 @@ def run_setup(label: str, line: WanLine, prefill: NetnsServer, main: NetnsServer
         backlog.start()
         results = agentic.run(system, conversations, spec, router.host, router.port,
                               thread_setup=lambda: in_namespace(ns_a), on_result=on_result,
-                              should_abort=should_abort, timeout_s=180.0)
+                              should_abort=should_abort, timeout_s=180.0,
+                              headers=router.headers)
         duration = time.perf_counter() - started
         progress.close()
         if any(r.error for r in results):

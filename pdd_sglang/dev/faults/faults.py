@@ -183,13 +183,12 @@ class ClientsDisconnect(Fault):
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._client, daemon=True,
                                           name=f"fault-hang-up-{i}",
-                                          args=(i, cluster.router.host, cluster.router.port,
-                                                cluster.client()))
+                                          args=(i, cluster.router, cluster.client()))
                          for i in range(self.clients)]
         for thread in self._threads:
             thread.start()
 
-    def _client(self, index: int, host: str, port: int, setup) -> None:
+    def _client(self, index: int, router, setup) -> None:
         rng = random.Random(f"{self.seed}-hang-up-{index}")
         with setup():
             while not self._stop.is_set():
@@ -198,10 +197,10 @@ class ClientsDisconnect(Fault):
                         "sampling_params": {"max_new_tokens": 200, "temperature": 0.0,
                                             "ignore_eos": True}}
                 chunks = rng.randint(0, 8)  # 0: before the first token
-                conn = http.client.HTTPConnection(host, port, timeout=60)
+                conn = http.client.HTTPConnection(router.host, router.port, timeout=60)
                 try:
                     conn.request("POST", "/generate", body=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **router.headers})
                     resp = conn.getresponse()
                     while chunks > 0 and resp.status == 200:
                         line = resp.readline()
@@ -238,7 +237,8 @@ class LongPromptsBackedUp(Fault):
     def inject(self, cluster):
         os.kill(cluster.line.forwarder_pid, signal.SIGSTOP)
         self.load = SteadyLoad(cluster.router.host, cluster.router.port, self.profile,
-                               seed=self.seed, thread_setup=cluster.client())
+                               seed=self.seed, thread_setup=cluster.client(),
+                               headers=cluster.router.headers)
         self.load.start()
 
     def recover(self, cluster):

@@ -63,6 +63,7 @@ class SteadyLoad:
     answer_timeout_s: float = 120.0
     thread_setup: Optional[Callable[[], object]] = None  # e.g. entering the client's namespace
     sent: list = field(default_factory=list)
+    headers: Optional[dict] = None  # the router's key (RouterProcess.headers)
 
     def __post_init__(self) -> None:
         rng = random.Random(self.seed)
@@ -130,7 +131,8 @@ class SteadyLoad:
         record = Sent(result, time.monotonic(), body=body, probe=probe)
         with self._lock:
             self.sent.append(record)
-        agentic.stream_generate(self.host, self.port, body, self.answer_timeout_s, result)
+        agentic.stream_generate(self.host, self.port, body, self.answer_timeout_s, result,
+                                self.headers)
         record.ended = time.monotonic()
         return record
 

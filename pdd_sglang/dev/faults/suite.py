@@ -138,7 +138,8 @@ def run_fault(cluster: FaultCluster, fault: Fault, *, warmup_s: float, after_s: 
               progress: Callable[[str], None] = lambda _: None) -> dict:
     baseline = held_tokens(cluster.pools())
     load = SteadyLoad(cluster.router.host, cluster.router.port, fault.profile, seed=seed,
-                      answer_timeout_s=answer_timeout_s, thread_setup=cluster.client())
+                      answer_timeout_s=answer_timeout_s, thread_setup=cluster.client(),
+                      headers=cluster.router.headers)
     load.start()
     backlog: Optional[LineBacklog] = None
     try:

@@ -43,6 +43,7 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,9 +68,11 @@ class Router:
     log: Path | None = None
     cpu_before: float = 0.0
 
+    scheme: str = "http"
+
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
 
     @property
     def key(self) -> str:
@@ -99,6 +102,9 @@ class Settings:
     out: Path = Path("router_bench.json")
     log_dir: Path = Path("router_bench_logs")
     cgroup: bool = True
+    # Keys and TLS on every leg: the PDD routers serve TLS and take a key, the fake servers too,
+    # and the routers call them with their key over https (a CA made for the run).
+    keys_tls: bool = False
     profile: bool = False  # py-spy on the PDD routers (router_bench/profiling.py)
     publish: bool = False  # also the current result in docs/results/ (dev/results.py)
 
@@ -125,20 +131,27 @@ def _routers(s: Settings, fake: dict) -> list[Router]:
     inc = ["--incremental-streaming-output"] if s.incremental else []
     pdd_common = ["--prefill", fake["prefill"], "8998", "--main", fake["main"],
                   "--health-interval-s", "5", "--startup-timeout-s", "120"] + inc
+    door_env, scheme = {}, "http"
+    if DOOR is not None:  # keys from the environment, as a deployment gives them
+        pdd_common += ["--ssl-certfile", DOOR.pki.server.certfile, "--ssl-keyfile",
+                       DOOR.pki.server.keyfile, "--server-ssl-ca-certs", DOOR.pki.ca_file]
+        door_env = {"PDD_ROUTER_API_KEY": DOOR.client_key, "PDD_SERVER_API_KEY": DOOR.server_key}
+        scheme = "https"
     out = []
     roots = [("after", str(REPO))]
     if s.pdd_root_before:
         roots.append(("before", s.pdd_root_before))
     for build, root in roots:
-        env = {**model_env, "PYTHONPATH": root}
+        env = {**model_env, **door_env, "PYTHONPATH": root}
         if "pdd_p_md" in s.routers:
             out.append(Router("pdd", "p_md", build, [_python(), "-m", "pdd_sglang.router",
-                                                     *pdd_common], env, free_port(), cwd=root))
+                                                     *pdd_common], env, free_port(), cwd=root,
+                              scheme=scheme))
         if "pdd_p_rld_md" in s.routers:
             # A line of 1 kbit/s: every request's WAN copy is worth hiding behind the relay.
             out.append(Router("pdd", "p_rld_md", build, [
                 _python(), "-m", "pdd_sglang.router", *pdd_common, "--relay", fake["relay"],
-                "--wan-gbps", "0.000001"], env, free_port(), cwd=root))
+                "--wan-gbps", "0.000001"], env, free_port(), cwd=root, scheme=scheme))
     if "sglang_router" in s.routers:
         out.append(Router("sglang-router", "pd", "0.3.2", [
             _python(), "-m", "sglang_router.launch_router", "--pd-disaggregation",
@@ -166,16 +179,41 @@ def _start(router: Router, s: Settings) -> None:
                                        env=env, cwd=router.cwd, start_new_session=True)
 
 
+@dataclass
+class FrontDoor:
+    """--keys-tls: the run's CA bundle and keys; what a client sends and trusts."""
+
+    pki: object
+    client_key: str = "bench-router-key"
+    server_key: str = "bench-server-key"
+
+    @property
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.client_key}"}
+
+    def context(self):
+        import ssl
+        return ssl.create_default_context(cafile=self.pki.ca_file)
+
+
+DOOR: FrontDoor | None = None  # set by run_bench with --keys-tls
+
+
 def _get(url: str, timeout_s: float = 2.0) -> int:
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+        with urllib.request.urlopen(url, timeout=timeout_s,
+                                    context=DOOR.context() if DOOR else None) as resp:
             return resp.status
+    except urllib.error.HTTPError as err:
+        with err:
+            return err.code
     except Exception:  # noqa: BLE001 - not up yet
         return 0
 
 
 def _wait_ready(targets: list, timeout_s: float) -> None:
-    """Each (url, proc or None, log): its /health answers 200 in time, or the bench stops."""
+    """Each (url, proc or None, log): its /health answers 200 in time, and its /ready too
+    where it has one (the PDD router listens before it serves), or the bench stops."""
     deadline = time.monotonic() + timeout_s
     pending = list(targets)
     while pending:
@@ -183,7 +221,7 @@ def _wait_ready(targets: list, timeout_s: float) -> None:
         if proc is not None and proc.poll() is not None:
             tail = Path(log).read_text(errors="replace")[-2000:] if log else ""
             raise RuntimeError(f"{url} exited with {proc.returncode} before it was ready:\n{tail}")
-        if _get(url + "/health") == 200:
+        if _get(url + "/health") == 200 and _get(url + "/ready") in (200, 404):
             pending.pop(0)
             continue
         if time.monotonic() > deadline:
@@ -279,8 +317,14 @@ def _direct_row(kind: str, concurrency: int, answer: int, res: LoadResult) -> di
 def _measure(router: Router | None, url: str, concurrency: int, duration_s: float,
              answer: int, s: Settings, chat: bool = False) -> tuple[LoadResult, float]:
     before = _cpu_of(router) if router is not None else 0.0
-    res = asyncio.run(run_load(url, concurrency, duration_s, answer, s.prompt_tokens,
-                               chat=chat))
+    if DOOR is None:
+        res = asyncio.run(run_load(url, concurrency, duration_s, answer, s.prompt_tokens,
+                                   chat=chat))
+    else:
+        key = DOOR.client_key if router is not None else DOOR.server_key
+        res = asyncio.run(run_load(url, concurrency, duration_s, answer, s.prompt_tokens,
+                                   chat=chat, headers={"Authorization": f"Bearer {key}"},
+                                   ssl_context=DOOR.context()))
     cpu = (_cpu_of(router) - before) if router is not None else 0.0
     return res, cpu
 
@@ -331,6 +375,16 @@ def _run_router(s: Settings, router: Router, kind: str, conc: int, answer: int,
     return row
 
 
+def _front_door(s: Settings) -> FrontDoor | None:
+    if not s.keys_tls:
+        return None
+    if "sglang_router" in s.routers or s.pdd_root_before:
+        raise RuntimeError("--keys-tls measures this tree's PDD routers only: name them with "
+                           "--routers pdd_p_md,pdd_p_rld_md, without --pdd-root-before")
+    from pdd_sglang.dev.testing.tls import make_pki
+    return FrontDoor(make_pki(s.log_dir / "pki"))
+
+
 def run_bench(s: Settings) -> dict:
     s.log_dir.mkdir(parents=True, exist_ok=True)
     if s.profile:
@@ -348,7 +402,10 @@ def run_bench(s: Settings) -> dict:
     from pdd_sglang.dev.testing.tiny_model import ensure_tiny_model
     model_path = str(ensure_tiny_model())
     ports = {role: free_port() for role in ("prefill", "relay", "main")}
-    fake = {role: f"http://127.0.0.1:{port}" for role, port in ports.items()}
+    global DOOR
+    DOOR = _front_door(s)
+    fake = {role: f"{'https' if DOOR else 'http'}://127.0.0.1:{port}"
+            for role, port in ports.items()}
     fake_argv = [_python(), "-m", "pdd_sglang.dev.router_bench.fake_servers",
                  "--prefill-port", str(ports["prefill"]), "--relay-port", str(ports["relay"]),
                  "--main-port", str(ports["main"]), "--model-path", model_path,
@@ -359,6 +416,9 @@ def run_bench(s: Settings) -> dict:
                  "--long-token-rate", str(s.long_token_rate)]
     if s.incremental:
         fake_argv.append("--incremental")
+    if DOOR is not None:
+        fake_argv += ["--api-key", DOOR.server_key, "--ssl-certfile", DOOR.pki.server.certfile,
+                      "--ssl-keyfile", DOOR.pki.server.keyfile]
     fake_log = s.log_dir / "fake_servers.log"
     routers = _routers(s, fake)
     fake_proc = None

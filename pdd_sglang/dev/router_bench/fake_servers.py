@@ -210,7 +210,9 @@ def build_app(role: str, args, shared: Shared, port: int) -> web.Application:
                     fut.set_result(handoff)  # None: no handoff, main has nothing to stream
         return response
 
-    app = web.Application(client_max_size=256 * 1024 * 1024)
+    # --api-key: SGLang's rule (router/front_door.py's, from SGLang's own code).
+    app = web.Application(client_max_size=256 * 1024 * 1024,
+                          middlewares=[_key_check(args.api_key)] if args.api_key else [])
     app.router.add_get("/health", ok)
     app.router.add_get("/health_generate", ok)
     app.router.add_get("/server_info", get_info)
@@ -225,6 +227,20 @@ def build_app(role: str, args, shared: Shared, port: int) -> web.Application:
         app.router.add_post("/pdd/cache_only", cache_only)
         app.router.add_post("/pdd/chat_request", chat_request)
     return app
+
+
+def _key_check(api_key: str):
+    from sglang.srt.utils.auth import AuthLevel, decide_request_auth
+
+    @web.middleware
+    async def check(request, handler):
+        if not decide_request_auth(method=request.method, path=request.path,
+                                   authorization_header=request.headers.get("Authorization"),
+                                   api_key=api_key, admin_api_key=None,
+                                   auth_level=AuthLevel.NORMAL).allowed:
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+    return check
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -244,18 +260,26 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="tokens the relay streams before it hands off to main")
     p.add_argument("--ledger-rows", type=int, default=8192)
     p.add_argument("--incremental", action="store_true")
+    p.add_argument("--api-key", default=None, help="as SGLang's (bench --keys-tls)")
+    p.add_argument("--ssl-certfile", default=None, help="serve TLS (bench --keys-tls)")
+    p.add_argument("--ssl-keyfile", default=None)
     return p.parse_args(argv)
 
 
 async def serve(args) -> None:
     shared = Shared(args)
     runners = []
+    tls = None
+    if args.ssl_certfile:
+        import ssl
+        tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        tls.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
     for role, port in (("prefill", args.prefill_port), ("relay", args.relay_port),
                        ("main", args.main_port)):
         runner = web.AppRunner(build_app(role, args, shared, port), access_log=None,
                                handler_cancellation=True)
         await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port, backlog=4096).start()
+        await web.TCPSite(runner, "127.0.0.1", port, backlog=4096, ssl_context=tls).start()
         runners.append(runner)
     print("fake servers ready", flush=True)
     try:

@@ -68,8 +68,8 @@ def _is_token_chunk(line: bytes) -> bool:
     return at >= 0 and line[at + 11:at + 12] != b'"'
 
 
-async def _one(session, url: str, body: bytes, result: LoadResult, path: str = "/generate"
-               ) -> None:
+async def _one(session, url: str, body: bytes, result: LoadResult, headers: dict,
+               path: str = "/generate") -> None:
     chat = path != "/generate"
     sent = time.perf_counter()
     last_at = None
@@ -77,7 +77,8 @@ async def _one(session, url: str, body: bytes, result: LoadResult, path: str = "
     last_line = b""
     try:
         async with session.post(url + path, data=body,
-                                headers={"Content-Type": "application/json"}) as resp:
+                                headers={"Content-Type": "application/json",
+                                         **headers}) as resp:
             if resp.status != 200:
                 raise RuntimeError(f"HTTP {resp.status}: {(await resp.read())[:200]!r}")
             while True:  # one SSE event per read, not a line
@@ -121,7 +122,9 @@ def _estimate_error(meta: dict, result: LoadResult) -> None:
 
 async def run_load(url: str, concurrency: int, duration_s: float, answer_tokens: int,
                    prompt_tokens: int, max_requests: int | None = None,
-                   chat: bool = False) -> LoadResult:
+                   chat: bool = False, headers: dict | None = None,
+                   ssl_context=None) -> LoadResult:
+    """``headers``: the key the router or server takes; ``ssl_context``: for an https URL."""
     result = LoadResult()
     prompts = [prompt_text(prompt_tokens, salt) for salt in range(8)]
     deadline = time.perf_counter() + duration_s
@@ -133,17 +136,18 @@ async def run_load(url: str, concurrency: int, duration_s: float, answer_tokens:
             sent += 1
             prompt = prompts[(index + sent) % len(prompts)]
             if chat:
-                await _one(session, url, chat_body(prompt, answer_tokens), result,
+                await _one(session, url, chat_body(prompt, answer_tokens), result, headers or {},
                            "/v1/chat/completions")
                 continue
             body = orjson.dumps({"text": prompt,
                                  "sampling_params": {"max_new_tokens": answer_tokens,
                                                      "temperature": 0, "ignore_eos": True},
                                  "stream": True})
-            await _one(session, url, body, result)
+            await _one(session, url, body, result, headers or {})
 
     timeout = aiohttp.ClientTimeout(total=None, sock_read=120)
-    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    connector = aiohttp.TCPConnector(limit=0, force_close=False,
+                                     ssl=ssl_context if ssl_context is not None else True)
     started = time.perf_counter()
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         await asyncio.gather(*(worker(i, session) for i in range(concurrency)))

@@ -113,14 +113,15 @@ class RequestResult:
 
 
 def stream_generate(host: str, port: int, body: dict, timeout_s: float,
-                    result: RequestResult) -> None:
-    """One streamed ``/generate``; fills ``result`` (TTFT, gaps, ids, meta) or its error."""
+                    result: RequestResult, headers: Optional[dict] = None) -> None:
+    """One streamed ``/generate``; fills ``result`` (TTFT, gaps, ids, meta) or its error.
+    ``headers``: the key the router or server takes (``RouterProcess.headers``)."""
     conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
     try:
         payload = json.dumps({**body, "stream": True}).encode()
         result.sent_at, result.sent_ts = time.perf_counter(), time.time()
         conn.request("POST", "/generate", body=payload,
-                     headers={"Content-Type": "application/json"})
+                     headers={"Content-Type": "application/json", **(headers or {})})
         resp = conn.getresponse()
         if resp.status != 200:
             result.error = f"HTTP {resp.status}: {resp.read()[:300]!r}"
@@ -178,7 +179,7 @@ def run(system: list[int], conversations: list[Conversation], spec: WorkloadSpec
         port: int, *, thread_setup: Callable[[], object] | None = None,
         on_result: Callable[[RequestResult], None] | None = None,
         should_abort: Callable[[], bool] = lambda: False,
-        timeout_s: float = 300.0) -> list[RequestResult]:
+        timeout_s: float = 300.0, headers: Optional[dict] = None) -> list[RequestResult]:
     """Run every conversation through the router at ``host:port``, ``spec.concurrency`` at a
     time, each conversation's turns in order. ``thread_setup`` returns a context manager each
     worker thread holds for its whole life (e.g. entering the client's network namespace).
@@ -207,7 +208,7 @@ def run(system: list[int], conversations: list[Conversation], spec: WorkloadSpec
                     body = {"input_ids": prompt,
                             "sampling_params": {"max_new_tokens": max_new, "temperature": 0.0,
                                                 "ignore_eos": True}}
-                    stream_generate(host, port, body, timeout_s, result)
+                    stream_generate(host, port, body, timeout_s, result, headers)
                     with lock:
                         results.append(result)
                     if on_result:

@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -58,6 +59,18 @@ CPU_SERVER_ENV = {
     # ~250 model modules (any other model still loads them; see the package's docstring).
     "SGLANG_EXTERNAL_MODEL_PACKAGE": "pdd_sglang.dev.testing.sglang_models",
 }
+# The test clusters and the demo run with keys on, as a deployment should: every server takes
+# SGLang's --api-key TEST_API_KEY (its /health, /ready and /metrics stay open), a router in front
+# of them sends it upstream and takes TEST_ROUTER_KEY from its clients (wan_cluster.RouterProcess).
+TEST_API_KEY = "pdd-test-server-key"
+TEST_ROUTER_KEY = "pdd-test-router-key"
+
+
+def bearer(key: Optional[str]) -> dict:
+    """The request headers that carry ``key`` (none without one)."""
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 # Set to 1 in a run's environment (the suite's demo runs), its servers fork their children
 # (``fork_launch``): the default for SGLangServer.fork_children.
 FORK_CHILDREN_ENV = "PDD_TEST_FORK_SERVER_CHILDREN"
@@ -94,10 +107,24 @@ class SGLangServer:
     # 20 CPU-seconds and 0.9 GB less per server here (see fork_launch for what that gives up).
     fork_children: bool = field(default_factory=lambda: os.environ.get(FORK_CHILDREN_ENV) == "1")
     process: Optional[subprocess.Popen] = None
+    api_key: Optional[str] = TEST_API_KEY  # SGLang's --api-key; None: an open server
+    # With SGLang's --ssl-certfile/--ssl-keyfile in extra_args: served on https, verified here
+    # against this CA bundle.
+    ca_file: Optional[str] = None
+
+    @property
+    def headers(self) -> dict:
+        """What a request to this server carries besides its body: its key."""
+        return bearer(self.api_key)
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{'https' if self.ca_file else 'http'}://{self.host}:{self.port}"
+
+    def urlopen(self, request, timeout_s: float):
+        """urllib's urlopen, trusting the server's CA where it serves TLS."""
+        context = ssl.create_default_context(cafile=self.ca_file) if self.ca_file else None
+        return urllib.request.urlopen(request, timeout=timeout_s, context=context)
 
     @property
     def log_path(self) -> Path:
@@ -113,6 +140,7 @@ class SGLangServer:
             "--port", str(self.port),
             "--max-total-tokens", str(self.max_total_tokens),
             *CPU_SERVER_ARGS,
+            *(("--api-key", self.api_key) if self.api_key else ()),
             *self.extra_args,
         ]
 
@@ -144,7 +172,7 @@ class SGLangServer:
                     f"log {self.log_path}:\n{self.log_tail()}"
                 )
             try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
+                with self.urlopen(self.url + "/health", 5) as resp:
                     if resp.status == 200:
                         self._warn_if_spawned_instead()
                         return
@@ -235,15 +263,16 @@ class SGLangServer:
 
     # ---- HTTP helpers -------------------------------------------------------------------
     def get_json(self, path: str, timeout_s: float = 30.0):
-        with urllib.request.urlopen(self.url + path, timeout=timeout_s) as resp:
+        request = urllib.request.Request(self.url + path, headers=self.headers)
+        with self.urlopen(request, timeout_s) as resp:
             return json.loads(resp.read())
 
     def post_json(self, path: str, body: dict, timeout_s: float = 300.0):
         request = urllib.request.Request(
             self.url + path, data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
+            headers={"Content-Type": "application/json", **self.headers},
         )
-        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+        with self.urlopen(request, timeout_s) as resp:
             return json.loads(resp.read())
 
     def pdd_state(self) -> dict:

@@ -155,7 +155,8 @@ def via_router(cluster: Cluster, prompt: list[int], max_new_tokens: int) -> dict
     body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": max_new_tokens, **GREEDY}}
     request = urllib.request.Request(cluster.router.url + "/generate",
                                      data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json",
+                                              **cluster.router.headers})
     try:
         with urllib.request.urlopen(request, timeout=300) as resp:
             return json.loads(resp.read())

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -22,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from pdd_sglang.dev.testing.cluster import SGLangServer, free_port
+from pdd_sglang.dev.testing.cluster import (TEST_API_KEY, TEST_ROUTER_KEY, SGLangServer,
+                                             bearer, free_port)
 from pdd_sglang.dev.wan_emulator import netns
 
 
@@ -52,7 +54,8 @@ class NetnsServer(SGLangServer):
     def post_raw(self, path: str, timeout_s: float = 60.0) -> int:
         """POST with an empty body; the HTTP status (e.g. ``/flush_cache``)."""
         with in_namespace(self.netns):
-            request = urllib.request.Request(self.url + path, data=b"", method="POST")
+            request = urllib.request.Request(self.url + path, data=b"", method="POST",
+                                             headers=self.headers)
             try:
                 with urllib.request.urlopen(request, timeout=timeout_s) as resp:
                     return resp.status
@@ -62,16 +65,29 @@ class NetnsServer(SGLangServer):
 
 
 class RouterProcess:
-    """``python -m pdd_sglang.router`` in a namespace, in its own process group, always stopped."""
+    """``python -m pdd_sglang.router`` in a namespace, in its own process group, always stopped.
+
+    With keys on, as the test clusters run: it takes ``api_key`` from its clients (``headers``)
+    and sends the servers ``server_api_key``, both from the environment (out of the process
+    list). ``expose``: every answer carries the router's summary (the tests and the demo's
+    stage split read it)."""
 
     def __init__(self, log_path: Path, args: Sequence[str], *, host: str = "127.0.0.1",
-                 exec_prefix: Sequence[str] = (), netns_name: Optional[str] = None):
+                 exec_prefix: Sequence[str] = (), netns_name: Optional[str] = None,
+                 api_key: Optional[str] = TEST_ROUTER_KEY,
+                 server_api_key: Optional[str] = TEST_API_KEY, expose: bool = True,
+                 ca_file: Optional[str] = None):
         self.host = host
         self.log_path = Path(log_path)
         self.netns = netns_name
-        self._exec_prefix, self._args = tuple(exec_prefix), tuple(args)
+        self.headers = bearer(api_key)
+        # The router serves TLS (its --ssl-certfile in ``args``): verified against this bundle.
+        self.context = ssl.create_default_context(cafile=ca_file) if ca_file else None
+        self._exec_prefix = tuple(exec_prefix)
+        self._args = (*args, *(("--expose-internal-details",) if expose else ()))
         repo_root = Path(__file__).resolve().parents[3]
-        self.env = {**os.environ,
+        keys = {"PDD_ROUTER_API_KEY": api_key or "", "PDD_SERVER_API_KEY": server_api_key or ""}
+        self.env = {**os.environ, **keys,
                     "PYTHONPATH": os.pathsep.join(filter(None, [str(repo_root),
                                                                 os.environ.get("PYTHONPATH")]))}
         self._new_port()
@@ -80,7 +96,7 @@ class RouterProcess:
     def _new_port(self) -> None:
         # Free on the host; inside a namespace a server may hold it already (then: retry).
         self.port = free_port()
-        self.url = f"http://{self.host}:{self.port}"
+        self.url = f"{'https' if self.context else 'http'}://{self.host}:{self.port}"
         self.command = [*self._exec_prefix, sys.executable, "-m", "pdd_sglang.router",
                         "--host", self.host, "--port", str(self.port), *self._args]
 
@@ -108,7 +124,8 @@ class RouterProcess:
                                    f"{self.log_tail()}")
             try:
                 with in_namespace(self.netns):
-                    with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
+                    with urllib.request.urlopen(self.url + "/ready", timeout=5,
+                                                context=self.context) as resp:
                         # The port is picked free outside the router's namespace, so another
                         # server there may hold it and answer: ready once this router listens.
                         if resp.status == 200 and self._listening_since(started_at):
@@ -124,8 +141,10 @@ class RouterProcess:
         return self.process is not None and self.process.poll() is None
 
     def get_text(self, path: str, timeout_s: float = 30.0) -> str:
+        request = urllib.request.Request(self.url + path, headers=self.headers)
         with in_namespace(self.netns):
-            with urllib.request.urlopen(self.url + path, timeout=timeout_s) as resp:
+            with urllib.request.urlopen(request, timeout=timeout_s,
+                                        context=self.context) as resp:
                 return resp.read().decode()
 
     def _listening_since(self, offset: int) -> bool:

@@ -104,7 +104,8 @@ def run(out_dir: Path, *, trials: int = 50, warmup: int = 2, rate_mbit: float = 
 
                 md_server = NetnsServer("md", model_path, out_dir, extra_args=SERVER_ARGS,
                                         exec_prefix=tuple(line.exec_prefix("b")),
-                                        netns=line.namespace("b"))
+                                        netns=line.namespace("b"),
+                                        api_key=None)  # the peer's EXTEND posts come keyless
                 log("starting the SGLang server (main, cluster B) ...")
                 md_server.start()
                 md_server.wait_ready(600)
