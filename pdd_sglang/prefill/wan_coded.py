@@ -14,16 +14,17 @@ Life cycle of a main-bound copy that is coded:
    before, one-sided into main's pages.
 3. Coded: :func:`send_coded` reads each slice's pages from prefill's pool, encodes them into one
    frame (the raw codec's where coding would grow it), wraps it in a record (the room, the
-   destination pages, a CRC) in this sender's registered ring, and writes it to the next free
-   place in main's range inside the windowed copy, so cancelling and yielding still act within one
-   window. A ring place is reused only once the block written from it has landed.
+   destination pages, a CRC) in a place of the prefill's send pool
+   (:mod:`pdd_sglang.prefill.send_pool`), and writes it to the next free place in main's range
+   inside the windowed copy, so cancelling and yielding still act within one window. A pool
+   place is reused only once Mooncake has ended the block written from it.
 4. The destination's last work to finish writes the end record (how many records, their bytes)
    to the range's start; main decodes every record into its pages when it sees the room landed
    (:mod:`pdd_sglang.decode.wan_staging`).
 
 Threads: a :class:`StagedCopy` is written by the WAN sender holding its line (a line is one main
 session, served by one sender at a time, so a destination's works never run at once), its
-``total`` once by the owner; each sender thread has its own ring (thread-local).
+``total`` once by the owner; the send pool is shared by the senders under its own lock.
 :class:`CodecChoice` is shared by the senders, its running figures under its lock.
 """
 
@@ -33,7 +34,6 @@ import dataclasses
 import logging
 import threading
 import time
-from collections import deque
 from typing import Any, Optional
 
 import numpy as np
@@ -44,6 +44,7 @@ from pdd_sglang.kv_codec.pool import CODABLE_DTYPES, PoolPages
 from pdd_sglang.kv_codec.wire import END_BYTES, pack_end, pack_record
 from pdd_sglang.policy.wan_codec import LOSSLESS_MEASURED, CodecCost, choose_wan_codec, stage_raw
 from pdd_sglang.prefill.ledger import LEDGER
+from pdd_sglang.prefill.send_pool import SendPool, send_pool
 from pdd_sglang.prefill.wan_lines import CopyClass
 
 logger = logging.getLogger(__name__)
@@ -55,10 +56,8 @@ logger = logging.getLogger(__name__)
 # 400 x 100 and a 200 x 200 line against 0.76-0.83, but a fresh-clone bench of all five points
 # (docs/results/wan_line_bench_records_2bdp_fresh_clone_ad93d7c_2026-12-05.json) gave one copy
 # -0.07 to +0.08 beside the run before and four copies at once 0.66-0.67 where they had moved
-# 0.87-0.89 (docs/measurements.md). A sender's ring holds at least RING_BYTES and always the
-# copy's window plus two records, so the ring never holds a copy below its window.
+# 0.87-0.89 (docs/measurements.md).
 MIN_RECORD_BYTES = 1 << 20
-RING_BYTES = 40 << 20
 # staged.codec of a destination whose copies go one-sided into main's pages, not as records.
 UNSTAGED = "unstaged"
 _RAW = RawCodec()
@@ -128,64 +127,14 @@ class CodecChoice:
                     **self.counters}
 
 
-class _Ring:
-    """A sender thread's registered bytes that records are written from; a place is reused only
-    once the block written from it has landed (the copy's oldest blocks land first)."""
-
-    def __init__(self, wan: Any, size: int):
-        self.buffer = torch.empty(size, dtype=torch.uint8)
-        self.array = self.buffer.numpy()
-        self.addr, self.size = self.buffer.data_ptr(), size
-        with _REGISTER_LOCK:
-            wan.register_regions([(self.addr, size)])
-        self.pos = 0
-        self.spans: deque = deque()  # (start, end) of each record written, newest last
-
-    def reset(self) -> None:
-        self.pos = 0
-        self.spans.clear()
-
-    def place(self, data: bytes, copy: Any) -> Optional[int]:
-        """Copy ``data`` into the ring once its place is free; its offset, or None when the copy
-        failed while waiting."""
-        n = len(data)
-        start = self.pos if self.pos + n <= self.size else 0
-        while True:
-            live = list(self.spans)[len(self.spans) - len(copy.in_flight):] if copy.in_flight \
-                else []
-            if not any(s < start + n and start < e for s, e in live):
-                break
-            if not copy.land_oldest():
-                return None
-        self.array[start:start + n] = np.frombuffer(data, np.uint8)
-        self.spans.append((start, start + n))
-        while len(self.spans) > len(copy.in_flight) + 1:
-            self.spans.popleft()
-        self.pos = start + n
-        return start
-
-
-_REGISTER_LOCK = threading.Lock()
-_THREAD = threading.local()  # .ring: this sender thread's _Ring
-
-
 def record_bytes(window: Any) -> int:
     """The raw bytes a record of a copy holds at most (even: whole elements), for ``window``
     (a :class:`~pdd_sglang.prefill.wan_engine.CopyWindow`, or the engine: its own window)."""
     return max(min(window.slice_bytes, max(window.block_bytes, MIN_RECORD_BYTES)) & ~1, 2)
 
 
-def ring_bytes(wan: Any) -> int:
-    return max(RING_BYTES, wan.window_bytes + 2 * record_bytes(wan))
-
-
-def _ring(wan: Any) -> _Ring:
-    """This sender thread's ring, made at its first packed copy (the engine's window is fixed
-    for its life)."""
-    ring = getattr(_THREAD, "ring", None)
-    if ring is None:
-        ring = _THREAD.ring = _Ring(wan, ring_bytes(wan))
-    return ring
+def _pool(wan: Any) -> SendPool:
+    return send_pool(wan, record_bytes(wan))
 
 
 def pool_pages(kv_mgr: Any) -> Optional[PoolPages]:
@@ -257,9 +206,8 @@ def send_coded(kv_mgr: Any, work: Any, src: Any, dst: Any, codec_name: str, line
     fanout = kv_mgr.pdd_fanout
     wan, pool, staged = fanout.wan_engine, pool_pages(kv_mgr), work.staged
     codec = CODECS[codec_name]
-    ring = _ring(wan)
+    pool_out = _pool(wan)
     with wan.copy(work.session) as copy:
-        ring.reset()
         start = work.pages_done
         while start < len(src):
             if start:
@@ -273,16 +221,16 @@ def send_coded(kv_mgr: Any, work: Any, src: Any, dst: Any, codec_name: str, line
                 or getattr(work, "relay_covered", False))
             step = max(record_bytes(window) // pool.page_bytes, 1)
             pages = np.asarray(src[start:start + step])
-            if not _write_record(kv_mgr, work, copy, ring, codec, pages,
+            if not _write_record(kv_mgr, work, copy, pool_out, codec, pages,
                                  np.asarray(dst[start:start + step])):
                 return False
             start = work.pages_done = min(start + step, len(src))
-        if staged.last_work() and not _write_end(work, copy, ring):
+        if staged.last_work() and not _write_end(work, copy, pool_out):
             return False
         return copy.finish()
 
 
-def _write_record(kv_mgr: Any, work: Any, copy: Any, ring: _Ring, codec: Any, pages: Any,
+def _write_record(kv_mgr: Any, work: Any, copy: Any, out: SendPool, codec: Any, pages: Any,
                   dst: Any) -> bool:
     fanout, staged = kv_mgr.pdd_fanout, work.staged
     began = time.perf_counter()
@@ -297,9 +245,7 @@ def _write_record(kv_mgr: Any, work: Any, copy: Any, ring: _Ring, codec: Any, pa
         logger.error("PDD: room %s's coded copy outgrows main %s's staging range (%d bytes)",
                      work.room, work.session, staged.nbytes)
         return False
-    place = ring.place(record, copy)
-    if place is None or not copy.submit([ring.addr + place], [staged.addr + staged.offset],
-                                        [len(record)]):
+    if not _submit(copy, out, record, staged.addr + staged.offset):
         return False
     LEDGER.record_batch(work.session, [raw_bytes], wire_bytes=len(record))
     fanout.wan_line.coded(work.session, raw_bytes, len(record))
@@ -312,11 +258,20 @@ def _write_record(kv_mgr: Any, work: Any, copy: Any, ring: _Ring, codec: Any, pa
     return True
 
 
-def _write_end(work: Any, copy: Any, ring: _Ring) -> bool:
+def _submit(copy: Any, out: SendPool, data: bytes, peer_addr: int) -> bool:
+    """Write ``data`` to ``peer_addr`` from a place of the send pool, held until Mooncake has
+    ended the block."""
+    place = out.take(len(data), copy)
+    if place is None:
+        return False
+    out.array[place:place + len(data)] = np.frombuffer(data, np.uint8)
+    return copy.submit([out.addr + place], [peer_addr], [len(data)], release=out.releaser(place))
+
+
+def _write_end(work: Any, copy: Any, out: SendPool) -> bool:
     staged = work.staged
     end = pack_end(work.room, staged.records, staged.wire_bytes, staged.raw_bytes)
-    place = ring.place(end, copy)
-    if place is None or not copy.submit([ring.addr + place], [staged.addr], [len(end)]):
+    if not _submit(copy, out, end, staged.addr):
         return False
     staged.end_written = True
     return True
@@ -335,6 +290,4 @@ def finish_staged(kv_mgr: Any, work: Any) -> bool:
         return True
     wan = kv_mgr.pdd_fanout.wan_engine
     with wan.copy(work.session) as copy:
-        ring = _ring(wan)
-        ring.reset()
-        return _write_end(work, copy, ring) and copy.finish()
+        return _write_end(work, copy, _pool(wan)) and copy.finish()

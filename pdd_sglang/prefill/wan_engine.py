@@ -45,6 +45,14 @@ Threads: a :class:`WanCopy` belongs to the sender thread that opened it (it is b
 thread, and only that thread's ``batch_transfer_sync`` calls join it); a call from any other
 thread (SGLang's per-layer executor with a custom memory pool, the aux write outside a copy) is a
 copy of its own, waited for before it returns. ``_abandoned`` is shared and locked.
+
+Memory Mooncake may still read: a block given up on (past twice the timeout, or at shutdown) is
+*abandoned*: Mooncake still owns it and may still read its source. A block may carry a release
+(a packed record's place in the prefill's send pool, :mod:`pdd_sglang.prefill.send_pool`): it
+runs when the block has ended, for an abandoned one only once Mooncake says so (the reaper), so
+no later copy writes over bytes a stalled request still reads. At shutdown :meth:`close`
+unregisters the engine's memory only once every abandoned block has ended (waiting up to
+:data:`CLOSE_DRAIN_S`); one still running keeps the memory registered and the engine alive.
 """
 
 from __future__ import annotations
@@ -56,7 +64,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional
 
 from pdd_sglang.policy.wan_order import BACKGROUND_IN_FLIGHT_S, background_in_flight_bytes
 from pdd_sglang.prefill.wan_line import WanLine
@@ -108,6 +116,14 @@ WINDOW_BDPS = 12.0
 # (docs/measurements.md). Set before the WAN engine initialises (Mooncake reads them then); an
 # operator's own values win.
 TCP_TRANSPORT_ENV = {"MC_TCP_ENABLE_CONNECTION_POOL": "1", "MC_TCP_LANES_PER_PEER": "16"}
+# The prefill's WAN sender threads (prefill/wan_path.py): at most one per main's line at a time.
+WAN_SENDERS = 4
+# Shutdown: how long close() waits for Mooncake to end the blocks copies gave up on before it
+# unregisters the memory they read (the copies give up within LONGEST_POLL_S of stop_waiting).
+CLOSE_DRAIN_S = 2.0
+# Engines closed with blocks Mooncake still runs: their memory stays registered and referenced
+# for the life of the process, never freed under a request that reads it.
+_KEPT: list = []
 
 
 @dataclass(frozen=True)
@@ -162,6 +178,7 @@ class _Block:
     batch: int
     nbytes: int
     submitted_at: float  # the line's accounting mark and the block's timeout start
+    release: Optional[Callable[[], None]] = None  # runs once Mooncake has ended the block
 
 
 class WanTransferEngine:
@@ -217,8 +234,8 @@ class WanTransferEngine:
         self.line = line if line is not None else WanLine()
         self._registered: list[int] = []
         self._lock = threading.Lock()
-        # Batches given up on (timed out) that Mooncake still owns: freed once they end.
-        self._abandoned: list[int] = []
+        # Blocks given up on that Mooncake still owns, (batch, release): reaped once they end.
+        self._abandoned: list[tuple[int, Optional[Callable[[], None]]]] = []
         self._stopping = False  # set by stop_waiting: a waiting copy gives up at its next poll
         self._closed = False
         self._thread_copy = threading.local()  # .copy: the WanCopy its sender thread has open
@@ -280,18 +297,29 @@ class WanTransferEngine:
             logger.warning("PDD: WAN probe of %s raised: %s", session_id, err)
             return False
 
-    def _abandon(self, batches: list) -> None:
+    def _abandon(self, blocks: list) -> None:
+        """Leave ``blocks`` ((batch, release) pairs) to Mooncake: reaped once they end."""
         with self._lock:
-            self._abandoned.extend(batches)
+            self._abandoned.extend(blocks)
 
-    def _reap_abandoned(self) -> None:
-        """Free abandoned batches that have ended (Mooncake's status call frees an ended one)."""
+    def abandoned_batches(self) -> list[int]:
         with self._lock:
-            if not self._abandoned:
-                return
-            self._abandoned = [
-                b for b in self._abandoned if self.engine.transfer_check_status(b) == _PENDING
-            ]
+            return [batch for batch, _ in self._abandoned]
+
+    def _reap_abandoned(self) -> bool:
+        """Free abandoned batches that have ended (Mooncake's status call frees an ended one)
+        and release what they read; True when none is left."""
+        with self._lock:
+            ended = []
+            left = []
+            for batch, release in self._abandoned:
+                (left if self.engine.transfer_check_status(batch) == _PENDING
+                 else ended).append((batch, release))
+            self._abandoned = left
+        for _, release in ended:
+            if release is not None:
+                release()
+        return not left
 
     def stop_waiting(self) -> None:
         """Shutdown: copies still on the line fail at their next poll (at most LONGEST_POLL_S),
@@ -299,11 +327,22 @@ class WanTransferEngine:
         self._stopping = True
 
     def close(self) -> None:
+        """Shutdown: unregister the engine's memory once Mooncake has ended every block given
+        up on (up to CLOSE_DRAIN_S); with one still running, leave it registered and alive."""
         self._stopping = True
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+        deadline = time.monotonic() + CLOSE_DRAIN_S
+        while not self._reap_abandoned() and time.monotonic() < deadline:
+            time.sleep(LONGEST_POLL_S)
+        with self._lock:
+            if self._abandoned:
+                logger.error("PDD: closing with %d WAN block(s) Mooncake still runs; their "
+                             "memory stays registered", len(self._abandoned))
+                _KEPT.append(self)
+                return
             if self._registered:
                 self.engine.batch_unregister_memory(self._registered)
                 self._registered = []
@@ -323,14 +362,21 @@ class WanCopy:
         self.in_flight_bytes = 0
         self.failed = False
 
-    def submit(self, buffers: list, peers: list, lengths: list) -> bool:
-        """Hand one slice to Mooncake once it fits in the window; False if the copy failed."""
+    def submit(self, buffers: list, peers: list, lengths: list,
+               release: Optional[Callable[[], None]] = None) -> bool:
+        """Hand one slice to Mooncake once it fits in the window; False if the copy failed.
+        ``release`` (one block only) runs once Mooncake has ended the block, or at once if it
+        could not be submitted."""
         nbytes = int(sum(lengths))
         while (not self.failed and self.in_flight
                and self.in_flight_bytes + nbytes > self.window_bytes):
             self._land_oldest()
         if self.failed:
+            if release is not None:
+                release()
             return False
+        if release is not None and len(lengths) != 1:
+            raise ValueError("a release belongs to a single block")
         for src, dst, length in zip(buffers, peers, lengths):
             batch = self.wan.engine.transfer_submit_write(self.session, src, dst, length)
             if batch <= 0:
@@ -338,10 +384,12 @@ class WanCopy:
                              batch)
                 self.wan.line.finished(self.session, length,
                                        self.wan.line.started(self.session, length), ok=False)
+                if release is not None:
+                    release()
                 self._fail()
                 return False
             self.in_flight.append(_Block(batch, length, self.wan.line.started(self.session,
-                                                                              length)))
+                                                                              length), release))
             self.in_flight_bytes += length
         return True
 
@@ -380,9 +428,7 @@ class WanCopy:
                 return
             if status != _PENDING:
                 # A failed batch is freed by Mooncake's status call; a timed-out one is not.
-                if status != _FAILED:
-                    self.wan._abandon([block.batch])
-                self._ended(False)
+                self._ended(False, abandoned=status != _FAILED)
                 logger.error("PDD: a WAN transfer to %s failed (Mooncake status %s)",
                              self.session, status)
                 self._fail()  # its other blocks may still be writing
@@ -401,10 +447,16 @@ class WanCopy:
             time.sleep(pause)
             pause = min(pause * 2, LONGEST_POLL_S)
 
-    def _ended(self, ok: bool) -> None:
+    def _ended(self, ok: bool, abandoned: bool = False) -> None:
+        """The oldest block left the copy: ended (its release runs now) or ``abandoned`` to
+        Mooncake (its release runs once the reaper sees it end)."""
         block = self.in_flight.popleft()
         self.in_flight_bytes -= block.nbytes
         self.wan.line.finished(self.session, block.nbytes, block.submitted_at, ok)
+        if abandoned:
+            self.wan._abandon([(block.batch, block.release)])
+        elif block.release is not None:
+            block.release()
 
     def _fail(self) -> None:
         self.failed = True
@@ -425,8 +477,7 @@ class WanCopy:
             elif status in (_DONE, _FAILED):  # ended; Mooncake's status call freed it
                 self._ended(status == _DONE)
             else:  # ended without being freed (Mooncake's own timeout): the reaper frees it
-                self.wan._abandon([self.in_flight[0].batch])
-                self._ended(False)
+                self._ended(False, abandoned=True)
         if self.in_flight:
             count = len(self.in_flight)
             self._give_up()
@@ -438,9 +489,8 @@ class WanCopy:
     def _give_up(self) -> None:
         """Leave every block in flight to Mooncake (the reaper frees them once they end)."""
         self.failed = True
-        self.wan._abandon([block.batch for block in self.in_flight])
         while self.in_flight:
-            self._ended(False)
+            self._ended(False, abandoned=True)
 
 
 def wan_hostname(kv_mgr: Any, wan_host: Optional[str] = None,

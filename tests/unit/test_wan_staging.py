@@ -313,3 +313,89 @@ def test_a_raw_copy_whose_per_layer_blocks_are_too_small_goes_packed_and_lands_b
 def test_stage_raw_packs_only_where_one_sided_requests_are_below_the_lines_block(
         slice_bytes, buffers, block_bytes, packed):
     assert stage_raw(slice_bytes, buffers, block_bytes) is packed
+
+
+# ---- the two hazards of a copy that gives up (issue 50) -----------------------------------
+class FirstBlockNeverEnds(CopyingMooncake):
+    """Mooncake's asynchronous API where the first block never ends (a stalled line: Mooncake
+    still reads its source), and every later one copies at once; each block's source is kept
+    with the bytes it held when submitted."""
+
+    def __init__(self):
+        super().__init__()
+        self.sources = []
+
+    def transfer_submit_write(self, session, src, dst, length):
+        self.sources.append((src, length, ctypes.string_at(src, length)))
+        if len(self.sources) > 1:
+            super().transfer_submit_write(session, src, dst, length)
+        return len(self.sources)
+
+    def transfer_check_status(self, batch):
+        return 0 if batch == 1 else 1
+
+
+def test_a_copy_that_gave_up_keeps_its_send_memory_until_mooncake_ends_the_block():
+    """After a copy gives up (twice its timeout), Mooncake may still be reading the records it
+    was given; the next copy must not write its records over them."""
+    src_pool = pool(1)
+    staging = main_with_staging(pool(2))
+    kv = prefill(src_pool, mode="raw")
+    engine = FirstBlockNeverEnds()
+    kv.pdd_fanout.wan_engine = WanTransferEngine.over(engine, timeout_s=0.01, window_bytes=4096,
+                                                      slice_bytes=kv.pdd_fanout.wan_engine.
+                                                      slice_bytes)
+    wan = kv.pdd_fanout.wan_engine
+    for room, pages in ((81, np.arange(1)), (82, np.arange(4, 8))):
+        addr, nbytes = staging.offer(Receiver(), room, pages)
+        staged = wan_coded.StagedCopy(addr, nbytes, codec="raw")
+        staged.total = 1
+        work = SimpleNamespace(room=room, session="main-1", staged=staged, pages_done=0,
+                               copy_class=None)
+        sent = wan_coded.send_coded(kv, work, pages, pages, "raw", None, lambda *a: False,
+                                    "yielded")
+        assert sent is (room != 81)  # the first copy gave up on its stalled block
+    assert len(engine.sources) > 2  # the second copy's records went out
+    src, length, held = engine.sources[0]
+    assert ctypes.string_at(src, length) == held  # what Mooncake still reads is untouched
+    assert wan.abandoned_batches() == [1]
+    assert wan.send_pool.state()["in_use_bytes"] > 0  # held while Mooncake may read it
+    engine.transfer_check_status = lambda batch: 1  # Mooncake ends the stalled block at last
+    assert wan._reap_abandoned() and wan.send_pool.state()["in_use_bytes"] == 0
+
+
+class Unregistering(FirstBlockNeverEnds):
+    def __init__(self, ends_after_polls=None):
+        super().__init__()
+        self.polls, self.ends_after_polls, self.unregistered = 0, ends_after_polls, []
+
+    def transfer_check_status(self, batch):
+        self.polls += 1
+        if self.ends_after_polls is not None and self.polls >= self.ends_after_polls:
+            return 1
+        return 0
+
+    def batch_unregister_memory(self, ptrs):
+        self.unregistered.extend(ptrs)
+        return 0
+
+
+@pytest.mark.parametrize("ends", [False, True])
+def test_shutdown_leaves_memory_registered_while_an_abandoned_block_may_still_read_it(ends):
+    """At shutdown the copies on the line give up at once; the prefill then closes its WAN
+    engine. It unregisters its memory only once Mooncake has ended every block it was given
+    (waiting a bounded time); a block still running keeps it registered and alive."""
+    buf = torch.zeros(4096, dtype=torch.uint8)
+    engine = Unregistering()
+    wan = WanTransferEngine.over(engine, timeout_s=60.0)
+    wan.register_regions([(buf.data_ptr(), buf.numel())])
+    done = []
+    with wan.copy("main") as copy:
+        assert copy.submit([buf.data_ptr()], [0], [4096])
+        wan.stop_waiting()  # shutdown: the copy gives up at its next poll
+        done.append(copy.finish())
+    assert done == [False] and wan.abandoned_batches() == [1]
+    if ends:
+        engine.ends_after_polls = engine.polls + 3  # Mooncake ends it while the engine closes
+    wan.close()
+    assert engine.unregistered == ([buf.data_ptr()] if ends else [])
