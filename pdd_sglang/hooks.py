@@ -130,7 +130,7 @@ def receiver_metadata(receiver: CommonKVReceiver, decode_prefix_len: Optional[in
     return metadata(receiver, decode_prefix_len, kv_indices)
 
 
-# ---- main: coded WAN KV decoded before the room lands: patch 0020 -----------------------------
+# ---- main: packed WAN KV landed before the room counts as landed: patch 0020 ------------------
 def receiver_concluding(receiver: CommonKVReceiver, status: KVPoll) -> KVPoll:
     """A receiver's poll first sees its room Success or Failed (scheduler thread): main decodes
     a coded copy into its pages first; Failed when it does not decode."""
@@ -139,6 +139,16 @@ def receiver_concluding(receiver: CommonKVReceiver, status: KVPoll) -> KVPoll:
     from pdd_sglang.decode.destination import concluding
 
     return concluding(receiver, status)
+
+
+def receiver_cleared(receiver: CommonKVReceiver) -> None:
+    """SGLang clears a receiver (scheduler thread) before the room's pages go elsewhere: main's
+    landing thread lets the room go first."""
+    if pdd_role() != "main":
+        return
+    from pdd_sglang.decode.destination import cleared
+
+    cleared(receiver)
 
 
 # ---- prefill side: patches 0006 (the fan-out owns its rooms), 0007 (WAN path) -----------------

@@ -24,6 +24,7 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
 
 from pdd_sglang.kv_codec.staging import StagingAllocator
@@ -86,12 +87,29 @@ class SendPool:
             with self._cond:
                 self._cond.wait(LONGEST_POLL_S)
 
-    def releaser(self, offset: int) -> Callable[[], None]:
-        """The release of the place at ``offset`` (a block's, run once Mooncake ended it)."""
-        def release() -> None:
+    def write(self, copy: Any, data: bytes, peer_addr: int,
+              release: Optional[Callable[[bool], None]] = None) -> bool:
+        """Write ``data`` to ``peer_addr`` within ``copy`` from a place of the pool, held until
+        Mooncake has ended the block (then ``release`` runs too); False when the copy failed."""
+        place = self.take(len(data), copy)
+        if place is None:
+            if release is not None:
+                release(False)
+            return False
+        self.array[place:place + len(data)] = np.frombuffer(data, np.uint8)
+        return copy.submit([self.addr + place], [peer_addr], [len(data)],
+                           release=self.releaser(place, release))
+
+    def releaser(self, offset: int, also: Optional[Callable[[bool], None]] = None
+                 ) -> Callable[[bool], None]:
+        """The release of the place at ``offset`` (a block's, run once Mooncake ended it, with
+        whether it landed), then ``also``'s."""
+        def release(landed: bool) -> None:
             with self._cond:
                 self._allocator.free(offset)
                 self._cond.notify_all()
+            if also is not None:
+                also(landed)
         return release
 
     def state(self) -> dict:

@@ -72,7 +72,7 @@ from pdd_sglang.prefill.wan_line import WanLine
 logger = logging.getLogger(__name__)
 
 # Mooncake's transfer_check_status: 1 done, 0 in progress, -1 failed, -2 timed out.
-_DONE, _PENDING, _FAILED = 1, 0, -1
+_DONE, _PENDING, _FAILED, _TIMED_OUT = 1, 0, -1, -2
 # Back-off between status polls of a waiting block: from a fast line's latency up to a period
 # that is noise beside a multi-second WAN copy (and, with a window of many round trips, never
 # leaves the line idle).
@@ -178,7 +178,7 @@ class _Block:
     batch: int
     nbytes: int
     submitted_at: float  # the line's accounting mark and the block's timeout start
-    release: Optional[Callable[[], None]] = None  # runs once Mooncake has ended the block
+    release: Optional[Callable[[bool], None]] = None  # runs once Mooncake ended it (landed?)
 
 
 class WanTransferEngine:
@@ -235,7 +235,7 @@ class WanTransferEngine:
         self._registered: list[int] = []
         self._lock = threading.Lock()
         # Blocks given up on that Mooncake still owns, (batch, release): reaped once they end.
-        self._abandoned: list[tuple[int, Optional[Callable[[], None]]]] = []
+        self._abandoned: list[tuple[int, Optional[Callable[[bool], None]]]] = []
         self._stopping = False  # set by stop_waiting: a waiting copy gives up at its next poll
         self._closed = False
         self._thread_copy = threading.local()  # .copy: the WanCopy its sender thread has open
@@ -288,6 +288,29 @@ class WanTransferEngine:
             copy.drain()
         return 0 if ok else -1
 
+    def read(self, session_id: str, local_addr: int, peer_addr: int, length: int) -> bool:
+        """Read ``length`` bytes at ``peer_addr`` of ``session_id`` into registered
+        ``local_addr`` (a main's staging words), waited on as a block is; False when it failed."""
+        batch = self.engine.batch_transfer_async_read(session_id, [local_addr], [peer_addr],
+                                                      [length])
+        if batch <= 0:
+            logger.error("PDD: submitting a WAN read from %s failed (%s)", session_id, batch)
+            return False
+        began, pause = time.monotonic(), FIRST_POLL_S
+        while True:
+            status = self.engine.transfer_check_status(batch)
+            if status == _DONE:
+                return True
+            if status != _PENDING or self._stopping \
+                    or time.monotonic() - began > self.timeout_s:
+                if status in (_PENDING, _TIMED_OUT):
+                    self._abandon([(batch, None)])
+                logger.error("PDD: a WAN read from %s failed (Mooncake status %s)", session_id,
+                             status)
+                return False
+            time.sleep(pause)
+            pause = min(pause * 2, LONGEST_POLL_S)
+
     def probe(self, session_id: str) -> bool:
         """Whether ``session_id`` answers over this engine (Mooncake's own probe): a main taken
         out after a failed WAN copy comes back only once the WAN path itself reaches it."""
@@ -318,7 +341,7 @@ class WanTransferEngine:
             self._abandoned = left
         for _, release in ended:
             if release is not None:
-                release()
+                release(False)
         return not left
 
     def stop_waiting(self) -> None:
@@ -363,7 +386,7 @@ class WanCopy:
         self.failed = False
 
     def submit(self, buffers: list, peers: list, lengths: list,
-               release: Optional[Callable[[], None]] = None) -> bool:
+               release: Optional[Callable[[bool], None]] = None) -> bool:
         """Hand one slice to Mooncake once it fits in the window; False if the copy failed.
         ``release`` (one block only) runs once Mooncake has ended the block, or at once if it
         could not be submitted."""
@@ -373,7 +396,7 @@ class WanCopy:
             self._land_oldest()
         if self.failed:
             if release is not None:
-                release()
+                release(False)
             return False
         if release is not None and len(lengths) != 1:
             raise ValueError("a release belongs to a single block")
@@ -385,7 +408,7 @@ class WanCopy:
                 self.wan.line.finished(self.session, length,
                                        self.wan.line.started(self.session, length), ok=False)
                 if release is not None:
-                    release()
+                    release(False)
                 self._fail()
                 return False
             self.in_flight.append(_Block(batch, length, self.wan.line.started(self.session,
@@ -456,7 +479,7 @@ class WanCopy:
         if abandoned:
             self.wan._abandon([(block.batch, block.release)])
         elif block.release is not None:
-            block.release()
+            block.release(ok)
 
     def _fail(self) -> None:
         self.failed = True

@@ -89,12 +89,13 @@ def _packed_copy(wan, session: str, src, dst_ptr: int, copy_bytes: int, offset: 
 
     began = time.perf_counter()
     step, raw = wan_coded.record_bytes(wan), RawCodec()
-    place_at = dst_ptr + offset
+    place_at, pool = dst_ptr + offset, wan_coded._pool(wan)
     with wan.copy(session) as copy:
-        for start in range(offset, offset + copy_bytes, step):  # src: 2-byte elements
-            data = src[start // 2:min(start + step, offset + copy_bytes) // 2]
-            record = pack_record(1, np.arange(len(data) // PAGE_BYTES), raw.encode(data))
-            if not wan_coded._submit(copy, wan_coded._pool(wan), record, place_at):
+        for seq, start in enumerate(range(offset, offset + copy_bytes, step)):
+            data = src[start // 2:min(start + step, offset + copy_bytes) // 2]  # 2-byte elements
+            frame = raw.encode(data)
+            record = pack_record(1, seq, np.arange(len(data) // PAGE_BYTES), len(frame)) + frame
+            if not pool.write(copy, record, place_at):
                 raise RuntimeError("a record of the copy failed")
             place_at += len(record)
         if not copy.finish():
@@ -104,11 +105,10 @@ def _packed_copy(wan, session: str, src, dst_ptr: int, copy_bytes: int, offset: 
 
 def packed_bytes(copy_bytes: int, block_bytes: int) -> int:
     """What a packed copy of ``copy_bytes`` puts on the wire at most: records' headers and
-    page ids on top (:func:`~pdd_sglang.kv_codec.wire.staging_bytes_for`, one page a record at
-    worst)."""
-    from pdd_sglang.kv_codec.wire import staging_bytes_for
+    page ids on top (one page a record at worst)."""
+    from pdd_sglang.kv_codec.wire import record_overhead
 
-    return staging_bytes_for(copy_bytes // PAGE_BYTES + 1, PAGE_BYTES)
+    return (copy_bytes // PAGE_BYTES + 1) * (PAGE_BYTES + record_overhead(1))
 
 
 def _rules(args) -> list:
