@@ -508,3 +508,37 @@ def test_shutdown_leaves_memory_registered_while_an_abandoned_block_may_still_re
         engine.ends_after_polls = engine.polls + 3  # Mooncake ends it while the engine closes
     wan.close()
     assert engine.unregistered == ([buf.data_ptr()] if ends else [])
+
+
+def test_a_packed_copy_crosses_real_mooncake_engines_into_mains_ring(mains):
+    """The ring's one-sided protocol over Mooncake's TCP transport in one process: records and
+    arrival words written, main's freed words read as credits, a copy several times the ring."""
+    from mooncake.engine import TransferEngine
+
+    receiver = TransferEngine()
+    assert receiver.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    src_pool, dst_pool = pool(1), pool(2)
+    engine = SimpleNamespace(register=lambda p, n: receiver.register_memory(p, n),
+                             deregister=receiver.unregister_memory)
+    slot_bytes = 2 * (PAGE_BYTES + 4) + 60
+    ring = RingLayout.for_slots(0, 3, slot_bytes).nbytes
+    staging = MainStaging(SimpleNamespace(kv_args=kv_args(dst_pool), engine=engine),
+                          RINGS_PER_MAIN * ring, ring, slot_bytes)
+    mains.append(staging)
+    wan = WanTransferEngine("127.0.0.1", "tcp", None, timeout_s=30.0)
+    kv = prefill(src_pool, "raw", engine=wan.engine)
+    kv.pdd_fanout.wan_engine = wan
+    wan.slice_bytes = 3 * PAGE_BYTES
+    wan.register_regions([(b.data_ptr(), b.numel() * 4) for b in src_pool])
+    session = f"127.0.0.1:{receiver.get_rpc_port()}"
+    src, dst = np.arange(PAGES), np.arange(PAGES)[::-1].copy()
+    staged = offered(staging, 91, dst)
+    staged.total = 1
+    work = SimpleNamespace(room=91, session=session, staged=staged, pages_done=0, copy_class=None)
+    assert wan_coded.codec_for(kv, work, False, PAGES * PAGE_BYTES) == "raw"
+    assert wan_coded.send_coded(kv, work, src, dst, "raw", None, lambda *a: False, "y") is True
+    assert wan_coded.finish_staged(kv, work)
+    assert landed(staging, 91) == LANDED and staged.records == PAGES // 2
+    assert all(torch.equal(d[dst], s[src]) for s, d in zip(src_pool, dst_pool))
+    assert next(iter(wan.ring_writers.values())).reads >= 1
+    wan.close()
