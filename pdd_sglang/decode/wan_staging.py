@@ -46,7 +46,8 @@ import numpy as np
 import torch
 
 from pdd_sglang import seam
-from pdd_sglang.kv_codec import DTYPES, HEADER, CorruptFrame, codec_named, frame_codec_name
+from pdd_sglang.kv_codec import (DTYPES, HEADER, CorruptFrame, RawCodec, codec_named,
+                                 frame_codec_name)
 from pdd_sglang.kv_codec.pool import PoolPages
 from pdd_sglang.kv_codec.wire import WORD, RingLayout, read_slot
 
@@ -276,8 +277,13 @@ class MainStaging:
             raise CorruptFrame(f"room {room_id}: a record names pages SGLang did not give it")
         header = HEADER.unpack_from(frame)
         into = self.pool.empty_for(len(pages), DTYPES.get(header[3], torch.uint8))
-        codec_named(frame_codec_name(frame)).decode(frame, into)
-        self.pool.scatter(pages, into, self._stream)
+        codec = codec_named(frame_codec_name(frame))
+        if isinstance(codec, RawCodec):  # scattered straight from the slot, once checked
+            data = torch.from_numpy(codec.payload(frame, into)).view(into.dtype).view(into.shape)
+        else:
+            codec.decode(frame, into)
+            data = into
+        self.pool.scatter(pages, data, self._stream)
         room.records += 1
         room.raw_bytes += into.numel() * into.element_size()
 

@@ -117,8 +117,13 @@ class RawCodec:
         return _frame(self.codec_id, kv, _as_bytes(kv).tobytes())
 
     def decode(self, frame: bytes | memoryview, into: torch.Tensor) -> None:
-        _, payload = _open(frame, self.codec_id, into)
-        _write_bytes(into, np.frombuffer(payload, np.uint8).reshape(-1, into.element_size()))
+        _write_bytes(into, self.payload(frame, into).reshape(-1, into.element_size()))
+
+    def payload(self, frame: bytes | memoryview, like: torch.Tensor) -> np.ndarray:
+        """The frame's payload in place, checked (header and CRC) against ``like``'s shape and
+        dtype (nothing written): main scatters a raw record straight from its staging slot."""
+        _, payload = _open(frame, self.codec_id, like)
+        return np.frombuffer(payload, np.uint8)
 
 
 class LosslessCodec:

@@ -100,6 +100,11 @@ MAX_SLOT_BYTES = 32 << 20
 RING_BDPS = 24.0
 MIN_RING_SLOTS = 8
 RINGS_PER_MAIN = 2  # prefill ranks writing to one main rank at once; more go one-sided
+SLOT_ALIGN = 64
+
+
+def _aligned(n: int) -> int:
+    return -(-int(n) // SLOT_ALIGN) * SLOT_ALIGN
 
 
 def staging_ring(bandwidth_gbps: float, rtt_ms: float, staging_mb: float = 0.0
@@ -112,9 +117,9 @@ def staging_ring(bandwidth_gbps: float, rtt_ms: float, staging_mb: float = 0.0
                          f"{bandwidth_gbps} Gbit/s, {rtt_ms} ms, {staging_mb} MiB)")
     bdp = bandwidth_gbps * 1e9 / 8 * rtt_ms / 1e3
     raw = int(min(max(SLOT_BDPS * bdp, MIN_SLOT_BYTES), MAX_SLOT_BYTES))
-    slot = raw + raw // 64 + 4096  # page ids and headers
+    slot = _aligned(raw + raw // 64 + 4096)  # page ids and headers; a slot's KV stays aligned
     if staging_mb > 0:
         ring = int(staging_mb * (1 << 20)) // RINGS_PER_MAIN
-        slot = min(slot, max(ring // MIN_RING_SLOTS, 1))
+        slot = min(slot, max(ring // MIN_RING_SLOTS // SLOT_ALIGN * SLOT_ALIGN, SLOT_ALIGN))
         return slot, ring
     return slot, max(int(RING_BDPS * bdp), MIN_RING_SLOTS * slot)

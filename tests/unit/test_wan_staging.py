@@ -95,11 +95,12 @@ def test_a_ring_lays_its_words_then_its_slots_within_its_bytes():
 
 def test_main_sizes_its_rings_from_the_declared_line_or_the_flag():
     slot, ring = staging_ring(10, 20)  # the brief's line: 25 MB BDP
-    assert slot == 12_500_000 + 12_500_000 // 64 + 4096 and ring == 24 * 25_000_000
+    assert slot == 12_699_456 and ring == 24 * 25_000_000  # 12.5 MB, ids and headers, aligned
     slot, ring = staging_ring(0.01, 40)  # the demo's line: slots of 1 MiB, eight of them at least
     assert slot == (1 << 20) + (1 << 14) + 4096 and ring == MIN_RING_SLOTS * slot
     slot, ring = staging_ring(10, 20, staging_mb=64)
     assert ring == (64 << 20) // RINGS_PER_MAIN and slot == ring // MIN_RING_SLOTS
+    assert all(staging_ring(g, 7)[0] % 64 == 0 for g in (0.3, 1.7, 13.1))
     with pytest.raises(ValueError):
         staging_ring(0, 20)
 
