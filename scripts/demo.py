@@ -506,6 +506,9 @@ def print_results(args, results: dict, summary: dict, bar_setup: str, plots: lis
     report.print_intake(load)
     report.print_line_classes(load)
     print(f"\n{wan_wait.summary_line(p_to_md)}")
+    modes = summary["wan_kv_codec"].get("copies_by_mode")
+    if modes:  # every copy to main, by how it crossed (sglang:pdd_wan_copies_total{mode})
+        print("copies to main by mode: " + ", ".join(f"{m} {n}" for m, n in modes.items()))
     if args.frontier:
         budget.print_frontier(summary["frontier"])
     if bar_setup != "pdd":
