@@ -230,9 +230,10 @@ def make_servers(args, line: WanLine, groups: dict, model, log_dir: Path,
     main_a = NetnsServer("main-a", host="127.0.0.1", exec_prefix=where("a", "main-a"),
                          netns=ns_a, extra_args=("--pdd-role", "main", *TRANSPORT, *METRICS),
                          **common)
+    # The line declared to main-b too: it sizes its staging rings (--pdd-wan-staging-mb 0).
     main_b = NetnsServer("main-b", host=line.address("b"), exec_prefix=where("b", "main-b"),
-                         netns=ns_b, extra_args=("--pdd-role", "main", *TRANSPORT, *METRICS),
-                         **common)
+                         netns=ns_b, extra_args=("--pdd-role", "main", *TRANSPORT, *METRICS,
+                                                 *line.prefill_flags()), **common)
     # Beside prefill in cluster A; it binds cluster A's line address, so main-b reaches its
     # control channel only across the line.
     relay = NetnsServer("relay", host=line.address("a"), exec_prefix=where("a", "relay"),
