@@ -71,6 +71,7 @@ class _Room:
     records: int = 0
     raw_bytes: int = 0
     end: Optional[tuple[int, int]] = None  # (records, raw bytes) of its end record
+    last_decode_s: float = 0.0  # its last record's check, decode and scatter
 
 
 @dataclass
@@ -117,6 +118,7 @@ class MainStaging:
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._rooms: dict[int, _Room] = {}  # landing thread
         self._outcomes: dict[int, str] = {}  # landing thread adds, scheduler pops
+        self.last_landed: Optional[dict] = None  # landing thread replaces it whole
         self.counters = {"offered": 0, "no_ring": 0, "landed_packed": 0, "landed_one_sided": 0,
                          "records": 0, "raw_bytes": 0, "corrupt": 0, "foreign": 0,
                          "forgotten_unlanded": 0, "peak_slots": 0, "failed_rooms": 0}
@@ -180,11 +182,16 @@ class MainStaging:
         self._outcomes.pop(room, None)
 
     def state(self) -> dict:
+        """The region, its rings, what they hold now (records arrived, not yet landed) and at
+        most, the last room landed, the counters (a snapshot: the landing thread counts on)."""
+        slot_bytes = self.rings[0].layout.slot_bytes if self.rings else 0
+        held = sum(int(np.count_nonzero(r.arrived > r.freed)) for r in self.rings)
         return {"bytes": self.region.numel(), "rings": len(self.rings),
                 "prefills": len(self._peers), "rooms": len(self._offered),
                 "slots_per_ring": self.rings[0].layout.slots if self.rings else 0,
-                "slot_bytes": self.rings[0].layout.slot_bytes if self.rings else 0,
-                **self.counters}
+                "slot_bytes": slot_bytes, "in_use_bytes": held * slot_bytes,
+                "peak_bytes": self.counters["peak_slots"] * slot_bytes,
+                "last_landed": self.last_landed, **self.counters}
 
     def close(self) -> None:
         """Scheduler exit (``lifecycle.close_scheduler``): the landing thread stops and the region
@@ -277,6 +284,7 @@ class MainStaging:
             raise CorruptFrame(f"room {room_id}: a record names pages SGLang did not give it")
         header = HEADER.unpack_from(frame)
         into = self.pool.empty_for(len(pages), DTYPES.get(header[3], torch.uint8))
+        began = time.perf_counter()
         codec = codec_named(frame_codec_name(frame))
         if isinstance(codec, RawCodec):  # scattered straight from the slot, once checked
             data = torch.from_numpy(codec.payload(frame, into)).view(into.dtype).view(into.shape)
@@ -284,6 +292,7 @@ class MainStaging:
             codec.decode(frame, into)
             data = into
         self.pool.scatter(pages, data, self._stream)
+        room.last_decode_s = time.perf_counter() - began
         room.records += 1
         room.raw_bytes += into.numel() * into.element_size()
 
@@ -298,6 +307,9 @@ class MainStaging:
         self.counters["landed_packed" if room.records else "landed_one_sided"] += 1
         self.counters["records"] += room.records
         self.counters["raw_bytes"] += room.raw_bytes
+        self.last_landed = {"room": room_id, "records": room.records,
+                            "last_record_decode_s": round(room.last_decode_s, 6),
+                            "landed_at": time.time()}
         self._outcomes[room_id] = LANDED
 
     def _fail_by_slot(self, view: memoryview, err: Exception) -> None:

@@ -233,6 +233,9 @@ def test_a_packed_copy_lands_in_mains_pages_off_the_scheduler_thread(mains, mode
             assert torch.equal(d_buf[dst], s_buf[src])  # bit-exact
         assert torch.equal(d_buf[untouched], d_before[untouched])
     assert staging.counters["landed_packed"] == 1 and staging.counters["records"] == staged.records
+    state = staging.state()
+    assert state["in_use_bytes"] == 0 and 0 < state["peak_bytes"] <= state["bytes"]
+    assert state["last_landed"]["room"] == 77 and state["last_landed"]["last_record_decode_s"] > 0
     modes = kv.pdd_fanout.codec_choice.state()["copies_by_mode"]
     assert modes == {"packed": mode == "raw", "coded": mode != "raw", "one_sided": 0}
     assert staging.land(77, landed=True) is None  # landed once, then forgotten
