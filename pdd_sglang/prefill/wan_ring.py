@@ -7,7 +7,8 @@ A :class:`RingWriter` is this prefill rank's view of one ring at one main rank. 
   write there never arrived and Mooncake has ended it, or it was never written;
 - ``IN_FLIGHT``: a record's write is with Mooncake;
 - ``LANDED``: that write ended, its arrival word not yet sent;
-- ``ANNOUNCED``: its arrival word sent; main may be landing it.
+- ``ANNOUNCED``: its arrival word sent (sent again should that write fail); main may be landing
+  it.
 
 :meth:`RingWriter.take` gives a free slot and the next sequence number; with none free it sends
 the arrival words due, lands the copy's own oldest block, and reads main's freed words (one
@@ -108,18 +109,36 @@ class RingWriter:
 
     def announce(self, copy: Any) -> bool:
         """Send the arrival word of every record that landed since the last call (each its own
-        8-byte write inside ``copy``); False when the copy failed."""
+        8-byte write inside ``copy``); False when the copy failed. A word whose write did not
+        land is sent again by the next call (the same word twice is harmless: main lands a
+        slot once its arrived word passes its freed one)."""
         with self._lock:
             due, self._landed = self._landed, []
             for slot in due:
                 self._state[slot] = ANNOUNCED
         words = self._announce.numpy().view(WORD)
-        for slot in due:
+        for index, slot in enumerate(due):
             words[slot] = self._written[slot]
             address = self._announce.data_ptr() + slot * WORD.itemsize
-            if not copy.submit([address], [self.layout.arrived_addr(slot)], [WORD.itemsize]):
+            if not copy.submit([address], [self.layout.arrived_addr(slot)], [WORD.itemsize],
+                               release=self._announced(slot)):
+                with self._lock:  # the rest were never sent
+                    for later in due[index + 1:]:
+                        self._state[later] = LANDED
+                        self._landed.append(later)
                 return False
         return True
+
+    def _announced(self, slot: int) -> Callable[[bool], None]:
+        written = int(self._written[slot])
+
+        def release(ok: bool) -> None:
+            with self._lock:
+                if not ok and self._state[slot] == ANNOUNCED \
+                        and int(self._written[slot]) == written:
+                    self._state[slot] = LANDED
+                    self._landed.append(slot)
+        return release
 
     def _read(self, wan: Any) -> bool:
         """Read main's words; slots main has landed come free (the first read also sets the

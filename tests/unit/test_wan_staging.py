@@ -165,6 +165,7 @@ def main_with_staging(mains, buffers, slots=16, slot_pages=3):
                           RINGS_PER_MAIN * ring, ring, slot_bytes)
     assert registered == [(staging.addr, RINGS_PER_MAIN * ring)]
     staging.registered = registered
+    staging.buffers = buffers  # its pool's memory, by address only: kept alive as SGLang's is
     mains.append(staging)
     return staging
 
@@ -179,7 +180,8 @@ def prefill(buffers, mode="lossless", engine=None):
     kv = SimpleNamespace(kv_args=args, pdd_fanout=fanout,
                          pdd_coded_pool=wan_coded.PoolPages(args.kv_data_ptrs, args.kv_data_lens,
                                                             args.kv_item_lens, torch.float32,
-                                                            HEAD_DIM))
+                                                            HEAD_DIM),
+                         buffers=buffers)  # its pool's memory, kept alive as SGLang's is
     return kv
 
 
@@ -546,3 +548,32 @@ def test_a_packed_copy_crosses_real_mooncake_engines_into_mains_ring(mains):
     assert all(torch.equal(d[dst], s[src]) for s, d in zip(src_pool, dst_pool))
     assert next(iter(wan.ring_writers.values())).reads >= 1
     wan.close()
+
+
+def test_an_arrival_word_whose_write_failed_is_sent_again_by_the_next_copy(mains):
+    """Main lands a slot only once its arrived word passes its freed one: a word whose write
+    failed would hold its slot for ever. The next copy sends it again, so main frees it."""
+    src_pool, dst_pool = pool(1), pool(2)
+    staging = main_with_staging(mains, dst_pool, slots=2)
+    arrived_words = {staging.rings[0].layout.arrived_addr(slot) for slot in range(2)}
+
+    class LosesTheFirstArrivalWord(CopyingMooncake):
+        lost: list = []
+
+        def transfer_submit_write(self, session, src, dst, length):
+            if dst in arrived_words and not self.lost:
+                self.lost.append(dst)
+                return -1
+            return super().transfer_submit_write(session, src, dst, length)
+    kv = prefill(src_pool, "raw", LosesTheFirstArrivalWord())
+    failed = offered(staging, 92, np.arange(2))
+    failed.total = 1
+    work = SimpleNamespace(room=92, session="main-1", staged=failed, pages_done=0,
+                           copy_class=None)
+    assert wan_coded.send_coded(kv, work, np.arange(2), np.arange(2), "raw", None,
+                                lambda *a: False, "y") is False  # its record and end record
+    assert LosesTheFirstArrivalWord.lost and staging.land(92, landed=False) is None  # it failed
+    # the request placed again: its copy needs both slots, so the lost word must be sent again
+    send(kv, 93, [np.arange(4)], [np.arange(4, 8)], offered(staging, 93, np.arange(4, 8)))
+    assert landed(staging, 93) == LANDED and staging.counters["foreign"] == 2  # room 92's two
+    assert all(torch.equal(d[4:8], s[:4]) for s, d in zip(src_pool, dst_pool))
