@@ -76,8 +76,8 @@ def choose_wan_codec(raw_bytes: float, line_bytes_per_s: float, candidates: Sequ
 
 
 def stage_raw(slice_bytes: int, kv_buffers: int, block_bytes: int) -> bool:
-    """Whether an uncoded copy goes packed, as records in main's staging range, rather than
-    one-sided into main's pages. One-sided, a slice is one Mooncake request per KV buffer (a
+    """Whether an uncoded copy on RDMA goes packed, as records in main's staging ring, rather
+    than one-sided into main's pages (on TCP it always does). One-sided, a slice is one Mooncake request per KV buffer (a
     layer's K or V), so a model of many layers splits it into requests too small to keep the
     line full (``block_bytes``: the smallest that does, :data:`~pdd_sglang.prefill.wan_engine.
     BLOCK_BDPS` of the line's bandwidth-delay product); packed, a request is a record of

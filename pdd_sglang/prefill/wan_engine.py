@@ -99,8 +99,9 @@ MAX_SLICE_BYTES = 64 << 20
 # when it goes one-sided into main's pages, so the model's layer count divides the slice: at
 # 200 Mbit/s x 100 ms, slices of 4 BDPs with 12 more in flight, one copy of 20 BDPs moved 0.83-0.88
 # of the line in 8 blocks per slice (a 4-layer model's), 0.65 in 64 (32 layers) and 0.34 in 160
-# (80 layers) (docs/measurements.md). Below this size a raw copy goes as records of this size
-# packed into main's staging range instead (prefill/wan_coded.py, policy.wan_codec.stage_raw).
+# (80 layers) (docs/measurements.md). So a raw copy goes as records of this size packed into
+# main's staging ring instead (prefill/wan_coded.py; on RDMA only below this size,
+# policy.wan_codec.stage_raw).
 BLOCK_BDPS = 0.5
 MIN_BLOCK_BYTES = 4 << 10  # a slow line's slices are clamped up, so its blocks exceed this anyway
 MAX_BLOCK_BYTES = 32 << 20
