@@ -577,3 +577,18 @@ def test_an_arrival_word_whose_write_failed_is_sent_again_by_the_next_copy(mains
     send(kv, 93, [np.arange(4)], [np.arange(4, 8)], offered(staging, 93, np.arange(4, 8)))
     assert landed(staging, 93) == LANDED and staging.counters["foreign"] == 2  # room 92's two
     assert all(torch.equal(d[4:8], s[:4]) for s, d in zip(src_pool, dst_pool))
+
+
+def test_one_sided_on_tcp_is_logged_once_and_every_copy_counted(monkeypatch, caplog):
+    import threading as _threading
+
+    monkeypatch.setattr(wan_coded, "_ONE_SIDED_LOGGED", _threading.Event())
+    kv = prefill(pool(1), "raw")
+    for room in (1, 2, 3):  # mains that named no ring (another TP size, or none left)
+        work = SimpleNamespace(room=room, session="main-1", staged=wan_coded.StagedCopy(None),
+                               pages_done=0)
+        with caplog.at_level("WARNING", logger=wan_coded.logger.name):
+            assert wan_coded.codec_for(kv, work, False, 4096) is None
+    logged = [r for r in caplog.records if "goes one-sided on TCP" in r.getMessage()]
+    assert len(logged) == 1 and "no staging ring" in logged[0].getMessage()
+    assert kv.pdd_fanout.codec_choice.state()["copies_by_mode"]["one_sided"] == 3
