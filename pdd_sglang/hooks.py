@@ -122,7 +122,7 @@ def attach_route(receiver: CommonKVReceiver, req: Req) -> None:
 def receiver_metadata(receiver: CommonKVReceiver, decode_prefix_len: Optional[int],
                       kv_indices: Any = None) -> tuple:
     """``(required_dst_info_num, extra_frames)`` for a receiver's transfer metadata; a main's
-    hello may offer a staging range for coded KV of the pages ``kv_indices`` (patch 0020)."""
+    hello may name a staging ring for packed KV of the pages ``kv_indices`` (patch 0020)."""
     if pdd_role() is None:
         return receiver.required_dst_info_num, []
     from pdd_sglang.decode.destination import receiver_metadata as metadata
@@ -130,15 +130,26 @@ def receiver_metadata(receiver: CommonKVReceiver, decode_prefix_len: Optional[in
     return metadata(receiver, decode_prefix_len, kv_indices)
 
 
-# ---- main: coded WAN KV decoded before the room lands: patch 0020 -----------------------------
+# ---- main: packed WAN KV landed before the room counts as landed: patch 0020 ------------------
 def receiver_concluding(receiver: CommonKVReceiver, status: KVPoll) -> KVPoll:
-    """A receiver's poll first sees its room Success or Failed (scheduler thread): main decodes
-    a coded copy into its pages first; Failed when it does not decode."""
+    """A receiver's poll sees its room Success or Failed (scheduler thread): on main, Success only
+    once its landing thread has landed the packed copy into its pages (Transferring until then),
+    Failed when a record failed its check."""
     if pdd_role() != "main":
         return status
     from pdd_sglang.decode.destination import concluding
 
     return concluding(receiver, status)
+
+
+def receiver_cleared(receiver: CommonKVReceiver) -> None:
+    """SGLang clears a receiver (scheduler thread) before the room's pages go elsewhere: main's
+    landing thread lets the room go first."""
+    if pdd_role() != "main":
+        return
+    from pdd_sglang.decode.destination import cleared
+
+    cleared(receiver)
 
 
 # ---- prefill side: patches 0006 (the fan-out owns its rooms), 0007 (WAN path) -----------------

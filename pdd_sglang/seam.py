@@ -31,9 +31,9 @@ The points:
     Main, scheduler thread: ``req``'s KV from position ``start`` crossed the WAN and is about to
     be hashed for ``--pdd-enable-kv-digest`` (it may be changed in place, as damage would).
 ``main_staged_kv(req, view)``
-    Main, scheduler thread: ``req``'s coded WAN copy (``view``, its staging range: the end
-    record, then the records, :mod:`pdd_sglang.kv_codec.wire`) has landed and is about to be
-    checked and decoded into its pages (it may be changed in place, as damage would).
+    Main, its landing thread: a record of ``req``'s packed WAN copy (``view``, the record's frame
+    in its staging slot, :mod:`pdd_sglang.kv_codec.wire`) has arrived, its header checked, and is
+    about to be decoded into its pages (it may be changed in place, as damage would).
 ``before_send(work)``
     Prefill, a sender thread, before it writes one :class:`~pdd_sglang.prefill.room.Work` (one
     chunk to one destination; ``work.role`` says which). May sleep: it holds that sender only.

@@ -67,16 +67,16 @@ class PddArgs(msgspec.Struct):
     ] = 120
     pdd_wan_bandwidth_gbps: A[
         float,
-        "PDD prefill: the WAN line's bandwidth to the mains, in Gbit/s, as leased. With "
+        "PDD prefill and main: the WAN line's bandwidth to the mains, in Gbit/s, as leased. With "
         "--pdd-wan-rtt-ms it sizes each WAN copy's slices (four bandwidth-delay products) and "
         "window (twelve more in flight): enough to fill the line, and all a cancel or an urgent copy "
         "waits behind; and it scales the copies' deadlines on a line (first queued plus twice "
-        "their time alone). "
+        "their time alone). At a main it sizes the staging rings (--pdd-wan-staging-mb). "
         "Default: 10.",
     ] = 10.0
     pdd_wan_rtt_ms: A[
         float,
-        "PDD prefill: the WAN line's round-trip time to the mains, in ms. Default: 20.",
+        "PDD prefill and main: the WAN line's round-trip time to the mains, in ms. Default: 20.",
     ] = 20.0
     pdd_wan_window_mb: A[
         float,
@@ -92,21 +92,25 @@ class PddArgs(msgspec.Struct):
         "drop. Default: 30 (policy.wan_order.CACHE_ONLY_BACKLOG_S).",
     ] = CACHE_ONLY_BACKLOG_S
     pdd_wan_kv_codec: A[
-        Literal["auto", "raw", "lossless", "fp8"],
-        "PDD prefill: how KV crosses the WAN to a main that offers a staging range. 'auto' codes "
-        "a copy losslessly (byte planes + zstd, bit-exact) where that shortens it on the line "
-        "--pdd-wan-bandwidth-gbps declares (pdd_sglang.policy.wan_codec), else raw; 'raw' and "
-        "'lossless' force one; 'fp8' (e4m3, a scale per row) is lossy: not token-exact, and "
-        "refused with --pdd-enable-kv-digest. Main decodes a coded copy into its pages before "
-        "the request counts as landed. Default: auto.",
+        Literal["auto", "raw", "lossless", "fp8", "one_sided"],
+        "PDD prefill: how KV crosses the WAN to a main that offers a staging ring: as records "
+        "packed into it, whatever the copy's size. 'auto' codes a copy losslessly (byte planes + "
+        "zstd, bit-exact) where that shortens it on the line --pdd-wan-bandwidth-gbps declares "
+        "(pdd_sglang.policy.wan_codec), else packs it raw; 'raw' and 'lossless' force one; 'fp8' "
+        "(e4m3, a scale per row) is lossy: not token-exact, and refused with "
+        "--pdd-enable-kv-digest; 'one_sided' writes raw KV straight into main's pages (one "
+        "Mooncake request per KV buffer: on RDMA, where a raw copy's requests are large enough, "
+        "that is what 'auto' and 'raw' do). Main lands records off its scheduler thread as they "
+        "arrive. Default: auto.",
     ] = "auto"
     pdd_wan_staging_mb: A[
         float,
-        "PDD main: MiB of host memory registered with its Mooncake engine that prefill writes "
-        "coded KV, or raw KV packed into records, into (one range per room, freed once it has "
-        "landed or failed); a room that does not fit is sent raw into main's pages. 0: no "
-        "staging, every copy raw. Default: 64.",
-    ] = 64.0
+        "PDD main: MiB of host memory registered with its Mooncake engine that prefill ranks "
+        "write packed KV records into: a ring of record slots for each of two prefill ranks, "
+        "shared by their rooms and recycled as records land. 0: sized from the declared line "
+        "(--pdd-wan-bandwidth-gbps x --pdd-wan-rtt-ms: slots of half a bandwidth-delay "
+        "product, rings of 24, pdd_sglang.policy.wan_codec.staging_ring). Default: 0.",
+    ] = 0.0
     pdd_relay_bootstrap_timeout: A[
         float,
         "PDD prefill: seconds to wait, after a main registers for a P->RLD->MD request, for its "

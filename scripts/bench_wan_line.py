@@ -11,7 +11,7 @@ run under three rules:
   (:func:`~pdd_sglang.prefill.wan_engine.window_for_line`), each slice one Mooncake request per
   KV buffer (``--kv-buffers``: a layer's K and V each, so the model's depth divides the slice);
 - ``packed``: the same window, the copy as raw records of half a BDP packed into main's staging
-  range through the sender's real ring (:mod:`pdd_sglang.prefill.wan_coded`).
+  range through the prefill's real send pool (:mod:`pdd_sglang.prefill.send_pool`).
 
 Then, as a reference that is not the product, the same copy over one warm ZMQ TCP stream with one
 acknowledgement at its end (:mod:`~pdd_sglang.dev.wan_emulator.stream_reference`,

@@ -233,9 +233,10 @@ def make_servers(args, line: WanLine, groups: dict, model, log_dir: Path,
     main_a = NetnsServer("main-a", host="127.0.0.1", exec_prefix=where("a", "main-a"),
                          netns=ns_a, extra_args=("--pdd-role", "main", *TRANSPORT, *METRICS),
                          **common)
+    # The line declared to main-b too: it sizes its staging rings (--pdd-wan-staging-mb 0).
     main_b = NetnsServer("main-b", host=line.address("b"), exec_prefix=where("b", "main-b"),
-                         netns=ns_b, extra_args=("--pdd-role", "main", *TRANSPORT, *METRICS),
-                         **common)
+                         netns=ns_b, extra_args=("--pdd-role", "main", *TRANSPORT, *METRICS,
+                                                 *line.prefill_flags()), **common)
     # Beside prefill in cluster A; it binds cluster A's line address, so main-b reaches its
     # control channel only across the line.
     relay = NetnsServer("relay", host=line.address("a"), exec_prefix=where("a", "relay"),
@@ -512,6 +513,9 @@ def print_results(args, results: dict, summary: dict, bar_setup: str, plots: lis
     report.print_intake(load)
     report.print_line_classes(load)
     print(f"\n{wan_wait.summary_line(p_to_md)}")
+    modes = summary["wan_kv_codec"].get("copies_by_mode")
+    if modes:  # every copy to main, by how it crossed (sglang:pdd_wan_copies_total{mode})
+        print("copies to main by mode: " + ", ".join(f"{m} {n}" for m, n in modes.items()))
     if args.frontier:
         budget.print_frontier(summary["frontier"])
     if bar_setup != "pdd":

@@ -57,21 +57,22 @@ def receiver_metadata(receiver: Any, decode_prefix_len: int | None,
     refusal = None if prefill_tp is None else tp_refusal(role, tp_size, int(prefill_tp))
     if refusal is not None:  # prefill refuses the hello
         logger.error("PDD: room %s will fail: %s", receiver.bootstrap_room, refusal)
-    staging_addr = staging_bytes = 0
+    ring = None
     if role == "main" and kv_indices is not None and prefill_tp == tp_size:
-        # Coded KV (issue 36) only where one prefill rank writes this rank's whole pages.
+        # Packed KV (issues 36, 50) only where one prefill rank writes this rank's whole pages.
         staging = staging_for(receiver.kv_mgr)
         if staging is not None:
-            staging_addr, staging_bytes = staging.offer(receiver, int(receiver.bootstrap_room),
-                                                        kv_indices)
+            ring = staging.offer(receiver, int(receiver.bootstrap_room), kv_indices,
+                                 str(getattr(receiver, "bootstrap_addr", "")))
     hello = DestinationHello(
         room=int(receiver.bootstrap_room),
         role=role,
         destinations=route.destinations,
         prefix_tokens=int(decode_prefix_len or 0),
         tp_size=tp_size,
-        staging_addr=staging_addr,
-        staging_bytes=staging_bytes,
+        staging_addr=ring.addr if ring is not None else 0,
+        staging_bytes=ring.nbytes if ring is not None else 0,
+        staging_slot_bytes=ring.slot_bytes if ring is not None else 0,
     )
     return receiver.required_dst_info_num * route.destinations, [encode(hello)]
 
@@ -81,41 +82,59 @@ _NO_STAGING = object()
 
 def staging_for(kv_mgr: Any) -> Any:
     """The main's staging region (:mod:`pdd_sglang.decode.wan_staging`), made and registered
-    with its Mooncake engine on first use (``--pdd-wan-staging-mb``); None at 0 MiB or when it
-    cannot be made (then every copy to this main goes raw)."""
+    with its Mooncake engine on first use: rings sized from the declared line
+    (``--pdd-wan-bandwidth-gbps`` x ``--pdd-wan-rtt-ms``), or ``--pdd-wan-staging-mb`` when
+    set; None when it cannot be made (then every copy to this main goes one-sided)."""
     staging = getattr(kv_mgr, "pdd_staging", _NO_STAGING)
     if staging is _NO_STAGING:
         from sglang.srt.runtime_context import get_server_args
 
         from pdd_sglang.decode.wan_staging import MainStaging
+        from pdd_sglang.policy.wan_codec import RINGS_PER_MAIN, staging_ring
 
         args = get_server_args()
-        size = int(float(getattr(args, "pdd_wan_staging_mb", 0) or 0) * (1 << 20))
         staging = None
-        if size > 0:
-            try:
-                staging = MainStaging(kv_mgr, size, str(getattr(args, "device", "cpu")))
-                logger.info("PDD: main's staging region for coded WAN KV: %.1f MiB at %#x",
-                            size / (1 << 20), staging.addr)
-            except Exception:  # a main that cannot stage still serves raw copies
-                logger.exception("PDD: main's staging region could not be made; every WAN "
-                                 "copy to this main goes raw")
+        try:
+            slot, ring = staging_ring(float(args.pdd_wan_bandwidth_gbps),
+                                      float(args.pdd_wan_rtt_ms),
+                                      float(getattr(args, "pdd_wan_staging_mb", 0) or 0))
+            staging = MainStaging(kv_mgr, RINGS_PER_MAIN * ring, ring, slot,
+                                  str(getattr(args, "device", "cpu")))
+            logger.info("PDD: main's staging region for packed WAN KV: %d rings of %.1f MiB "
+                        "(slots of %.2f MiB) at %#x", RINGS_PER_MAIN, ring / (1 << 20),
+                        slot / (1 << 20), staging.addr)
+        except Exception:  # a main that cannot stage still serves one-sided copies
+            logger.exception("PDD: main's staging region could not be made; every WAN copy "
+                             "to this main goes one-sided")
         kv_mgr.pdd_staging = staging
     return staging
 
 
 def concluding(receiver: Any, status: Any) -> Any:
-    """The receiver's room concluded (``status`` Success or Failed), first seen on the
-    scheduler thread: a coded copy is decoded into its pages now, or the room fails."""
+    """The receiver's room concluded (``status`` Success or Failed), seen on the scheduler
+    thread: a packed copy counts as landed once the landing thread has scattered every record
+    (Transferring until then), or the room fails."""
     from sglang.srt.disaggregation.base.conn import KVPoll
+
+    from pdd_sglang.decode.wan_staging import LANDED, PENDING
 
     staging = getattr(receiver.kv_mgr, "pdd_staging", None)
     if staging is None or staging is _NO_STAGING:
         return status
     room = int(receiver.bootstrap_room)
-    reason = staging.land(receiver, room, status == KVPoll.Success)
-    if reason is None:
+    outcome = staging.land(room, status == KVPoll.Success)
+    if outcome is None or outcome == LANDED:
         return status
-    receiver.kv_mgr.record_failure(room, reason)
+    if outcome == PENDING:
+        return KVPoll.Transferring  # asked again at the poll's next round
+    receiver.kv_mgr.record_failure(room, outcome)
     receiver.kv_mgr.update_status(room, KVPoll.Failed)
     return KVPoll.Failed
+
+
+def cleared(receiver: Any) -> None:
+    """SGLang clears the receiver before the room's pages go elsewhere: the landing thread lets
+    the room go first (scheduler thread)."""
+    staging = getattr(receiver.kv_mgr, "pdd_staging", None)
+    if staging is not None and staging is not _NO_STAGING:
+        staging.forget(int(receiver.bootstrap_room))

@@ -30,6 +30,8 @@ series                                                 role    source
 ``sglang:pdd_wan_in_flight_bytes{main}``               prefill bytes handed to Mooncake, not done
 ``sglang:pdd_wan_rate_bytes_per_second{main}``         prefill measured over recent copies
 ``sglang:pdd_wan_kv_codec_ratio{main}``                prefill KV bytes per wire byte, coded copies
+``sglang:pdd_wan_copies_total{mode}``                  prefill copies to main by mode: packed,
+                                                               coded or one_sided
 ``sglang:pdd_kv_transfer_bytes_total{role}``           prefill KV bytes per destination role
 =====================================================  ======  =====================================
 
@@ -131,6 +133,9 @@ class ServerMetrics:
                               "measured over the recent copies to each main", ["main"])
         self.wan_codec_ratio = gauge("wan_kv_codec_ratio", "PDD prefill: KV bytes per wire byte "
                                      "of the coded copies to each main (1: none coded)", ["main"])
+        self.wan_copies = counter("wan_copies", "PDD prefill: copies to main by mode (packed: raw "
+                                  "records in main's staging ring, coded: coded records, "
+                                  "one_sided: straight into main's pages)", ["mode"])
 
     # ---- relay and main (HandoffStats) ------------------------------------------------------
     def handoff_event(self, role: str, event: str, count: int = 1) -> None:
@@ -172,6 +177,11 @@ class ServerMetrics:
             if delta > 0:
                 self.wan_sent.labels(main).inc(delta)
 
+    def wan_copies_by_mode(self, deltas: dict) -> None:
+        for mode, delta in deltas.items():
+            if delta > 0:
+                self.wan_copies.labels(mode).inc(delta)
+
 
 class PrefillExporter:
     """Thread ``pdd-metrics``: the prefill's fan-out counters and WAN line into Prometheus.
@@ -186,6 +196,7 @@ class PrefillExporter:
         self.period_s = period_s
         self._last_counters: dict = {}
         self._last_sent: dict = {}
+        self._last_modes: dict = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pdd-metrics", daemon=True)
 
@@ -215,6 +226,11 @@ class PrefillExporter:
         sent_deltas = {m: v - self._last_sent.get(m, 0) for m, v in sent.items()}
         self._last_sent = sent
         self.metrics.wan_line(lines, sent_deltas)
+        choice = getattr(self.fanout, "codec_choice", None)
+        modes = choice.state()["copies_by_mode"] if choice is not None else {}
+        self.metrics.wan_copies_by_mode({m: v - self._last_modes.get(m, 0)
+                                         for m, v in modes.items()})
+        self._last_modes = modes
 
     def close(self, timeout_s: float = 5.0) -> None:
         self._stop.set()

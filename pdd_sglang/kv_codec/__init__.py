@@ -31,7 +31,7 @@ import torch
 import zstandard
 
 __all__ = ["CODECS", "CorruptFrame", "KvCodec", "Fp8Codec", "LosslessCodec", "RawCodec",
-           "codec_named", "frame_codec_name"]
+           "codec_named", "frame_codec_name", "frame_header"]
 
 MAGIC = b"PDKV"
 FRAME_VERSION = 1
@@ -73,10 +73,15 @@ def _as_bytes(kv: torch.Tensor) -> np.ndarray:
 
 
 def _frame(codec_id: int, kv: torch.Tensor, payload: bytes) -> bytes:
-    header = HEADER.pack(MAGIC, FRAME_VERSION, codec_id, DTYPE_IDS[kv.dtype], 0,
-                         kv.shape[-1] if kv.dim() else 1, kv.numel() * kv.element_size(),
-                         zlib.crc32(payload))
-    return header + payload
+    return frame_header(codec_id, kv, zlib.crc32(payload)) + payload
+
+
+def frame_header(codec_id: int, kv: torch.Tensor, payload_crc: int) -> bytes:
+    """A frame's header for ``kv`` whose payload has CRC-32 ``payload_crc``: a raw frame whose
+    payload was gathered in place (the sender's registered memory) needs only this written."""
+    return HEADER.pack(MAGIC, FRAME_VERSION, codec_id, DTYPE_IDS[kv.dtype], 0,
+                       kv.shape[-1] if kv.dim() else 1, kv.numel() * kv.element_size(),
+                       payload_crc)
 
 
 def _open(frame: bytes | memoryview, codec_id: int, into: torch.Tensor) -> tuple[int, memoryview]:
@@ -112,8 +117,13 @@ class RawCodec:
         return _frame(self.codec_id, kv, _as_bytes(kv).tobytes())
 
     def decode(self, frame: bytes | memoryview, into: torch.Tensor) -> None:
-        _, payload = _open(frame, self.codec_id, into)
-        _write_bytes(into, np.frombuffer(payload, np.uint8).reshape(-1, into.element_size()))
+        _write_bytes(into, self.payload(frame, into).reshape(-1, into.element_size()))
+
+    def payload(self, frame: bytes | memoryview, like: torch.Tensor) -> np.ndarray:
+        """The frame's payload in place, checked (header and CRC) against ``like``'s shape and
+        dtype (nothing written): main scatters a raw record straight from its staging slot."""
+        _, payload = _open(frame, self.codec_id, like)
+        return np.frombuffer(payload, np.uint8)
 
 
 class LosslessCodec:

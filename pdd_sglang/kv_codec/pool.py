@@ -6,13 +6,14 @@ buffers in place (host memory through ctypes, device memory through ``__cuda_arr
 the device path is not exercised here), gathers the pages of a slice into one tensor in a frame's
 layout ``[buffers, pages, rows, row]`` and scatters a decoded one back. Stateless beyond the
 views: the caller's thread owns the pages it touches (a prefill sender reads pages SGLang holds
-for its room; main writes on its scheduler thread).
+for its room; main's landing thread writes a room's pages until the room has landed,
+:mod:`pdd_sglang.decode.wan_staging`).
 """
 
 from __future__ import annotations
 
 import ctypes
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -60,23 +61,48 @@ class PoolPages:
         """Bytes one page holds across every buffer (what a page costs on the wire raw)."""
         return self.item_len * len(self.views)
 
-    def gather(self, pages: np.ndarray) -> torch.Tensor:
-        """The pages' KV on the CPU as ``[buffers, pages, rows, row]`` of the pool's dtype."""
+    def gather(self, pages: np.ndarray, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The pages' KV on the CPU as ``[buffers, pages, rows, row]`` of the pool's dtype; into
+        ``out`` (``[buffers, pages, item_len]`` bytes: a sender's registered memory) when given,
+        one copy per buffer (torch's, outside the GIL) and no bytes object in between; a device
+        pool's pages are gathered on the device, then copied to the host once."""
         index = torch.as_tensor(np.asarray(pages, dtype=np.int64), device=self.device)
-        data = torch.stack([view.index_select(0, index) for view in self.views])
-        return data.cpu().view(self.dtype).reshape(len(self.views), len(index), -1, self.row)
+        if out is None:
+            out = torch.empty((len(self.views), len(index), self.item_len), dtype=torch.uint8)
+        for view, part in zip(self.views, out):
+            if self.device == "cpu":
+                torch.index_select(view, 0, index, out=part)
+            else:
+                part.copy_(view.index_select(0, index))
+        return out.view(self.dtype).reshape(len(self.views), len(index), -1, self.row)
 
     def empty_for(self, pages: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """A CPU tensor a frame of ``pages`` pages decodes into."""
         return torch.empty((len(self.views), pages, self.item_len), dtype=torch.uint8).view(
             dtype or self.dtype)
 
-    def scatter(self, pages: np.ndarray, data: torch.Tensor) -> None:
-        """Write a decoded ``[buffers, pages, ...]`` tensor into the pages."""
+    def scatter(self, pages: np.ndarray, data: torch.Tensor, stream: Any = None) -> None:
+        """Write a decoded ``[buffers, pages, ...]`` tensor into the pages; on a GPU pool, on
+        ``stream`` (the caller's own, synchronized before it returns)."""
         raw = data.contiguous().view(torch.uint8).reshape(len(self.views), len(pages), -1)
         if raw.shape[2] != self.item_len:
             raise ValueError(f"{raw.shape[2]} bytes a page given, the pool's pages hold "
                              f"{self.item_len}")
-        index = torch.as_tensor(np.asarray(pages, dtype=np.int64), device=self.device)
-        for view, part in zip(self.views, raw):
-            view.index_copy_(0, index, part.to(self.device))
+        if stream is None:
+            _scatter(self.views, pages, raw, self.device)
+            return
+        with torch.cuda.stream(stream):
+            _scatter(self.views, pages, raw, self.device)
+        stream.synchronize()
+
+
+def _scatter(views: list, pages: np.ndarray, raw: torch.Tensor, device: str) -> None:
+    index = np.asarray(pages, dtype=np.int64)
+    if device == "cpu":  # numpy's assignment: a tenth of index_copy_'s CPU on a record's rows
+        for view, part in zip(views, raw.numpy()):
+            view.numpy()[index] = part
+        return
+    on_device = torch.as_tensor(index, device=device)
+    data = raw.to(device, non_blocking=True)
+    for view, part in zip(views, data):
+        view.index_copy_(0, on_device, part)

@@ -1,10 +1,10 @@
-"""Space in main's staging region (issue 36): an allocator of byte ranges, one per room.
+"""An allocator of byte ranges of a region (issues 36, 50): the prefill's send pool's places.
 
 Pure bookkeeping, no memory of its own: :class:`StagingAllocator` hands out ranges of a region of
-``size`` bytes (first fit, aligned), takes them back, and says what is in use. Main's staging
-(:mod:`pdd_sglang.decode.wan_staging`) owns one and calls it only from the thread named there; a
-range is reserved when a room's hello offers it to prefill and freed once the room has landed,
-failed or been let go, so nothing leaks on a cancel or a failure (``tests/unit/test_wan_staging``).
+``size`` bytes (first fit, aligned), takes them back, and says what is in use. The prefill's send
+pool (:mod:`pdd_sglang.prefill.send_pool`) owns one under its lock: a place is reserved for a
+record and freed once Mooncake has ended the block written from it, so nothing leaks on a cancel
+or a failure (``tests/unit/test_wan_staging``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ ALIGN = 64
 
 class StagingAllocator:
     """First-fit ranges of ``[0, size)``, each ``ALIGN``-aligned; ``reserve`` returns None when no
-    free range fits (the caller then sends that room raw)."""
+    free range fits (the caller waits for one to be freed)."""
 
     def __init__(self, size: int):
         if size < 0:

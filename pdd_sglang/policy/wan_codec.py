@@ -76,8 +76,8 @@ def choose_wan_codec(raw_bytes: float, line_bytes_per_s: float, candidates: Sequ
 
 
 def stage_raw(slice_bytes: int, kv_buffers: int, block_bytes: int) -> bool:
-    """Whether an uncoded copy goes packed, as records in main's staging range, rather than
-    one-sided into main's pages. One-sided, a slice is one Mooncake request per KV buffer (a
+    """Whether an uncoded copy on RDMA goes packed, as records in main's staging ring, rather
+    than one-sided into main's pages (on TCP it always does). One-sided, a slice is one Mooncake request per KV buffer (a
     layer's K or V), so a model of many layers splits it into requests too small to keep the
     line full (``block_bytes``: the smallest that does, :data:`~pdd_sglang.prefill.wan_engine.
     BLOCK_BDPS` of the line's bandwidth-delay product); packed, a request is a record of
@@ -86,3 +86,40 @@ def stage_raw(slice_bytes: int, kv_buffers: int, block_bytes: int) -> bool:
     if slice_bytes <= 0 or block_bytes <= 0:
         raise ValueError(f"slice and block bytes must be > 0, got {slice_bytes}, {block_bytes}")
     return slice_bytes / max(kv_buffers, 1) < block_bytes
+
+
+# Main's staging (issue 50): one ring per prefill rank that writes to a main rank, of slots that
+# each hold one record. A slot holds a record of the prefill's size (half a bandwidth-delay
+# product, at least 1 MiB, at most 32 MiB: prefill/wan_engine.py's block and wan_coded.py's
+# record) plus its page ids and headers. A ring holds a copy's window (sixteen BDPs) plus the
+# round trips a slot takes to come back (the record's arrival word, main's landing, prefill's
+# read of the freed words: about three), with room to spare.
+SLOT_BDPS = 0.5
+MIN_SLOT_BYTES = 1 << 20
+MAX_SLOT_BYTES = 32 << 20
+RING_BDPS = 24.0
+MIN_RING_SLOTS = 8
+RINGS_PER_MAIN = 2  # prefill ranks writing to one main rank at once; more go one-sided
+SLOT_ALIGN = 64
+
+
+def _aligned(n: int) -> int:
+    return -(-int(n) // SLOT_ALIGN) * SLOT_ALIGN
+
+
+def staging_ring(bandwidth_gbps: float, rtt_ms: float, staging_mb: float = 0.0
+                 ) -> tuple[int, int]:
+    """``(slot_bytes, ring_bytes)`` of a main's staging rings for the declared line; with
+    ``--pdd-wan-staging-mb`` > 0, the region is that and each of its RINGS_PER_MAIN rings an
+    equal share (slots as the line gives, fewer when the share is small)."""
+    if bandwidth_gbps <= 0 or rtt_ms <= 0 or staging_mb < 0:
+        raise ValueError(f"a staging ring needs a positive line and staging >= 0 (got "
+                         f"{bandwidth_gbps} Gbit/s, {rtt_ms} ms, {staging_mb} MiB)")
+    bdp = bandwidth_gbps * 1e9 / 8 * rtt_ms / 1e3
+    raw = int(min(max(SLOT_BDPS * bdp, MIN_SLOT_BYTES), MAX_SLOT_BYTES))
+    slot = _aligned(raw + raw // 64 + 4096)  # page ids and headers; a slot's KV stays aligned
+    if staging_mb > 0:
+        ring = int(staging_mb * (1 << 20)) // RINGS_PER_MAIN
+        slot = min(slot, max(ring // MIN_RING_SLOTS // SLOT_ALIGN * SLOT_ALIGN, SLOT_ALIGN))
+        return slot, ring
+    return slot, max(int(RING_BDPS * bdp), MIN_RING_SLOTS * slot)

@@ -32,9 +32,14 @@ def _fanout(scheduler: Any, kv_mgr: Any) -> dict | None:
 
 def _wan_codec(scheduler: Any, kv_mgr: Any) -> dict | None:
     """``--pdd-wan-kv-codec`` and what it did: copies coded and raw, their KV and wire bytes,
-    the lossless codec's running ratio and encode rate (issue 36)."""
-    choice = getattr(getattr(kv_mgr, "pdd_fanout", None), "codec_choice", None)
-    return None if choice is None else choice.state()
+    the lossless codec's running ratio and encode rate (issue 36), and the send pool's bytes
+    (held, at most) once a packed copy made it."""
+    fanout = getattr(kv_mgr, "pdd_fanout", None)
+    choice = getattr(fanout, "codec_choice", None)
+    if choice is None:
+        return None
+    pool = getattr(getattr(fanout, "wan_engine", None), "send_pool", None)
+    return {**choice.state(), **({"send_pool": pool.state()} if pool is not None else {})}
 
 
 register_state("transfers", _transfers)

@@ -71,6 +71,7 @@ from pdd_sglang.prefill.events import (AbortNotified, CacheOnly, ChunkReady, Chu
 from pdd_sglang.prefill.ledger import LEDGER
 from pdd_sglang.prefill.room import Destination, DestinationState, Room, RoomPhase, Work
 from pdd_sglang.prefill.tp_slices import page_bytes_to
+from pdd_sglang.kv_codec.wire import RingLayout
 from pdd_sglang.prefill.wan_coded import StagedCopy
 from pdd_sglang.prefill.wan_line import WanLine
 from pdd_sglang.prefill.wan_lines import CopyClass, WanLines, remaining_bytes
@@ -228,9 +229,10 @@ class PrefillFanout(FanoutDeadlines, FanoutAborts):
             self._tell([ev.info], ev.room, "Failed", "PDD: a second destination of one role")
             return
         dest = room.destinations[ev.session] = Destination(role, ev.info, ev.hello.prefix_tokens)
-        if role == "main" and ev.hello.staging_bytes:  # main takes coded KV (issue 36)
-            dest.staged = StagedCopy(ev.hello.staging_addr, ev.hello.staging_bytes)
-        if role == "main":
+        if role == "main":  # its copy's mode decided once, packed into its ring if it named one
+            dest.staged = StagedCopy(RingLayout(ev.hello.staging_addr, ev.hello.staging_bytes,
+                                                ev.hello.staging_slot_bytes)
+                                     if ev.hello.staging_bytes else None)
             self.main_sessions.add(ev.session)  # before any chunk picks its engine
         LEDGER.set_role(ev.session, role)  # labels the figures only
         logger.debug("PDD room %s: %s %s registered (%s)", ev.room, role, ev.session, room.phase)

@@ -65,8 +65,8 @@ class Work:
     nbytes: int = 0
     pages: int = 0
     pages_done: int = 0
-    # Its destination's staging range at main, when main offered one (a coded copy's records go
-    # there: prefill/wan_coded.py); shared by the destination's works.
+    # Its main destination's copy: the staging ring main named, if any (a packed copy's records
+    # go there: prefill/wan_coded.py); shared by the destination's works.
     staged: Any = None
 
 
@@ -83,7 +83,7 @@ class Destination:
     last_routed: bool = False  # the room's last chunk is among them
     told: Optional[str] = None  # the status it was told ("Success" / "Failed"), once
     abort_acks: list = dataclasses.field(default_factory=list)  # SGLang AckTargets, not sent yet
-    staged: Any = None  # wan_coded.StagedCopy: main's staging range, when its hello offered one
+    staged: Any = None  # wan_coded.StagedCopy: a main destination's, with its staging ring if any
 
     @property
     def target(self) -> tuple:

@@ -111,7 +111,7 @@ def _send_to_main(kv_mgr: Any, work: Work, peer: Any, src: Any, dst: Any, execut
     wan = kv_mgr.pdd_fanout.wan_engine
     page_bytes = page_bytes_to(kv_mgr, peer) or 1  # a head slice's, between TP sizes
     codec = codec_for(kv_mgr, work, is_sliced(kv_mgr, peer), len(src) * page_bytes)
-    if codec is not None:  # into main's staging range, decoded there (prefill/wan_coded.py)
+    if codec is not None:  # records into main's staging ring, landed there (prefill/wan_coded.py)
         return send_coded(kv_mgr, work, src, dst, codec, lines, _let_go, YIELDED)
     with wan.copy(work.session) as copy:
         start = work.pages_done

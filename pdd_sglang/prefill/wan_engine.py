@@ -45,6 +45,14 @@ Threads: a :class:`WanCopy` belongs to the sender thread that opened it (it is b
 thread, and only that thread's ``batch_transfer_sync`` calls join it); a call from any other
 thread (SGLang's per-layer executor with a custom memory pool, the aux write outside a copy) is a
 copy of its own, waited for before it returns. ``_abandoned`` is shared and locked.
+
+Memory Mooncake may still read: a block given up on (past twice the timeout, or at shutdown) is
+*abandoned*: Mooncake still owns it and may still read its source. A block may carry a release
+(a packed record's place in the prefill's send pool, :mod:`pdd_sglang.prefill.send_pool`): it
+runs when the block has ended, for an abandoned one only once Mooncake says so (the reaper), so
+no later copy writes over bytes a stalled request still reads. At shutdown :meth:`close`
+unregisters the engine's memory only once every abandoned block has ended (waiting up to
+:data:`CLOSE_DRAIN_S`); one still running keeps the memory registered and the engine alive.
 """
 
 from __future__ import annotations
@@ -56,7 +64,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional
 
 from pdd_sglang.policy.wan_order import BACKGROUND_IN_FLIGHT_S, background_in_flight_bytes
 from pdd_sglang.prefill.wan_line import WanLine
@@ -64,7 +72,7 @@ from pdd_sglang.prefill.wan_line import WanLine
 logger = logging.getLogger(__name__)
 
 # Mooncake's transfer_check_status: 1 done, 0 in progress, -1 failed, -2 timed out.
-_DONE, _PENDING, _FAILED = 1, 0, -1
+_DONE, _PENDING, _FAILED, _TIMED_OUT = 1, 0, -1, -2
 # Back-off between status polls of a waiting block: from a fast line's latency up to a period
 # that is noise beside a multi-second WAN copy (and, with a window of many round trips, never
 # leaves the line idle).
@@ -91,8 +99,9 @@ MAX_SLICE_BYTES = 64 << 20
 # when it goes one-sided into main's pages, so the model's layer count divides the slice: at
 # 200 Mbit/s x 100 ms, slices of 4 BDPs with 12 more in flight, one copy of 20 BDPs moved 0.83-0.88
 # of the line in 8 blocks per slice (a 4-layer model's), 0.65 in 64 (32 layers) and 0.34 in 160
-# (80 layers) (docs/measurements.md). Below this size a raw copy goes as records of this size
-# packed into main's staging range instead (prefill/wan_coded.py, policy.wan_codec.stage_raw).
+# (80 layers) (docs/measurements.md). So a raw copy goes as records of this size packed into
+# main's staging ring instead (prefill/wan_coded.py; on RDMA only below this size,
+# policy.wan_codec.stage_raw).
 BLOCK_BDPS = 0.5
 MIN_BLOCK_BYTES = 4 << 10  # a slow line's slices are clamped up, so its blocks exceed this anyway
 MAX_BLOCK_BYTES = 32 << 20
@@ -108,6 +117,14 @@ WINDOW_BDPS = 12.0
 # (docs/measurements.md). Set before the WAN engine initialises (Mooncake reads them then); an
 # operator's own values win.
 TCP_TRANSPORT_ENV = {"MC_TCP_ENABLE_CONNECTION_POOL": "1", "MC_TCP_LANES_PER_PEER": "16"}
+# The prefill's WAN sender threads (prefill/wan_path.py): at most one per main's line at a time.
+WAN_SENDERS = 4
+# Shutdown: how long close() waits for Mooncake to end the blocks copies gave up on before it
+# unregisters the memory they read (the copies give up within LONGEST_POLL_S of stop_waiting).
+CLOSE_DRAIN_S = 2.0
+# Engines closed with blocks Mooncake still runs: their memory stays registered and referenced
+# for the life of the process, never freed under a request that reads it.
+_KEPT: list = []
 
 
 @dataclass(frozen=True)
@@ -162,6 +179,7 @@ class _Block:
     batch: int
     nbytes: int
     submitted_at: float  # the line's accounting mark and the block's timeout start
+    release: Optional[Callable[[bool], None]] = None  # runs once Mooncake ended it (landed?)
 
 
 class WanTransferEngine:
@@ -217,8 +235,8 @@ class WanTransferEngine:
         self.line = line if line is not None else WanLine()
         self._registered: list[int] = []
         self._lock = threading.Lock()
-        # Batches given up on (timed out) that Mooncake still owns: freed once they end.
-        self._abandoned: list[int] = []
+        # Blocks given up on that Mooncake still owns, (batch, release): reaped once they end.
+        self._abandoned: list[tuple[int, Optional[Callable[[bool], None]]]] = []
         self._stopping = False  # set by stop_waiting: a waiting copy gives up at its next poll
         self._closed = False
         self._thread_copy = threading.local()  # .copy: the WanCopy its sender thread has open
@@ -271,6 +289,29 @@ class WanTransferEngine:
             copy.drain()
         return 0 if ok else -1
 
+    def read(self, session_id: str, local_addr: int, peer_addr: int, length: int) -> bool:
+        """Read ``length`` bytes at ``peer_addr`` of ``session_id`` into registered
+        ``local_addr`` (a main's staging words), waited on as a block is; False when it failed."""
+        batch = self.engine.batch_transfer_async_read(session_id, [local_addr], [peer_addr],
+                                                      [length])
+        if batch <= 0:
+            logger.error("PDD: submitting a WAN read from %s failed (%s)", session_id, batch)
+            return False
+        began, pause = time.monotonic(), FIRST_POLL_S
+        while True:
+            status = self.engine.transfer_check_status(batch)
+            if status == _DONE:
+                return True
+            if status != _PENDING or self._stopping \
+                    or time.monotonic() - began > self.timeout_s:
+                if status in (_PENDING, _TIMED_OUT):
+                    self._abandon([(batch, None)])
+                logger.error("PDD: a WAN read from %s failed (Mooncake status %s)", session_id,
+                             status)
+                return False
+            time.sleep(pause)
+            pause = min(pause * 2, LONGEST_POLL_S)
+
     def probe(self, session_id: str) -> bool:
         """Whether ``session_id`` answers over this engine (Mooncake's own probe): a main taken
         out after a failed WAN copy comes back only once the WAN path itself reaches it."""
@@ -280,18 +321,29 @@ class WanTransferEngine:
             logger.warning("PDD: WAN probe of %s raised: %s", session_id, err)
             return False
 
-    def _abandon(self, batches: list) -> None:
+    def _abandon(self, blocks: list) -> None:
+        """Leave ``blocks`` ((batch, release) pairs) to Mooncake: reaped once they end."""
         with self._lock:
-            self._abandoned.extend(batches)
+            self._abandoned.extend(blocks)
 
-    def _reap_abandoned(self) -> None:
-        """Free abandoned batches that have ended (Mooncake's status call frees an ended one)."""
+    def abandoned_batches(self) -> list[int]:
         with self._lock:
-            if not self._abandoned:
-                return
-            self._abandoned = [
-                b for b in self._abandoned if self.engine.transfer_check_status(b) == _PENDING
-            ]
+            return [batch for batch, _ in self._abandoned]
+
+    def _reap_abandoned(self) -> bool:
+        """Free abandoned batches that have ended (Mooncake's status call frees an ended one)
+        and release what they read; True when none is left."""
+        with self._lock:
+            ended = []
+            left = []
+            for batch, release in self._abandoned:
+                (left if self.engine.transfer_check_status(batch) == _PENDING
+                 else ended).append((batch, release))
+            self._abandoned = left
+        for _, release in ended:
+            if release is not None:
+                release(False)
+        return not left
 
     def stop_waiting(self) -> None:
         """Shutdown: copies still on the line fail at their next poll (at most LONGEST_POLL_S),
@@ -299,11 +351,22 @@ class WanTransferEngine:
         self._stopping = True
 
     def close(self) -> None:
+        """Shutdown: unregister the engine's memory once Mooncake has ended every block given
+        up on (up to CLOSE_DRAIN_S); with one still running, leave it registered and alive."""
         self._stopping = True
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+        deadline = time.monotonic() + CLOSE_DRAIN_S
+        while not self._reap_abandoned() and time.monotonic() < deadline:
+            time.sleep(LONGEST_POLL_S)
+        with self._lock:
+            if self._abandoned:
+                logger.error("PDD: closing with %d WAN block(s) Mooncake still runs; their "
+                             "memory stays registered", len(self._abandoned))
+                _KEPT.append(self)
+                return
             if self._registered:
                 self.engine.batch_unregister_memory(self._registered)
                 self._registered = []
@@ -323,14 +386,21 @@ class WanCopy:
         self.in_flight_bytes = 0
         self.failed = False
 
-    def submit(self, buffers: list, peers: list, lengths: list) -> bool:
-        """Hand one slice to Mooncake once it fits in the window; False if the copy failed."""
+    def submit(self, buffers: list, peers: list, lengths: list,
+               release: Optional[Callable[[bool], None]] = None) -> bool:
+        """Hand one slice to Mooncake once it fits in the window; False if the copy failed.
+        ``release`` (one block only) runs once Mooncake has ended the block, or at once if it
+        could not be submitted."""
         nbytes = int(sum(lengths))
         while (not self.failed and self.in_flight
                and self.in_flight_bytes + nbytes > self.window_bytes):
             self._land_oldest()
         if self.failed:
+            if release is not None:
+                release(False)
             return False
+        if release is not None and len(lengths) != 1:
+            raise ValueError("a release belongs to a single block")
         for src, dst, length in zip(buffers, peers, lengths):
             batch = self.wan.engine.transfer_submit_write(self.session, src, dst, length)
             if batch <= 0:
@@ -338,10 +408,12 @@ class WanCopy:
                              batch)
                 self.wan.line.finished(self.session, length,
                                        self.wan.line.started(self.session, length), ok=False)
+                if release is not None:
+                    release(False)
                 self._fail()
                 return False
             self.in_flight.append(_Block(batch, length, self.wan.line.started(self.session,
-                                                                              length)))
+                                                                              length), release))
             self.in_flight_bytes += length
         return True
 
@@ -380,9 +452,7 @@ class WanCopy:
                 return
             if status != _PENDING:
                 # A failed batch is freed by Mooncake's status call; a timed-out one is not.
-                if status != _FAILED:
-                    self.wan._abandon([block.batch])
-                self._ended(False)
+                self._ended(False, abandoned=status != _FAILED)
                 logger.error("PDD: a WAN transfer to %s failed (Mooncake status %s)",
                              self.session, status)
                 self._fail()  # its other blocks may still be writing
@@ -401,10 +471,16 @@ class WanCopy:
             time.sleep(pause)
             pause = min(pause * 2, LONGEST_POLL_S)
 
-    def _ended(self, ok: bool) -> None:
+    def _ended(self, ok: bool, abandoned: bool = False) -> None:
+        """The oldest block left the copy: ended (its release runs now) or ``abandoned`` to
+        Mooncake (its release runs once the reaper sees it end)."""
         block = self.in_flight.popleft()
         self.in_flight_bytes -= block.nbytes
         self.wan.line.finished(self.session, block.nbytes, block.submitted_at, ok)
+        if abandoned:
+            self.wan._abandon([(block.batch, block.release)])
+        elif block.release is not None:
+            block.release(ok)
 
     def _fail(self) -> None:
         self.failed = True
@@ -425,8 +501,7 @@ class WanCopy:
             elif status in (_DONE, _FAILED):  # ended; Mooncake's status call freed it
                 self._ended(status == _DONE)
             else:  # ended without being freed (Mooncake's own timeout): the reaper frees it
-                self.wan._abandon([self.in_flight[0].batch])
-                self._ended(False)
+                self._ended(False, abandoned=True)
         if self.in_flight:
             count = len(self.in_flight)
             self._give_up()
@@ -438,9 +513,8 @@ class WanCopy:
     def _give_up(self) -> None:
         """Leave every block in flight to Mooncake (the reaper frees them once they end)."""
         self.failed = True
-        self.wan._abandon([block.batch for block in self.in_flight])
         while self.in_flight:
-            self._ended(False)
+            self._ended(False, abandoned=True)
 
 
 def wan_hostname(kv_mgr: Any, wan_host: Optional[str] = None,

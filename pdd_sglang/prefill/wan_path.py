@@ -32,8 +32,9 @@ from pdd_sglang.lifecycle import name_os_thread
 from pdd_sglang.prefill.cache_only import start_intake
 from pdd_sglang.prefill.fanout import PrefillFanout, logger
 from pdd_sglang.prefill.senders import run_sender, run_wan_sender
+from pdd_sglang.prefill.wan_engine import WAN_SENDERS
 
-WAN_WORKERS = 4
+WAN_WORKERS = WAN_SENDERS  # the send pool holds two records for each (prefill/send_pool.py)
 OWNER_TICK_S = 0.25
 JOIN_TIMEOUT_S = 2.0
 STUCK_MARGIN_S = 10.0

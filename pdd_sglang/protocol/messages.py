@@ -14,7 +14,9 @@ import msgspec
 
 # 2: a main's hello may offer a staging range for coded KV (issue 36); a peer of version 1
 # cannot read coded copies, so it is refused by name (``unknown_version``).
-PROTOCOL_VERSION = 2
+# 3: the staging main offers is a ring of slots shared by the rooms of one prefill rank
+# (issue 50: ``staging_slot_bytes``); a peer of version 2 would write one range per room into it.
+PROTOCOL_VERSION = 3
 # A relay's last stream chunk for a request it handed to main has this finish-reason type.
 HANDOFF_FINISH_TYPE = "pdd_handoff"
 # The reason a relay gives when it refuses main's handoff because it answered the request alone
@@ -46,9 +48,11 @@ class DestinationHello(msgspec.Struct, tag=True, frozen=True, forbid_unknown_fie
     refuses a size its own cannot pair with (:func:`tp_refusal`). At 1 it is left out of the
     encoding, which is then the same as before the field existed.
 
-    ``staging_addr`` / ``staging_bytes``: a main's range of its staging region, registered with
-    its Mooncake engine, that prefill may write coded KV into for this room
-    (:mod:`pdd_sglang.kv_codec.wire`); 0 bytes: every copy to it goes raw into its pages.
+    ``staging_addr`` / ``staging_bytes`` / ``staging_slot_bytes``: the ring of main's staging
+    region, registered with its Mooncake engine, that this prefill rank writes packed KV records
+    into, slots of ``staging_slot_bytes`` each, shared by all its rooms to this main rank
+    (:class:`pdd_sglang.kv_codec.wire.RingLayout`); 0 bytes: every copy to it goes one-sided
+    into its pages.
     """
 
     room: int
@@ -58,6 +62,7 @@ class DestinationHello(msgspec.Struct, tag=True, frozen=True, forbid_unknown_fie
     tp_size: int = 1
     staging_addr: int = 0
     staging_bytes: int = 0
+    staging_slot_bytes: int = 0
 
 
 def sessions_per_prefill_rank(decode_tp: int, prefill_tp: int) -> int:
@@ -190,10 +195,13 @@ def _validate(body) -> None:
             raise MessageError("out_of_range", f"destinations={body.destinations}")
         if body.prefix_tokens < 0:
             raise MessageError("out_of_range", f"prefix_tokens={body.prefix_tokens}")
-        if body.staging_addr < 0 or body.staging_bytes < 0 or (
-                body.staging_bytes and (body.role != "main" or not body.staging_addr)):
-            raise MessageError("out_of_range", f"a staging range of {body.staging_bytes} bytes "
-                                               f"at {body.staging_addr} from a {body.role}")
+        if body.staging_addr < 0 or body.staging_bytes < 0 or body.staging_slot_bytes < 0 or (
+                body.staging_bytes and (body.role != "main" or not body.staging_addr
+                                        or not 0 < body.staging_slot_bytes
+                                        <= body.staging_bytes)):
+            raise MessageError("out_of_range", f"a staging ring of {body.staging_bytes} bytes "
+                                               f"(slots of {body.staging_slot_bytes}) at "
+                                               f"{body.staging_addr} from a {body.role}")
     elif isinstance(body, HandoffTokens):
         if body.seq < 0 or body.start < 0:
             raise MessageError("out_of_range", f"seq={body.seq} start={body.start}")

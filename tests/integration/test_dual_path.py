@@ -123,7 +123,7 @@ def test_relay_gets_full_prompt_main_gets_uncached_suffix(three_roles, tiny_mode
     if three_roles.kv_codec == "lossless":
         assert main_wire < main_total, (main_wire, main_total)
         staging = three_roles["main"].pdd_state()["wan_staging"]
-        assert staging["landed_coded"] >= len(requests) and staging["corrupt"] == 0, staging
+        assert staging["landed_packed"] >= len(requests) and staging["corrupt"] == 0, staging
         print(f"lossless on the WAN: {main_total} B of KV in {main_wire} B "
               f"(x{main_total / main_wire:.3f})")
     else:  # auto: coded only where policy.wan_codec says it shortens the copy
@@ -182,10 +182,10 @@ def test_request_completes_via_main_when_the_relay_never_registers(three_roles):
 
 
 def test_a_damaged_coded_copy_fails_its_room_cleanly(page16_cluster):
-    """Issue 36: a coded copy whose frame was damaged before main decoded it (the seam's
-    ``main_staged_kv`` point, asked by the request) fails the room with a clear error; no page
-    it names was written, and every pool, lock and staging byte is back at its baseline. The
-    next request is served."""
+    """Issues 36, 50: a coded copy whose record was damaged before main's landing thread decoded
+    it (the seam's ``main_staged_kv`` point, asked by the request) fails the room with a clear
+    error, counted; every pool and lock is back at its baseline and main holds no room in its
+    staging. The next request is served."""
     three_roles = page16_cluster  # the cluster whose prefill codes every copy losslessly
     assert three_roles.kv_codec == "lossless"
     servers = [three_roles[n] for n in ("prefill", "main")]
@@ -204,9 +204,9 @@ def test_a_damaged_coded_copy_fails_its_room_cleanly(page16_cluster):
         after = server.wait_idle()
         assert after["in_use_tokens"] == 0 and after["locked_tokens"] == 0, (server.name, after)
         assert after["free_request_slots"] == before[server.name]["free_request_slots"]
-    assert three_roles["main"].pdd_state()["wan_staging"]["in_use_bytes"] == 0
+    assert three_roles["main"].pdd_state()["wan_staging"]["rooms"] == 0
     # The same prompt again, undamaged: served, coded, decoded.
     answers = generate_fanout(three_roles["prefill"], [three_roles["main"]], body,
                               three_roles.bootstrap_port, "prefill_main")
     assert len(answers["main"]["output_ids"]) == MAX_NEW_TOKENS
-    assert three_roles["main"].pdd_state()["wan_staging"]["in_use_bytes"] == 0
+    assert three_roles["main"].pdd_state()["wan_staging"]["rooms"] == 0

@@ -173,22 +173,14 @@ def test_main_damages_only_a_copy_whose_request_asks(monkeypatch):
 
 
 def test_main_damages_a_coded_copy_only_where_its_request_asks():
-    from pdd_sglang.kv_codec.wire import END_BYTES, pack_end
-
-    def staged(wire: int) -> memoryview:
-        return memoryview(bytearray(pack_end(7, 1 if wire else 0, wire, 99) + bytes(wire)))
-
     def req(corrupt: bool):
         hints = request_kv_hints("prefill_main", debug_corrupt_wan_frame=corrupt or None)
         return SimpleNamespace(kv_hints=envelope(hints))
 
-    view = staged(10)
-    DebugAids().main_staged_kv(req(True), view)  # the flag off
-    DebugAids(corrupt_wan_kv=True).main_staged_kv(req(False), view)  # not asked
-    DebugAids(corrupt_wan_kv=True).main_staged_kv(None, view)  # no request known
-    assert bytes(view[END_BYTES:]) == bytes(10)
-    DebugAids(corrupt_wan_kv=True).main_staged_kv(req(True), view)
-    assert bytes(view[END_BYTES:]) == bytes(9) + b"\xff"  # the last record's last byte
-    raw_copy = staged(0)
-    DebugAids(corrupt_wan_kv=True).main_staged_kv(req(True), raw_copy)  # no record to damage
-    assert bytes(raw_copy) == bytes(staged(0))
+    frame = memoryview(bytearray(10))  # a record's frame in its staging slot
+    DebugAids().main_staged_kv(req(True), frame)  # the flag off
+    DebugAids(corrupt_wan_kv=True).main_staged_kv(req(False), frame)  # not asked
+    DebugAids(corrupt_wan_kv=True).main_staged_kv(None, frame)  # no request known
+    assert bytes(frame) == bytes(10)
+    DebugAids(corrupt_wan_kv=True).main_staged_kv(req(True), frame)
+    assert bytes(frame) == bytes(9) + b"\xff"  # the frame's last byte

@@ -108,7 +108,7 @@ def test_without_a_usable_latency_point_alone_is_the_line_floor(sizes, fixed, pe
 
 
 def test_the_codecs_ratio_shortens_the_copy():
-    codec = {"flag": "auto", "coded_copies": 3, "raw_copies": 1,
+    codec = {"flag": "auto", "coded_copies": 3, "one_sided_copies": 1,
              "coded_raw_bytes": 2_000_000, "coded_wire_bytes": 1_000_000}
     figures = _figures({"pdd_idle_line": _setup([_row("a", 0.9)], "idle-line")}, codec)
     assert figures["inputs"]["raw_over_wire"] == 2.0

@@ -24,6 +24,7 @@ answers = {
     "attach_route": hooks.attach_route(receiver, object()),
     "receiver_metadata": hooks.receiver_metadata(receiver, 0, [3, 4]) == (1, []),
     "receiver_concluding": hooks.receiver_concluding(receiver, status := object()) is status,
+    "receiver_cleared": hooks.receiver_cleared(receiver) is None,
     "start_prefill_fanout": hooks.start_prefill_fanout(kv_mgr),
     "claim_registration": hooks.claim_registration(kv_mgr, 1, "s", []) is False,
     "claim_abort": hooks.claim_abort(kv_mgr, object()) is False,

@@ -12,7 +12,8 @@ from pdd_sglang.protocol.messages import (
 ALL_MESSAGES = [
     DestinationHello(room=12345678901234, role="main", destinations=2, prefix_tokens=4096),
     DestinationHello(room=9, role="main", destinations=1, prefix_tokens=0,
-                     staging_addr=0x7F0000001000, staging_bytes=1 << 20),
+                     staging_addr=0x7F0000001000, staging_bytes=1 << 20,
+                     staging_slot_bytes=1 << 16),
     HandoffReady(room=7),
     HandoffReady(room=7, kv_digest=bytes(range(16)), kv_digest_start=4096),
     HandoffTokens(room=7, seq=3, start=65, token_ids=pack_tokens(range(100)), is_last=False),
@@ -110,22 +111,27 @@ def test_a_tp_1_hello_encodes_as_before_tp_size_existed():
                                           tp_size=2))).tp_size == 2
 
 
-def test_a_version_1_peer_is_refused_by_name():
-    """Version 2 (issue 36: a main may offer a staging range for coded KV): a peer of version 1
-    cannot read coded copies; its messages are refused naming both versions."""
-    old = msgspec.msgpack.encode({"version": 1, "body": {
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_peer_of_an_older_version_is_refused_by_name(version):
+    """Version 2 (issue 36): a main may offer a staging range for coded KV, which a peer of
+    version 1 cannot read; version 3 (issue 50): that staging is a ring of slots shared by a
+    prefill rank's rooms, into which a peer of version 2 would write one range per room. Their
+    messages are refused naming both versions."""
+    old = msgspec.msgpack.encode({"version": version, "body": {
         "type": "DestinationHello", "room": 1, "role": "main", "destinations": 1,
         "prefix_tokens": 0}})
     with pytest.raises(MessageError) as err:
         decode(old)
-    assert err.value.reason == "unknown_version" and "version 1" in str(err.value)
+    assert err.value.reason == "unknown_version" and f"version {version}" in str(err.value)
     assert f"speaks {messages.PROTOCOL_VERSION}" in str(err.value)
 
 
 @pytest.mark.parametrize("fields", [
-    dict(role="relay", staging_addr=4096, staging_bytes=64),  # only a main takes coded KV
-    dict(role="main", staging_addr=0, staging_bytes=64),
+    dict(role="relay", staging_addr=4096, staging_bytes=64, staging_slot_bytes=8),  # main only
+    dict(role="main", staging_addr=0, staging_bytes=64, staging_slot_bytes=8),
     dict(role="main", staging_addr=4096, staging_bytes=-1),
+    dict(role="main", staging_addr=4096, staging_bytes=64),  # no slot size
+    dict(role="main", staging_addr=4096, staging_bytes=64, staging_slot_bytes=128),
 ])
 def test_a_bad_staging_range_is_refused(fields):
     with pytest.raises(MessageError) as err:

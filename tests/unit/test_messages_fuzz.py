@@ -44,5 +44,5 @@ def test_valid_handoff_chunks_round_trip(room, seq, start, tokens, is_last):
                             is_last=is_last)
     decoded = decode(encode(message))
     assert decoded == message and decoded.tokens == tokens
-    # The envelope carries the version this side speaks (2 since issue 36's staging hello).
-    assert msgspec.msgpack.decode(encode(message))["version"] == PROTOCOL_VERSION == 2
+    # The envelope carries the version this side speaks (3 since issue 50's staging ring).
+    assert msgspec.msgpack.decode(encode(message))["version"] == PROTOCOL_VERSION == 3

@@ -35,11 +35,16 @@ published = {"refused_late": 0, "relays_dropped": 0, "mains_dropped": 0, "rooms_
              "mains_out": []}
 lines = {"10.0.0.2:15000": {"queued_bytes": 10, "in_flight_bytes": 20, "recent_bytes_per_s": 1e6,
                             "sent_bytes": 1000}}
+from pdd_sglang.prefill.wan_coded import CodecChoice
+choice = CodecChoice("auto", 1e6)
 fanout = SimpleNamespace(published=published, counters=dict.fromkeys(
     ("refused_late", "relays_dropped", "mains_dropped"), 0),
-    wan_line=SimpleNamespace(snapshot=lambda: lines))
+    wan_line=SimpleNamespace(snapshot=lambda: lines), codec_choice=choice)
 exporter = metrics.PrefillExporter(fanout, metrics.server_metrics())
+choice.count("packed_raw_copies")
 exporter.export_once()
+for key in ("packed_raw_copies", "coded_copies", "one_sided_copies"):
+    choice.count(key)
 fanout.published = {**published, "refused_late": 2, "mains_dropped": 1}
 lines["10.0.0.2:15000"] = {**lines["10.0.0.2:15000"], "sent_bytes": 4000, "queued_bytes": 0}
 exporter.export_once()
@@ -92,6 +97,9 @@ def test_server_metrics_in_sglangs_multiprocess_registry(tmp_path):
         'sglang:pdd_wan_in_flight_bytes{main="10.0.0.2:15000"}': 20,
         'sglang:pdd_wan_rate_bytes_per_second{main="10.0.0.2:15000"}': 1e6,
         'sglang:pdd_wan_kv_codec_ratio{main="10.0.0.2:15000"}': 1.0,  # nothing coded
+        'sglang:pdd_wan_copies_total{mode="packed"}': 2,
+        'sglang:pdd_wan_copies_total{mode="coded"}': 1,
+        'sglang:pdd_wan_copies_total{mode="one_sided"}': 1,
     }
     for series, value in expected.items():
         assert _value(out, series) == value, series

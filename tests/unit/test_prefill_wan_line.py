@@ -453,7 +453,7 @@ def test_a_copy_on_the_line_gives_up_when_the_engine_stops_waiting():
     sender.stop_waiting()
     worker.join(10)
     assert results == [-1] and not worker.is_alive()
-    assert sender._abandoned == [7]  # Mooncake still owns the batch: never freed under it
+    assert sender.abandoned_batches() == [7]  # Mooncake still owns the batch: never freed under it
 
 
 
@@ -490,18 +490,18 @@ def test_a_timed_out_copy_fails_only_once_mooncake_has_ended_its_blocks():
     began = time.monotonic()
     assert sender.batch_transfer_sync("main", [1, 2], [3, 4], [5, 6]) == -1
     assert time.monotonic() - began >= 1.6 * timeout_s  # returned only once both had ended
-    assert polls[-1] == 8 and sender._abandoned == []  # nothing left in Mooncake's hands
+    assert polls[-1] == 8 and sender.abandoned_batches() == []  # nothing left in Mooncake's hands
 
     # A block that never ends is abandoned after the second timeout (Mooncake still owns it).
     sender, _ = scripted_sender({9: lambda t: 0}, 0.01)
     assert sender.batch_transfer_sync("main", [1], [2], [3]) == -1
-    assert sender._abandoned == [9]
+    assert sender.abandoned_batches() == [9]
 
 
 def test_a_failed_block_waits_for_the_other_blocks_of_its_copy():
     sender, polls = scripted_sender({1: lambda t: -1, 2: lambda t: 1 if t > 0.1 else 0}, 60.0)
     assert sender.batch_transfer_sync("main", [1, 2], [3, 4], [5, 6]) == -1
-    assert polls[0] == 1 and polls[-1] == 2 and len(polls) > 2 and sender._abandoned == []
+    assert polls[0] == 1 and polls[-1] == 2 and len(polls) > 2 and sender.abandoned_batches() == []
 
 
 # ---- the window: a copy keeps bytes in flight across slices (issue 34) -------------------------

@@ -108,7 +108,7 @@ def handoff_flags(**overrides):
                   pdd_control_authorized_keys=None, pdd_control_relay_key=None,
                   pdd_relay_bootstrap_timeout=5.0, pdd_main_bootstrap_timeout=30.0,
                   pdd_wan_bandwidth_gbps=10.0, pdd_wan_rtt_ms=20.0, pdd_wan_window_mb=0.0,
-                  pdd_wan_cache_only_backlog_s=30.0, pdd_wan_staging_mb=64.0,
+                  pdd_wan_cache_only_backlog_s=30.0, pdd_wan_staging_mb=0.0,
                   pdd_wan_kv_codec="auto", pdd_enable_kv_digest=False)
     values.update(overrides)
     return SimpleNamespace(**values)

@@ -113,6 +113,7 @@ HOOKED_SYMBOLS = [
     # 0020: a main decodes a coded WAN copy when its receiver's poll first sees the room concluded;
     # its staging region is registered with SGLang's Mooncake engine
     ("disaggregation/common/conn.py", "CommonKVReceiver._poll"),
+    ("disaggregation/common/conn.py", "CommonKVReceiver.clear"),
     ("disaggregation/common/conn.py", "CommonKVReceiver.send_metadata"),
     ("disaggregation/common/conn.py", "CommonKVManager.record_failure"),
     ("disaggregation/common/conn.py", "CommonKVManager.update_status"),

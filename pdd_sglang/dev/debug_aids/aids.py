@@ -79,14 +79,10 @@ def corrupt_one_value(scheduler: Any, req: Any, position: int) -> None:
     pool.get_key_buffer(pool.start_layer)[slot].view(-1)[0] += 1.0
 
 
-def corrupt_last_record(view: Any) -> None:
-    """Flip the last byte of the records in a staging range (a frame's payload, a flipped WAN
-    bit); nothing when the copy went raw (no record)."""
-    from pdd_sglang.kv_codec.wire import END, END_BYTES
-
-    wire = END.unpack_from(view)[3]
-    if wire:
-        view[END_BYTES + wire - 1] ^= 0xFF
+def corrupt_last_record(frame: Any) -> None:
+    """Flip the last byte of a packed record's frame (its payload: a flipped WAN bit)."""
+    if len(frame):
+        frame[len(frame) - 1] ^= 0xFF
 
 
 def wait_inside_mooncake(engine: Any) -> None:

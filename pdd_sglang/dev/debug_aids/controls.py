@@ -30,8 +30,8 @@ class DebugControls(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omi
     # Main with --pdd-debug-corrupt-wan-kv: damage this request's KV as it lands, as a flipped
     # bit on the WAN would.
     corrupt_wan_kv: Optional[bool] = None
-    # Main with --pdd-debug-corrupt-wan-kv: damage one byte of this request's coded WAN copy in
-    # main's staging range before it is decoded (the room must fail, no page written).
+    # Main with --pdd-debug-corrupt-wan-kv: damage one byte of a record of this request's packed
+    # WAN copy in main's staging ring before it is decoded (the room must fail cleanly).
     corrupt_wan_frame: Optional[bool] = None
 
     def __post_init__(self) -> None:

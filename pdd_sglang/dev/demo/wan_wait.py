@@ -69,7 +69,8 @@ def raw_over_wire(codec: dict | None) -> tuple[float | None, str]:
         return 1.0, f"--pdd-wan-kv-codec {codec.get('flag')}: no copy coded"
     ratio = codec["coded_raw_bytes"] / codec["coded_wire_bytes"]
     return ratio, (f"--pdd-wan-kv-codec {codec.get('flag')}: KV over wire bytes of the run's "
-                   f"{codec.get('coded_copies')} coded copies ({codec.get('raw_copies')} raw)")
+                   f"{codec.get('coded_copies')} coded copies ({codec.get('packed_raw_copies')} packed "
+                   f"raw, {codec.get('one_sided_copies')} one-sided)")
 
 
 def first_step_s(setups: dict) -> tuple[float | None, str]:

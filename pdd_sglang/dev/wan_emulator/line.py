@@ -198,8 +198,9 @@ class WanLine:
 
     def prefill_flags(self) -> tuple[str, ...]:
         """A prefill's declaration of this line, which sizes its WAN copies' window
-        (``--pdd-wan-bandwidth-gbps``, ``--pdd-wan-rtt-ms``); a line with no rate limit is
-        declared at the forwarder's ceiling, about 1 Gbit/s (``scripts/wan_check.py``)."""
+        (``--pdd-wan-bandwidth-gbps``, ``--pdd-wan-rtt-ms``), and a main's across it, which sizes
+        its staging rings; a line with no rate limit is declared at the forwarder's ceiling,
+        about 1 Gbit/s (``scripts/wan_check.py``)."""
         gbps = self.rate_mbit / 1e3 if self.rate_mbit > 0 else UNLIMITED_LINE_GBPS
         return ("--pdd-wan-bandwidth-gbps", repr(gbps),
                 "--pdd-wan-rtt-ms", repr(max(self.rtt_ms, 0.1)))

@@ -80,8 +80,8 @@ def _one_copy(wan, session: str, src_ptr: int, dst_ptr: int, copy_bytes: int, of
 
 def _packed_copy(wan, session: str, src, dst_ptr: int, copy_bytes: int, offset: int) -> float:
     """Packed, as a sender writes an uncoded copy into main's staging range: records of the
-    engine's ``block_bytes`` framed by the raw codec, written from the sender's real ring
-    (:mod:`pdd_sglang.prefill.wan_coded`), each a single request. ``dst_ptr + offset`` must
+    engine's ``block_bytes`` framed by the raw codec, written from the prefill's real send pool
+    (:mod:`pdd_sglang.prefill.send_pool`), each a single request. ``dst_ptr + offset`` must
     hold the records' headers too (:func:`packed_bytes`)."""
     from pdd_sglang.kv_codec import RawCodec
     from pdd_sglang.kv_codec.wire import pack_record
@@ -89,14 +89,13 @@ def _packed_copy(wan, session: str, src, dst_ptr: int, copy_bytes: int, offset: 
 
     began = time.perf_counter()
     step, raw = wan_coded.record_bytes(wan), RawCodec()
-    ring, place_at = wan_coded._ring(wan), dst_ptr + offset
+    place_at, pool = dst_ptr + offset, wan_coded._pool(wan)
     with wan.copy(session) as copy:
-        ring.reset()
-        for start in range(offset, offset + copy_bytes, step):  # src: 2-byte elements
-            data = src[start // 2:min(start + step, offset + copy_bytes) // 2]
-            record = pack_record(1, np.arange(len(data) // PAGE_BYTES), raw.encode(data))
-            place = ring.place(record, copy)
-            if place is None or not copy.submit([ring.addr + place], [place_at], [len(record)]):
+        for seq, start in enumerate(range(offset, offset + copy_bytes, step)):
+            data = src[start // 2:min(start + step, offset + copy_bytes) // 2]  # 2-byte elements
+            frame = raw.encode(data)
+            record = pack_record(1, seq, np.arange(len(data) // PAGE_BYTES), len(frame)) + frame
+            if not pool.write(copy, record, place_at):
                 raise RuntimeError("a record of the copy failed")
             place_at += len(record)
         if not copy.finish():
@@ -106,11 +105,10 @@ def _packed_copy(wan, session: str, src, dst_ptr: int, copy_bytes: int, offset: 
 
 def packed_bytes(copy_bytes: int, block_bytes: int) -> int:
     """What a packed copy of ``copy_bytes`` puts on the wire at most: records' headers and
-    page ids on top (:func:`~pdd_sglang.kv_codec.wire.staging_bytes_for`, one page a record at
-    worst)."""
-    from pdd_sglang.kv_codec.wire import staging_bytes_for
+    page ids on top (one page a record at worst)."""
+    from pdd_sglang.kv_codec.wire import record_overhead
 
-    return staging_bytes_for(copy_bytes // PAGE_BYTES + 1, PAGE_BYTES)
+    return (copy_bytes // PAGE_BYTES + 1) * (PAGE_BYTES + record_overhead(1))
 
 
 def _rules(args) -> list:
@@ -134,7 +132,7 @@ def run_sender(args) -> None:
     session, dst_ptr = args.target_session, args.target_ptr
     _one_copy(wan, session, src_ptr, dst_ptr, 1 << 20, 0, ONE_SLICE.slice_bytes, args.blocks)
     span = packed_bytes(args.copy_bytes, args.block_bytes)  # a copy's room at the receiver
-    runs, rings = [], []
+    runs = []
     for rule, window in _rules(args):
         wan.window_bytes, wan.slice_bytes = window.window_bytes, window.slice_bytes
         wan.block_bytes = window.block_bytes
@@ -149,15 +147,8 @@ def run_sender(args) -> None:
         for concurrent in sorted({1, args.concurrent}):
             seconds: list[float] = [0.0] * concurrent
             start = threading.Barrier(concurrent + 1)
-            # A serving sender thread makes its ring once and lives as long as the server; these
-            # threads are new each run, so their rings are made here and outlive them (a freed
-            # ring's address, reused, could not be registered with Mooncake again).
-            while rule == "packed" and len(rings) < concurrent:
-                rings.append(wan_coded._Ring(wan, wan_coded.ring_bytes(wan)))
 
             def timed(i: int) -> None:
-                if rule == "packed":
-                    wan_coded._THREAD.ring = rings[i]
                 start.wait()
                 seconds[i] = copy_at(i)
             threads = [threading.Thread(target=timed, args=(i,)) for i in range(concurrent)]
