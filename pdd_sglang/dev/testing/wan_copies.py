@@ -12,10 +12,10 @@ MODES = ("packed", "coded", "one_sided")
 
 def copies_by_mode(prefill) -> dict[str, int]:
     """The main-bound copies ``prefill`` (a TP 1 server) has sent, by mode, from its
-    ``/server_info``: the WAN codec's counters count each copy main offered a staging range
-    (``coded_copies``, ``packed_raw_copies``, and ``raw_copies`` for one sent one-sided anyway);
-    a copy main offered no range counts in none of them and goes one-sided, so one-sided copies
-    are the rooms the transfer ledger sent main pages for, less the packed and coded ones."""
+    ``/server_info``: the WAN codec's counters count each copy main offered a staging ring
+    (``coded_copies``, ``packed_raw_copies``, and ``one_sided_copies`` for one sent one-sided
+    anyway); a copy main offered no ring counts in none of them and goes one-sided, so one-sided
+    copies are the rooms the transfer ledger sent main pages for, less the packed and coded ones."""
     pdd = prefill.pdd_state()
     codec = pdd.get("wan_codec") or {}
     rooms = {row["room"] for row in pdd["transfers"]["by_request"]
