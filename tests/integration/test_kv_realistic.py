@@ -14,7 +14,7 @@ from __future__ import annotations
 from pdd_sglang.dev.testing.conversation import FIRST_WORD_ID, WORDS
 from pdd_sglang.dev.testing.pd_client import generate_pdd
 from pdd_sglang.dev.testing.tiny_model import KV_8B_MODEL
-from pdd_sglang.dev.testing.wan_copies import MODES, copies_by_mode, copy_mode
+from pdd_sglang.dev.testing.wan_copies import copies_by_mode, copy_mode
 
 MAX_NEW_TOKENS = 24
 # (prompt tokens, forced handoff point, handoff mode)
@@ -60,7 +60,9 @@ def test_32_layer_copies_are_token_exact_through_a_handoff(kv_8b_cluster):
         modes.append(copy_mode(copies, copies_by_mode(prefill)))
     print(f"\n32-layer copies to main by mode: "
           f"{dict(zip((t for t, _, _ in COPIES), modes))}")
-    assert modes[0] in ("packed", "coded") and set(modes) <= set(MODES), modes
+    # The 300-token room (75 MiB) outgrows what main once reserved per room (64 MiB); through the
+    # staging ring every copy goes as records, whatever its size.
+    assert set(modes) <= {"packed", "coded"}, modes
     # main's copy matched the relay's, layer for layer, before each handoff
     verified = cluster["relay"].pdd_state()["handoff"]["events"]["kv_digest_verified"]
     assert verified == verified_before + len(COPIES)
