@@ -43,6 +43,7 @@ from pdd_sglang.dev.testing.cluster import RELAY_CPU_ARGS, Cluster, SGLangServer
 from pdd_sglang.dev.testing.mixed_tp import (TpSizes, mixed_tp_cluster, start_router, tp_args,
                                              tp_env)
 from pdd_sglang.dev.testing.pristine import pristine_env, pristine_sglang
+from pdd_sglang.dev.testing.agentic_model import ensure_agentic_model
 from pdd_sglang.dev.testing.tiny_model import TinyModelSpec, ensure_tiny_model
 
 KV_CODEC_BY_PAGE_SIZE = {1: "auto", 16: "lossless"}
@@ -137,8 +138,41 @@ def _tp(model_path, log_dir) -> Cluster:
     return mixed_tp_cluster(MAKE_TEST_TP, model_path, log_dir, extra=(plain,))
 
 
+# The agentic cluster's relay hands a Catch-Up off in chunks this long, so a JSON answer of a few
+# dozen tokens crosses in several.
+AGENTIC_CATCH_UP_CHUNK = 8
+
+
+def _agentic(_tiny_model_path, log_dir) -> Cluster:
+    """``test_agentic_grammar.py``'s servers, of the agentic test model (``agentic_model``):
+    PDD prefill, relay (the handoff hold) and main, and a plain server of the patched venv
+    without a role (SGLang's own behaviour there: ``test_no_role.py``); compact JSON
+    (``--constrained-json-disable-any-whitespace``), so the random model's constrained answers
+    end; small KV pools."""
+    model_path = ensure_agentic_model()
+    bootstrap_port = free_port()
+    common = ("--disaggregation-transfer-backend", "mooncake_tcp",
+              "--constrained-json-disable-any-whitespace")
+    forked = dict(fork_children=True, max_total_tokens=4000)
+    cluster = Cluster([
+        SGLangServer("prefill", model_path, log_dir, extra_args=(
+            "--pdd-role", "prefill", "--disaggregation-bootstrap-port", str(bootstrap_port),
+            *common), **forked),
+        SGLangServer("relay", model_path, log_dir, extra_args=(
+            "--pdd-role", "relay", "--pdd-control-port", "0", "--pdd-debug-handoff-hold",
+            "--pdd-catch-up-chunk", str(AGENTIC_CATCH_UP_CHUNK), *common, *RELAY_CPU_ARGS),
+            **forked),
+        SGLangServer("main", model_path, log_dir, extra_args=("--pdd-role", "main", *common),
+                     **forked),
+        SGLangServer("plain", model_path, log_dir,
+                     extra_args=("--constrained-json-disable-any-whitespace",), **forked),
+    ])
+    cluster.bootstrap_port = bootstrap_port
+    return cluster
+
+
 # name -> how to build it: servers a single test owns, started early by ``start_beside``
-BESIDE = {"no_role": _no_role_pair, "tp": _tp}
+BESIDE = {"no_role": _no_role_pair, "tp": _tp, "agentic": _agentic}
 
 
 class SharedClusters:
@@ -333,6 +367,8 @@ def router_cluster(shared_clusters):
 # - ``test_tp.py``'s TP cluster (four servers of a launcher, one or two schedulers and a
 #   detokenizer each) starts beside the shutdown test, which stops the page-16 servers; the TP
 #   tests run after it, before the tail.
+# - ``test_agentic_grammar.py``'s four servers (the agentic test model) start beside the TP tests
+#   and serve after them.
 # - The foreground reaches the quick demo's result minutes before the demo ends (the demo's pace
 #   is its line and its CPU quotas), so the Ctrl-C run (four servers cut short in start-up) and
 #   the fault suite's start sit there at no cost to the session.
@@ -344,6 +380,8 @@ DEMO_TESTS = ("test_demo.py",)
 FAULT_SUITE = ("test_fault_suite.py",)
 NO_ROLE = ("test_no_role.py",)
 TP_TESTS = ("test_tp.py",)  # after the shutdown test, beside which its TP cluster starts
+AGENTIC_TESTS = ("test_agentic_grammar.py",)  # after the TP tests, beside which its servers start
+AGENTIC_ORDER = (5, 2)
 LAST = ("test_shutdown.py",)  # stops the live cluster's servers
 LAST_ORDER = (5,)
 FAULT_SUITE_STARTS_AT = (1,)  # the quick demo's result
@@ -370,6 +408,8 @@ def _order(item) -> tuple:
         return (4, 16, 1)
     if name in TP_TESTS:
         return (5, 1)
+    if name in AGENTIC_TESTS:
+        return AGENTIC_ORDER
     if name in LAST:
         return LAST_ORDER
     if folder == "integration":
@@ -402,6 +442,8 @@ def _background_and_ahead(request, start_background, still_running):
     if order == LAST_ORDER and _collected(request.session, TP_TESTS):
         # The TP cluster's four servers (six ranks) fit once the page-16 cluster's servers stop.
         request.getfixturevalue("shared_clusters").start_beside("tp")
+    if order == (5, 1) and _collected(request.session, AGENTIC_TESTS):
+        request.getfixturevalue("shared_clusters").start_beside("agentic")
     if order == PAGE16_TESTS:
         clusters = request.getfixturevalue("shared_clusters")
         if clusters.page_size == 16:  # from the second page-16 test on: its servers are up
