@@ -138,12 +138,12 @@ def _tp(model_path, log_dir) -> Cluster:
     return mixed_tp_cluster(MAKE_TEST_TP, model_path, log_dir, extra=(plain,))
 
 
-# The agentic cluster's relay hands a Catch-Up off in chunks this long, so a JSON answer of a few
+# The grammar cluster's relay hands a Catch-Up off in chunks this long, so a JSON answer of a few
 # dozen tokens crosses in several.
-AGENTIC_CATCH_UP_CHUNK = 8
+GRAMMAR_CATCH_UP_CHUNK = 8
 
 
-def _agentic(_tiny_model_path, log_dir) -> Cluster:
+def _agentic_grammar(_tiny_model_path, log_dir) -> Cluster:
     """``test_agentic_grammar.py``'s servers, of the agentic test model (``agentic_model``):
     PDD prefill, relay (the handoff hold) and main, and a plain server of the patched venv
     without a role (SGLang's own behaviour there: ``test_no_role.py``); compact JSON
@@ -160,7 +160,7 @@ def _agentic(_tiny_model_path, log_dir) -> Cluster:
             *common), **forked),
         SGLangServer("relay", model_path, log_dir, extra_args=(
             "--pdd-role", "relay", "--pdd-control-port", "0", "--pdd-debug-handoff-hold",
-            "--pdd-catch-up-chunk", str(AGENTIC_CATCH_UP_CHUNK), *common, *RELAY_CPU_ARGS),
+            "--pdd-catch-up-chunk", str(GRAMMAR_CATCH_UP_CHUNK), *common, *RELAY_CPU_ARGS),
             **forked),
         SGLangServer("main", model_path, log_dir, extra_args=("--pdd-role", "main", *common),
                      **forked),
@@ -172,7 +172,7 @@ def _agentic(_tiny_model_path, log_dir) -> Cluster:
 
 
 # name -> how to build it: servers a single test owns, started early by ``start_beside``
-BESIDE = {"no_role": _no_role_pair, "tp": _tp, "agentic": _agentic}
+BESIDE = {"no_role": _no_role_pair, "tp": _tp, "agentic_grammar": _agentic_grammar}
 
 
 class SharedClusters:
@@ -380,8 +380,8 @@ DEMO_TESTS = ("test_demo.py",)
 FAULT_SUITE = ("test_fault_suite.py",)
 NO_ROLE = ("test_no_role.py",)
 TP_TESTS = ("test_tp.py",)  # after the shutdown test, beside which its TP cluster starts
-AGENTIC_TESTS = ("test_agentic_grammar.py",)  # after the TP tests, beside which its servers start
-AGENTIC_ORDER = (5, 2)
+GRAMMAR_TESTS = ("test_agentic_grammar.py",)  # after the TP tests, beside which its servers start
+GRAMMAR_ORDER = (5, 2)
 LAST = ("test_shutdown.py",)  # stops the live cluster's servers
 LAST_ORDER = (5,)
 FAULT_SUITE_STARTS_AT = (1,)  # the quick demo's result
@@ -408,8 +408,8 @@ def _order(item) -> tuple:
         return (4, 16, 1)
     if name in TP_TESTS:
         return (5, 1)
-    if name in AGENTIC_TESTS:
-        return AGENTIC_ORDER
+    if name in GRAMMAR_TESTS:
+        return GRAMMAR_ORDER
     if name in LAST:
         return LAST_ORDER
     if folder == "integration":
@@ -442,8 +442,8 @@ def _background_and_ahead(request, start_background, still_running):
     if order == LAST_ORDER and _collected(request.session, TP_TESTS):
         # The TP cluster's four servers (six ranks) fit once the page-16 cluster's servers stop.
         request.getfixturevalue("shared_clusters").start_beside("tp")
-    if order == (5, 1) and _collected(request.session, AGENTIC_TESTS):
-        request.getfixturevalue("shared_clusters").start_beside("agentic")
+    if order == (5, 1) and _collected(request.session, GRAMMAR_TESTS):
+        request.getfixturevalue("shared_clusters").start_beside("agentic_grammar")
     if order == PAGE16_TESTS:
         clusters = request.getfixturevalue("shared_clusters")
         if clusters.page_size == 16:  # from the second page-16 test on: its servers are up

@@ -1,5 +1,5 @@
 """Constrained decoding with the agentic test model (``pdd_sglang.dev.testing.agentic_model``), on
-real servers of its own (``conftest.py``: ``_agentic``): a plain server answers ``regex`` and
+real servers of its own (``conftest.py``: ``_agentic_grammar``): a plain server answers ``regex`` and
 ``json_schema`` (greedy and sampled) within their constraints on SGLang's CPU engine, and a
 ``json_schema`` answer handed off from the relay to main mid-answer is the plain server's, token
 for token, with main's grammar advanced over exactly the handed tokens.
@@ -36,7 +36,7 @@ REGEX = r"[a-z]{3,8}( [a-z]{3,8}){2}, [0-9]{3}"
 
 @pytest.fixture(scope="module")
 def agentic(shared_clusters):
-    cluster = shared_clusters.take_beside("agentic")  # started beside the TP tests
+    cluster = shared_clusters.take_beside("agentic_grammar")  # started beside the TP tests
     try:
         yield cluster
     finally:
