@@ -284,14 +284,15 @@ def after_children_started() -> None:
 # ---- the router's compact WAN-line poll: patch 0018 ----------------------------------------
 def add_http_routes(app) -> None:
     """The launcher's HTTP server is about to start: a PDD prefill serves ``GET /pdd/line``,
-    ``POST /pdd/cache_only`` and ``POST /pdd/relay_lost``."""
+    ``POST /pdd/cache_only``, ``POST /pdd/relay_lost`` and ``POST /pdd/chat_request``."""
     if pdd_role() != "prefill":
         return
     from pdd_sglang.diagnostics import line_report
-    from pdd_sglang.prefill import cache_only
+    from pdd_sglang.prefill import cache_only, chat_request
 
     line_report.add_route(app)
     cache_only.add_route(app)
+    chat_request.add_route(app)
 
 
 # ---- waiting without spinning: patch 0011 ---------------------------------------------------

@@ -21,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pdd_sglang.dev import results as published  # noqa: E402
 from pdd_sglang.dev.router_bench.bench import Settings, run_bench, table  # noqa: E402
 
 ROUTERS = ("pdd_p_md", "pdd_p_rld_md", "sglang_router")
@@ -83,7 +84,10 @@ def parse_args(argv=None) -> Settings:
     p.add_argument("--out", type=Path, default=Path("router_bench.json"),
                    help="the JSON file to write (a directory: router_bench.json in it)")
     p.add_argument("--log-dir", type=Path, default=Path("router_bench_logs"))
+    published.add_publish_flag(p)
     a = p.parse_args(argv)
+    if a.publish and a.quick:
+        p.error("--publish: the current result is a full run, not --quick")
     routers = tuple(r for r in a.routers.split(",") if r)
     unknown = set(routers) - set(ROUTERS)
     if unknown:
@@ -98,7 +102,7 @@ def parse_args(argv=None) -> Settings:
         p.error(f"--out {a.out}: {err}")
     s = Settings(routers=routers, out=a.out, log_dir=a.log_dir, cgroup=not a.no_cgroup,
                  incremental=not a.cumulative, pdd_root_before=a.pdd_root_before,
-                 profile=a.profile)
+                 profile=a.profile, publish=a.publish)
     if a.quick:
         s.concurrency, s.duration_s, s.answer_tokens, s.prompt_tokens = [1, 8], 2.0, 20, 256
         s.token_rate, s.long_answer_tokens, s.long_token_rate = 100.0, 1000, 1000.0
@@ -125,6 +129,9 @@ def main(argv=None) -> int:
         path = Path(report["router_profile"])
         print(profile_table(json.loads(path.read_text())))
         print(f"wrote {path}")
+    if settings.publish:
+        published.publish("router_bench", report, files={
+            "router_profile.json": report["router_profile"]} if report.get("router_profile") else None)
     return 0
 
 

@@ -46,6 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
+from pdd_sglang.dev import results as published  # noqa: E402
 from pdd_sglang.dev.testing import agentic  # noqa: E402
 from pdd_sglang.dev.testing.conversation import word_ids  # noqa: E402
 from pdd_sglang.dev.testing.tiny_model import WAN_DEMO_MODEL, ensure_tiny_model  # noqa: E402
@@ -297,6 +298,7 @@ def main() -> int:
                         help="also run the demo with the codec on and off (root, as make demo)")
     parser.add_argument("--demo-args", nargs="*", default=["--quick"],
                         help="scripts/demo.py's arguments for both runs (default: --quick)")
+    published.add_publish_flag(parser)
     args = parser.parse_args()
     if args.new_tokens < 1 or args.copy_tokens < 1 or args.rtt_ms <= 0:
         parser.error("--new-tokens, --copy-tokens and --rtt-ms must be positive")
@@ -306,6 +308,8 @@ def main() -> int:
     path.write_text(json.dumps(result, indent=1) + "\n")
     print_table(result)
     print(f"wrote {path}")
+    if args.publish:
+        published.publish("wan_codec_bench", result)
     return 0
 
 

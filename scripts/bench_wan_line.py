@@ -35,6 +35,14 @@ connection's window below a 5 MB BDP). docs/operations.md says the same for real
     sudo .venv/bin/python scripts/bench_wan_line.py                 # the default grid
     sudo .venv/bin/python scripts/bench_wan_line.py --points 200x100 --concurrent 2
 Writes ``out/wan_line_bench/wan_line_bench.json`` (``--out``).
+
+``--serving``: instead, copies through real PDD prefill and main servers on the KV-realistic
+models (32 layers with rooms of 256 and 1,024 tokens, 80 layers with 256; ``--serving-copies``)
+at 100 x 40 and 200 x 100 (``--points``), one row per copy in the file's ``serving`` list
+(:mod:`pdd_sglang.dev.wan_emulator.serving_bench` says what each field measures). Hold
+/tmp/pdd-servers.lock on a shared machine:
+
+    sudo flock /tmp/pdd-servers.lock .venv/bin/python scripts/bench_wan_line.py --serving --out DIR
 """
 
 from __future__ import annotations
@@ -48,7 +56,9 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from pdd_sglang.dev import results as published  # noqa: E402
 from pdd_sglang.dev.wan_emulator import WanLine, check_prerequisites  # noqa: E402
+from pdd_sglang.dev.wan_emulator import serving_bench  # noqa: E402
 from pdd_sglang.dev.wan_emulator.line_bench import line_goodput, run_point, tune  # noqa: E402
 from pdd_sglang.policy.wan_codec import stage_raw  # noqa: E402
 from pdd_sglang.prefill.wan_engine import TCP_TRANSPORT_ENV, window_for_line  # noqa: E402
@@ -130,6 +140,53 @@ def bench(args) -> dict:
     return result
 
 
+def parse_copy(text: str) -> tuple[int, int]:
+    try:
+        layers, tokens = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a copy is LAYERSxTOKENS, got {text!r}")
+    if layers not in serving_bench.MODELS or tokens <= 0:
+        raise argparse.ArgumentTypeError(
+            f"layers must be one of {sorted(serving_bench.MODELS)}, tokens > 0; got {text!r}")
+    return layers, tokens
+
+
+def serving(args) -> dict:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"serving": [], "null_reasons": serving_bench.NULL_REASONS,
+              "sysctls": LONG_FAT_LINE_SYSCTLS, "kv_codec": args.serving_codec,
+              "main_staging_mb": args.serving_staging_mb,
+              "date": time.strftime("%Y-%m-%d %H:%M"), "loadavg_1m_before": args.loadavg,
+              "note": "2 shared cores: the forwarder, the prefill, main and the bench share "
+                      "them; utilization = the copy's bytes on the wire over its time on the "
+                      "line / the line's bulk TCP goodput"}
+    for rate, rtt in args.points:
+        result["serving"] += serving_bench.run_point(
+            rate, rtt, tuple(args.serving_copies), out, LONG_FAT_LINE_SYSCTLS,
+            codec=args.serving_codec, reference_copies=args.serving_reference_copies,
+            staging_mb=args.serving_staging_mb)
+        # each point's rows as soon as they are measured: a later point's failure keeps them
+        (out / "wan_line_bench.json").write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def print_serving(result: dict) -> None:
+    print("| Mbit/s x ms | layers | tokens | MB | mode | utilization | reference | ITL ratio | "
+          "landed after last byte s | peak staging MB | CPU s/GB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+
+    def f(value, fmt):
+        return "n/a" if value is None else format(value, fmt)
+    for r in result["serving"]:
+        print(f"| {r['rate_mbit']:g} x {r['rtt_ms']:g} | {r['layers']} | {r['tokens']} | "
+              f"{r['copy_bytes'] / 1e6:.0f} | {r['mode']} | {r['utilization']:.2f} | "
+              f"{r['reference_utilization']:.2f} | {f(r['main_itl_ratio'], '.2f')} | "
+              f"{r['landed_after_last_record_s']:.2f} | "
+              f"{f(r['peak_staging_bytes'] and r['peak_staging_bytes'] / 1e6, '.0f')} | "
+              f"{r['cpu_s_per_gb']:.2f} |")
+
+
 def print_table(result: dict) -> None:
     print("| rate Mbit/s | RTT ms | BDP MB | copies | rule | window MB | request MB | "
           "achieved Mbit/s | utilization |")
@@ -144,8 +201,9 @@ def print_table(result: dict) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--points", nargs="+", type=parse_point,
-                        default=[parse_point(p) for p in DEFAULT_POINTS])
+    parser.add_argument("--points", nargs="+", type=parse_point, default=None,
+                        help=f"RATExRTT (Mbit/s x ms); default {' '.join(DEFAULT_POINTS)}, "
+                             f"with --serving 100x40 200x100")
     parser.add_argument("--concurrent", type=int, default=4)
     parser.add_argument("--bdp-multiple", type=int, default=20)
     parser.add_argument("--kv-buffers", type=int, default=64,
@@ -156,18 +214,40 @@ def main() -> int:
                         help="untimed copies per rule first (the lanes of a serving prefill are warm)")
     parser.add_argument("--no-ceiling", action="store_true")
     parser.add_argument("--out", default="out/wan_line_bench")
+    published.add_publish_flag(parser)
+    parser.add_argument("--serving", action="store_true",
+                        help="copies through real prefill and main servers instead (module "
+                             "docstring); --points defaults to 100x40 200x100")
+    parser.add_argument("--serving-copies", nargs="+", type=parse_copy,
+                        default=list(serving_bench.SERVING_COPIES),
+                        help="LAYERSxTOKENS per copy (layers 32 or 80)")
+    parser.add_argument("--serving-codec", default="auto",
+                        choices=("auto", "raw", "lossless"), help="the prefill's --pdd-wan-kv-codec")
+    parser.add_argument("--serving-staging-mb", type=float, default=None,
+                        help="main's --pdd-wan-staging-mb (default: its own)")
+    parser.add_argument("--serving-reference-copies", type=int, default=1,
+                        help="timed stream-reference copies per row (after one warm)")
     args = parser.parse_args()
     if args.concurrent < 1 or args.bdp_multiple < 1 or args.kv_buffers < 1:
         parser.error("--concurrent, --bdp-multiple and --kv-buffers must be >= 1")
-    if args.warm_copies < 0:
-        parser.error("--warm-copies must be >= 0")
+    if args.warm_copies < 0 or args.serving_reference_copies < 1:
+        parser.error("--warm-copies must be >= 0, --serving-reference-copies >= 1")
     check_prerequisites()
-    result = bench(args)
+    if args.points is None:
+        args.points = (list(serving_bench.SERVING_POINTS) if args.serving
+                       else [parse_point(p) for p in DEFAULT_POINTS])
+    if args.serving:
+        args.loadavg = os.getloadavg()[0]
+        result = serving(args)
+    else:
+        result = bench(args)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     path = Path(args.out) / "wan_line_bench.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
-    print_table(result)
+    (print_serving if args.serving else print_table)(result)
     print(f"wrote {path}")
+    if args.publish:
+        published.publish("wan_line_bench", result)
     return 0
 
 

@@ -62,7 +62,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from pdd_sglang.dev import cpu_budget  # noqa: E402
+from pdd_sglang.dev import cpu_budget, results as published  # noqa: E402
 from pdd_sglang.dev.demo import budget, figures, report, wan_wait  # noqa: E402
 from pdd_sglang.dev.demo.setup_run import Aborted, cleanup, leftovers, run_setup  # noqa: E402
 from pdd_sglang.dev.testing import agentic  # noqa: E402
@@ -197,7 +197,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help=argparse.SUPPRESS)  # tests: a missing controller
     parser.add_argument("--inject-crash", type=int, default=None, metavar="N",
                         help=argparse.SUPPRESS)  # kill main after N requests of the first setup (tests)
+    published.add_publish_flag(parser)
     args = parser.parse_args(argv)
+    if args.publish and args.quick:
+        parser.error("--publish: the current result is a full run, not --quick")
     for flag, value in (("--ttft-slo-ms", args.ttft_slo_ms), ("--ttft-slo-x", args.ttft_slo_x),
                         ("--prefill-tokens-per-s", args.prefill_tokens_per_s)):
         if value is not None and not value > 0:
@@ -449,6 +452,9 @@ def write_and_print(args, results: dict, line: WanLine, server_cpu: float, cores
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "demo.json").write_text(json.dumps(summary, indent=2))
     plots = write_figures(args, load, line_info, summary)
+    if args.publish:  # docs/results/demo.json, or frontier.json and frontier.png
+        published.publish("frontier" if args.frontier else "demo", summary, files={
+            "frontier.png": args.out / "frontier.png"} if args.frontier else None)
     return print_results(args, results, summary, bar_setup, plots)
 
 

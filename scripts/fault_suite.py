@@ -31,6 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from pdd_sglang.dev import results as published  # noqa: E402
 from pdd_sglang.dev.faults import faults  # noqa: E402
 from pdd_sglang.dev.faults.checks import bar  # noqa: E402
 from pdd_sglang.dev.faults.soak import run_soak  # noqa: E402
@@ -58,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--logs", type=Path, default=None,
                         help="the servers' and the router's logs (default: a new folder in /tmp)")
+    published.add_publish_flag(parser)
     args = parser.parse_args(argv)
     args.out = args.out or REPO / "out" / ("soak" if args.soak is not None else "faults")
     try:
@@ -84,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / "faults.json").write_text(json.dumps(report, indent=2))
         bad |= _print_suite(report)
         print(f"wrote {args.out / 'faults.json'} ({report['duration_s']} s)", flush=True)
+        if args.publish:
+            published.publish("faults", report)
 
     if args.soak is None:
         suite()
@@ -95,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
                               progress=lambda text: print(text, flush=True))
     (args.out / "soak.json").write_text(json.dumps(report, indent=2))
     (args.out / "soak_detail.json").write_text(json.dumps(detail, indent=2))
+    if args.publish:
+        published.publish("soak", report, files={"soak_detail.json": args.out / "soak_detail.json"})
     failures = bar(report)
     print(f"\nsoak {args.soak:g} min, seed {args.seed}: {report['requests']} requests, "
           f"{report['completed']} completed, {report['errored']} errored, {report['lost']} lost; "

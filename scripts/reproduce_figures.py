@@ -20,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pdd_sglang.dev import results as published  # noqa: E402
 from pdd_sglang.sim import experiments as E  # noqa: E402
 from pdd_sglang.sim import operating_point as OP  # noqa: E402
 from pdd_sglang.sim.microbench import F1_LINE, handoff_microbenchmark  # noqa: E402
@@ -353,7 +354,10 @@ def main(argv=None) -> int:
     parser.add_argument("--validation", type=Path,
                         help="validation_detail.json from scripts/validate_sim.py: adds the "
                              "simulator-against-the-CPU-demo table to report.md")
+    published.add_publish_flag(parser)
     args = parser.parse_args(argv)
+    if args.publish and args.quick:
+        parser.error("--publish: the current result is a full run, not --quick")
     validation = read_validation(parser, args.validation) if args.validation else None
     args.out.mkdir(parents=True, exist_ok=True)
     measured = json.loads(args.measured_handoff.read_text()) if args.measured_handoff else None
@@ -380,7 +384,19 @@ def main(argv=None) -> int:
         section = report_section(validation)
         report.write_text(report.read_text() + "\n" + "\n".join(section))
     print(f"wrote {args.out}/report.md, results.json and f1-f9 PNGs in {time.time() - started:.0f} s")
+    if args.publish:
+        publish_figures(args.out)
     return 0
+
+
+def publish_figures(out: Path) -> None:
+    """results.json as docs/results/figures.json, with the line it ran on and the report's figures
+    it is compared with."""
+    line = load_link(OP.operating_point(False).base.wan_link)
+    results = json.loads((out / "results.json").read_text())
+    published.publish("figures", {**results, "line": {
+        "rate_mbit": line.bytes_per_s * 8 / 1e6, "rtt_ms": line.rtt_s * 1e3}, "paper": {
+        "ttft_reduction_pct": PAPER["ttft_reduction_pct"], "bcr_gain_pct": PAPER["bcr_gain_pct"]}})
 
 
 if __name__ == "__main__":

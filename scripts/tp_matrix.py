@@ -29,6 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "pdd_sglang" / "dev" / "cpu_standin")]
 
+from pdd_sglang.dev import results as published  # noqa: E402
 from pdd_sglang.dev.testing.cluster import Cluster, SGLangServer  # noqa: E402
 from pdd_sglang.dev.testing.mixed_tp import (TpSizes, check_combination,  # noqa: E402
                                              mixed_tp_cluster, start_router,
@@ -48,6 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the plain server's TP size (CPU TP 2 gives TP 1's greedy tokens)")
     p.add_argument("--log-dir", type=Path, default=REPO / "out" / "tp_matrix" / "logs")
     p.add_argument("--out", type=Path, default=REPO / "out" / "tp_matrix" / "tp_matrix.json")
+    published.add_publish_flag(p)
     return p.parse_args(argv)
 
 
@@ -102,8 +104,10 @@ def main(argv=None) -> int:
             results.append(result)
             print(summary(result), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"reference_tp": args.reference_tp, "results": results},
-                                   indent=1, default=str))
+    report = {"reference_tp": args.reference_tp, "results": results}
+    args.out.write_text(json.dumps(report, indent=1, default=str))
+    if args.publish:
+        published.publish("tp_matrix", json.loads(json.dumps(report, default=str)))
     passed = sum(r["result"] == "PASS" for r in results)
     print(f"{passed} of {len(results)} combinations passed; results in {args.out}")
     return 0 if passed == len(results) else 1

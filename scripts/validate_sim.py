@@ -61,6 +61,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pdd_sglang.dev import results as published  # noqa: E402
 from pdd_sglang.sim.cluster import ClusterConfig, Setup, simulate  # noqa: E402
 from pdd_sglang.sim.profiles import CONFIG_ROOT, load_table  # noqa: E402
 from pdd_sglang.sim.workload import AgenticConfig, generate_agentic, replay_rows  # noqa: E402
@@ -357,6 +358,7 @@ def main(argv=None) -> int:
                              "10, the default until it was recorded)")
     parser.add_argument("--legacy", action="store_true",
                         help="the earlier comparison (cpu_demo.toml, no calibration)")
+    published.add_publish_flag(parser)
     args = parser.parse_args(argv)
     if not args.measured.is_file():
         print(f"validate_sim: no measured file at {args.measured}. Run the real CPU demo first "
@@ -387,10 +389,15 @@ def main(argv=None) -> int:
                   "scripts/profile_cpu.py first (or --legacy)", file=sys.stderr)
             return 2
         try:
-            return calibrate_and_predict(measured, args.measured, profiles)
+            code = calibrate_and_predict(measured, args.measured, profiles)
         except ValueError as err:
             print(f"validate_sim: {err}", file=sys.stderr)
             return 2
+        if code == 0 and args.publish:
+            ratios = json.loads(args.measured.with_name("validation.json").read_text())
+            published.publish("validation", {**ratios, "line": {
+                k: measured["line"].get(k) for k in ("rate_mbit", "rtt_ms")}})
+        return code
     rows = compare(measured)
     if not rows:
         print("validate_sim: no setup in the file has measured numbers yet", file=sys.stderr)

@@ -15,11 +15,12 @@ import orjson
 from aiohttp import web
 
 from pdd_sglang.router import errors
+from pdd_sglang.router.chat_answer import answer_for
+from pdd_sglang.router.chat_translation import ChatIntake, ChatTranslator, parse_chat
 from pdd_sglang.router.dispatch import StreamEndedEarly
 from pdd_sglang.router.openai_format import OpenAIStream
-from pdd_sglang.router.request_parsing import (GenerateJob, parse_chat, parse_completion,
-                                               parse_generate, parse_json_object,
-                                               parse_off_loop)
+from pdd_sglang.router.request_parsing import (GenerateJob, parse_completion, parse_generate,
+                                               parse_json_object, parse_off_loop)
 from pdd_sglang.router.service import RouterService
 from pdd_sglang.router.servers import MAIN, PREFILL, NoHealthyServer
 from pdd_sglang.router.splice import SplicedUpdate, SpliceError
@@ -30,6 +31,10 @@ logger = logging.getLogger("pdd_sglang.router")
 _SERVICE = web.AppKey("service", RouterService)
 _FAILURES = (UpstreamError, StreamEndedEarly, SpliceError)
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+RESPONSES_REFUSAL = (
+    "The PDD router does not serve the Responses API (/v1/responses): use /v1/chat/completions, "
+    "sending each turn's messages with its tools, tool calls and tool results (tool_calls and "
+    "reasoning_content come back as SGLang's server returns them)")
 
 
 def _sse(payload) -> bytes:
@@ -72,6 +77,19 @@ def _failure_message(err: Exception) -> str:
 class Handlers:
     def __init__(self, service: RouterService):
         self.service = service
+        self._chat = None
+
+    @property
+    def chat(self) -> ChatTranslator:
+        if self._chat is None:  # the model is known once the service has started
+            self._chat = ChatTranslator(self.service.pool, self.service.client,
+                                        self.service.model)
+        return self._chat
+
+    def _chat_answer(self, body: dict, context: dict):
+        config = self.service.config
+        return answer_for(body, context, config.tool_call_parser, config.reasoning_parser,
+                          self.service.model.tokenizer)
 
     # ---- request intake -----------------------------------------------------------------
     async def _intake(self, request: web.Request, parse, api: str):
@@ -81,6 +99,9 @@ class Handlers:
         try:
             body = parse_json_object(await request.read())
             parsed = await parse_off_loop(parse, body, self.service.model)
+            if isinstance(parsed, ChatIntake):  # SGLang's own translation, on a prefill
+                parsed = await self.chat.translate(parsed)
+                parsed = (parsed.job, parsed.model_name, self._chat_answer(body, parsed.answer))
             job = parsed[0] if isinstance(parsed, tuple) else parsed
             placement = self.service.dispatcher.place(job)
         except errors.RequestRejected as err:
@@ -151,10 +172,10 @@ class Handlers:
         body, parsed, placement, started, refusal = await self._intake(request, parse, "openai")
         if refusal is not None:
             return refusal
-        job, model_name = parsed
+        job, model_name = parsed[:2]
         api = "chat" if chat else "completions"
         include_usage = job.stream and bool((body.get("stream_options") or {}).get("include_usage"))
-        formatter = OpenAIStream(chat, model_name, include_usage)
+        formatter = OpenAIStream(chat, model_name, include_usage, parsed[2] if chat else None)
         if not job.stream:
             final = None
             try:
@@ -171,12 +192,25 @@ class Handlers:
             try:
                 async with self._run(job, placement, api, started) as updates:
                     async for update in updates:
-                        for chunk in formatter.chunks(update):
+                        chunks = (formatter.chunks(update) if formatter.answer is None
+                                  else await formatter.parsed_chunks(update))
+                        for chunk in chunks:
                             await response.write(_sse(chunk))
             except _FAILURES as err:
                 await response.write(_sse({"error": {"message": _failure_message(err),
                                                      "type": "InternalServerError", "code": 500}}))
         return await _until_client_leaves(request, response, chunks())
+
+    async def responses(self, request: web.Request) -> web.Response:
+        """OpenAI's Responses API is refused, naming what to use: a response keeps server-side
+        state (``store``, ``previous_response_id``, background runs) on the one server that made
+        it, and runs its built-in tools in loops of several generations, while the router
+        splices one generation per request across three servers. An agent sends each turn to
+        /v1/chat/completions with its tools, tool calls and tool results instead."""
+        self.service.metrics.errors.labels("responses_api").inc()
+        return web.json_response({"error": {
+            "message": RESPONSES_REFUSAL, "type": "Not Implemented", "param": None,
+            "code": 501}}, status=501, dumps=_dumps)
 
     async def models(self, request: web.Request) -> web.Response:
         model = self.service.model
@@ -232,6 +266,8 @@ def build_app(service: RouterService) -> web.Application:
     app.router.add_post("/v1/completions", handlers.completions)
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
     app.router.add_get("/v1/models", handlers.models)
+    app.router.add_route("*", "/v1/responses", handlers.responses)
+    app.router.add_route("*", "/v1/responses/{tail:.*}", handlers.responses)
     app.router.add_get("/health", handlers.health)
     app.router.add_get("/metrics", handlers.metrics)
     app.router.add_get("/model_info", handlers.model_info)

@@ -218,6 +218,13 @@ class RouterConfig:
         "would wait for its --pdd-handoff-timeout)", at_least=0)
     incremental_streaming_output: bool = setting(
         False, "stream only new text and ids per /generate chunk (as SGLang's flag)")
+    # router/chat_answer.py: SGLang's parsers over the spliced chat answer.
+    tool_call_parser: Optional[str] = setting(
+        None, "parse chat answers' tool calls into tool_calls, as SGLang's flag (give the "
+        "servers' value)")
+    reasoning_parser: Optional[str] = setting(
+        None, "split chat answers' reasoning into reasoning_content, as SGLang's flag (give the "
+        "servers' value)")
     # router/workers.py.
     workers: int = setting(
         1, "router processes serving one port (SO_REUSEPORT); each conversation keeps its main "

@@ -23,8 +23,10 @@ from aiohttp import web
 class RequestRejected(Exception):
     """A request refused before any server saw it. ``cause`` labels the error metric."""
 
-    def __init__(self, message: str, cause: str, kind: str = "refused", status: int = 400):
+    def __init__(self, message: str, cause: str, kind: str = "refused", status: int = 400,
+                 payload=None):
         super().__init__(message)
+        self.payload = payload  # a server's own refusal, passed on unchanged
         self.message = message
         self.cause = cause
         self.kind = kind  # "validation" (FastAPI-style), "refused" (server-side), "not_found"
@@ -57,6 +59,8 @@ def generate_stream_error_chunk(message: str, code: int = 400) -> bytes:
 
 def rejection_response(err: RequestRejected, api: str) -> web.Response:
     """The non-streamed answer for ``err`` on ``api`` ("generate" or "openai")."""
+    if err.payload is not None:
+        return _json(err.payload, err.status)
     if err.kind == "validation":
         return validation_error(err.message)
     if err.kind == "not_found":

@@ -2,9 +2,9 @@
 
 The tokenizer is off the hot path: text prompts go to the servers as text, their token counts
 estimated (:mod:`pdd_sglang.router.prompt`). It serves what needs exact tokens: a prompt whose
-count could reach the context limit, a chat template whose tokenizer adds special tokens to any
-text (SGLang encodes a rendered chat without them, a /generate text with them), a retry that
-resends the prompt plus the client's tokens, and the text of main's tokens after a handoff.
+count could reach the context limit, a retry that resends the prompt plus the client's tokens,
+and the text of main's tokens after a handoff. (A chat's prompt comes as ids from a prefill,
+rendered and tokenized by SGLang's own code: router/chat_translation.py.)
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional
 
 from pdd_sglang.router.detokenize import detokenizer_for
 from pdd_sglang.router.prompt import TokenEstimate
@@ -54,16 +54,6 @@ class ModelInfo:
         if key not in self._detokenizers:
             self._detokenizers[key] = detokenizer_for(self.tokenizer, key)
         return self._detokenizers[key]
-
-    def apply_chat_template(self, messages: list[dict]) -> Union[str, list[int]]:
-        """Render like SGLang's chat serving: template to text, then encode without re-adding
-        special tokens (the template already placed them). The rendered text itself when the
-        tokenizer adds no special token to a text: the servers then encode it to the same ids."""
-        rendered = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True)
-        if self.estimate.specials == 0:
-            return rendered
-        return list(self.tokenizer.encode(rendered, add_special_tokens=False))
 
 
 def kv_bytes_per_token_from_config(model_path: str, dtype: Optional[str]) -> Optional[float]:

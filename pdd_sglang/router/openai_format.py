@@ -32,8 +32,10 @@ def usage(meta: dict) -> dict:
 class OpenAIStream:
     """Per-request state of an OpenAI answer: ids, created time, text sent so far."""
 
-    def __init__(self, chat: bool, model: str, include_usage: bool = False):
+    def __init__(self, chat: bool, model: str, include_usage: bool = False, answer=None):
         self.chat = chat
+        # A chat's tool-call and reasoning parsing (router/chat_answer.py), when it has any.
+        self.answer = answer
         self.model = model
         self.include_usage = include_usage
         self.created = int(time.time())
@@ -56,10 +58,14 @@ class OpenAIStream:
         self.id = final.meta.get("id")
         reason, matched = finish_fields(final.meta)
         if self.chat:
-            choice = {"index": 0,
-                      "message": {"role": "assistant", "content": final.text,
-                                  "reasoning_content": None},
-                      "logprobs": None, "finish_reason": reason, "matched_stop": matched}
+            message = {"role": "assistant", "content": final.text, "reasoning_content": None}
+            if self.answer is not None:
+                content, reasoning, calls, finish = self.answer.whole(
+                    final.text, final.meta.get("finish_reason"))
+                message.update(content=content, reasoning_content=reasoning, tool_calls=calls)
+                reason, matched = finish_fields({"finish_reason": finish})
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": reason,
+                      "matched_stop": matched}
             obj = "chat.completion"
         else:
             choice = {"index": 0, "text": final.text, "logprobs": None, "finish_reason": reason,
@@ -69,8 +75,26 @@ class OpenAIStream:
                               metadata={"pdd": final.meta.get("pdd")})
 
     # ---- streamed chunks ----------------------------------------------------------------
-    def chunks(self, update: SplicedUpdate) -> list[dict]:
-        """The chunks one update turns into (text delta, then a finish chunk for chat)."""
+    async def parsed_chunks(self, update: SplicedUpdate) -> list[dict]:
+        """A chat's chunks when its answer is parsed: each text delta through SGLang's tool-call
+        and reasoning parsers (router/chat_answer.py)."""
+        delta = self._delta(update)
+        out = []
+        if not self.sent_role:
+            self.sent_role = True
+            out.append(self._chat_chunk({"reasoning_content": None, "role": "assistant",
+                                         "content": ""}))
+        reason, matched = finish_fields(update.meta) if update.finished else (None, None)
+        for message in await self.answer.deltas(delta, update.meta, reason):
+            out.append(self._chat_chunk(message))
+        if update.finished:
+            out.append(self._chat_chunk({"reasoning_content": None},
+                                        self.answer.final_reason(reason), matched))
+            if self.include_usage:
+                out.append(self._envelope([], usage=usage(update.meta)))
+        return out
+
+    def _delta(self, update: SplicedUpdate) -> str:
         self.id = update.meta.get("id")
         if len(update.text) < self.sent_chars:
             # The splicer's text only grows (splice.py): a shorter one is a router bug, and the
@@ -79,6 +103,11 @@ class OpenAIStream:
                               f"{len(update.text)} after it was sent")
         delta = update.text[self.sent_chars:]
         self.sent_chars = len(update.text)
+        return delta
+
+    def chunks(self, update: SplicedUpdate) -> list[dict]:
+        """The chunks one update turns into (text delta, then a finish chunk for chat)."""
+        delta = self._delta(update)
         reason, matched = finish_fields(update.meta) if update.finished else (None, None)
         out = []
         if self.chat:

@@ -1,11 +1,12 @@
-"""Client bodies (SGLang /generate, OpenAI completions and chat) turned into one GenerateJob.
+"""Client bodies (SGLang /generate, OpenAI completions) turned into one GenerateJob; a chat is
+translated by SGLang's own code on a prefill (router/chat_translation.py).
 
 Every check a server would make on its own is made here first, with the server's message, so a
 bad request is refused before any server allocates anything for it (and an empty prompt, which
 crashes SGLang 0.5.23's CPU scheduler, never reaches one).
 
 A text prompt is not tokenized (:mod:`pdd_sglang.router.prompt`) unless its count could reach
-the context limit. Then, and for a chat whose tokenizer adds special tokens, a long prompt is
+the context limit. Then a long prompt is
 tokenized off the event loop (:func:`parse_off_loop`): a 32K-token prompt takes tens of
 milliseconds to encode, which would hold every other stream for as long. Hugging Face's fast
 tokenizers release the GIL while they encode, so the pool's threads run beside the loop.
@@ -75,10 +76,11 @@ def prompt_chars(body: dict) -> int:
 
 
 def _may_tokenize(body: dict, model: ModelInfo) -> bool:
-    """Whether parsing ``body`` may run the tokenizer: a chat whose tokenizer adds special
-    tokens, or a text whose token count could reach the context with the tokens it asks for."""
+    """Whether parsing ``body`` may run the tokenizer: a text whose token count could reach the
+    context with the tokens it asks for (a chat is tokenized by a prefill,
+    router/chat_translation.py)."""
     if "messages" in body:
-        return model.estimate.specials > 0
+        return False
     sampling = body.get("sampling_params")
     asked = [body.get("max_tokens"), body.get("max_completion_tokens"),
              sampling.get("max_new_tokens") if isinstance(sampling, dict) else None]
@@ -279,34 +281,4 @@ def parse_completion(body: dict, model: ModelInfo) -> tuple[GenerateJob, str]:
         raise RequestRejected("Prompt cannot be empty", "empty_prompt")
     _check_context(parsed, max_tokens, model)
     return GenerateJob(parsed, _openai_sampling(body, max_tokens), bool(body.get("stream")),
-                       ttft_slo_s=_ttft_slo_s(body)), name
-
-
-def _message_text(content: Any) -> str:
-    if isinstance(content, list):  # OpenAI content parts: text only on this router
-        return "".join(part.get("text", "") for part in content
-                       if isinstance(part, dict) and part.get("type") == "text")
-    return "" if content is None else str(content)
-
-
-def parse_chat(body: dict, model: ModelInfo) -> tuple[GenerateJob, str]:
-    name = check_model(body, model)
-    messages = body.get("messages")
-    if not isinstance(messages, list):
-        raise RequestRejected("Field required: messages", "bad_field", "validation")
-    if not messages:
-        raise RequestRejected("Messages cannot be empty.", "empty_prompt")
-    if not all(isinstance(m, dict) and "role" in m for m in messages):
-        raise RequestRejected("each message needs a role", "bad_field", "validation")
-    max_tokens = _check_openai_common(body, "max_completion_tokens")
-    if max_tokens is None:
-        max_tokens = _check_openai_common(body, "max_tokens")
-    rendered = model.apply_chat_template(
-        [{**m, "content": _message_text(m.get("content"))} for m in messages])
-    prompt = (text_prompt(rendered, max_tokens, model) if isinstance(rendered, str)
-              else Prompt.of_ids(rendered))
-    if not prompt.tokens:
-        raise RequestRejected("Messages cannot be empty.", "empty_prompt")
-    _check_context(prompt, max_tokens, model)
-    return GenerateJob(prompt, _openai_sampling(body, max_tokens), bool(body.get("stream")),
                        ttft_slo_s=_ttft_slo_s(body)), name

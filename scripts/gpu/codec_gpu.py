@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What the WAN KV codecs cost on a GPU (issue 36), in pure torch, in one command.
 
-    python scripts/gpu/codec_gpu.py --out codec_gpu.json
+    python scripts/gpu/codec_gpu.py --out codec_gpu.json   # docs/results/codec_gpu.json: the current one
     python scripts/gpu/codec_gpu.py --allow-cpu --out /tmp/x.json     # tiny sizes, code check
 
 At the brief's 10-100 Gbit/s a codec has to keep up with the line: the CPU codecs of
@@ -151,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
               "kv": "synthetic: torch.randn cast to bf16 (speeds are shape-bound; ratios are not "
                     "a trained model's)",
               "nvcomp": nvcomp_found(), "repeats": args.repeats, "timing": "median of CUDA events",
+              "date": time.strftime("%Y-%m-%d"),
               "sizes": [measure_size(size, device, args.repeats) for size in sizes]}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))

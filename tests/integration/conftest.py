@@ -40,11 +40,11 @@ from __future__ import annotations
 import pytest
 
 from pdd_sglang.dev.testing.cluster import RELAY_CPU_ARGS, Cluster, SGLangServer, free_port
-from pdd_sglang.dev.testing.mixed_tp import (TpSizes, mixed_tp_cluster, start_router, tp_args,
-                                             tp_env)
+from pdd_sglang.dev.testing.mixed_tp import (TpSizes, mixed_tp_cluster, pdd_servers,
+                                             start_router, tp_args, tp_env)
 from pdd_sglang.dev.testing.pristine import pristine_env, pristine_sglang
 from pdd_sglang.dev.testing.agentic_model import ensure_agentic_model
-from pdd_sglang.dev.testing.tiny_model import TinyModelSpec, ensure_tiny_model
+from pdd_sglang.dev.testing.tiny_model import KV_8B_MODEL, TinyModelSpec, ensure_tiny_model
 
 KV_CODEC_BY_PAGE_SIZE = {1: "auto", 16: "lossless"}
 # Every KV chunk to main waits this long (a test-only WAN delay), so the relay runs ahead.
@@ -65,10 +65,11 @@ def tiny_model():
     return spec, ensure_tiny_model(spec)
 
 
-def _pdd_cluster(page_size: int, model_path, log_dir) -> Cluster:
-    """Prefill, relay, main and at page 1 a second main (short handoff timeout); mains check
-    their WAN copy against the relay's (``--pdd-enable-kv-digest``) and damage one when its
-    route asks."""
+def _pdd_cluster(page_size: int, model_path, log_dir, second_main: bool | None = None,
+                 **server) -> Cluster:
+    """Prefill, relay, main and (by default at page 1) a second main (short handoff timeout);
+    mains check their WAN copy against the relay's (``--pdd-enable-kv-digest``) and damage one
+    when its route asks. ``server``: more SGLangServer fields for each (a KV pool's size)."""
     bootstrap_port = free_port()
     common = ("--disaggregation-transfer-backend", "mooncake_tcp", "--page-size", str(page_size),
               "--pdd-debug-kv-digest")
@@ -76,7 +77,7 @@ def _pdd_cluster(page_size: int, model_path, log_dir) -> Cluster:
     # Issue 36: page 16 forces the lossless WAN codec (its handoff, dual-path and digest tests
     # run on coded copies, decoded at main); page 1 keeps auto, raw on the declared 10 Gb/s.
     codec = KV_CODEC_BY_PAGE_SIZE[page_size]
-    forked = dict(fork_children=True)  # see the module docstring
+    forked = dict(fork_children=True, **server)  # forked: see the module docstring
     main_args = ("--pdd-role", "main", "--enable-metrics", "--pdd-enable-kv-digest",
                  "--pdd-debug-corrupt-wan-kv", *common)
     servers = [
@@ -92,7 +93,9 @@ def _pdd_cluster(page_size: int, model_path, log_dir) -> Cluster:
             *RELAY_CPU_ARGS), **forked),
         SGLangServer("main", model_path, log_dir, extra_args=main_args, **forked),
     ]
-    if page_size == 1:  # its users (two mains, the slow relay) need no other page size
+    if second_main is None:  # its users (two mains, the slow relay) need no other page size
+        second_main = page_size == 1
+    if second_main:
         servers.append(SGLangServer("main2", model_path, log_dir, extra_args=(
             *main_args, "--pdd-handoff-timeout", repr(MAIN2_HANDOFF_TIMEOUT_S)), **forked))
     cluster = Cluster(servers)
@@ -168,11 +171,54 @@ def _agentic_grammar(_tiny_model_path, log_dir) -> Cluster:
                      extra_args=("--constrained-json-disable-any-whitespace",), **forked),
     ])
     cluster.bootstrap_port = bootstrap_port
+# The KV-realistic cluster's pools: 1,024 tokens of 256 KiB (KV_8B_MODEL in float32) each.
+KV_8B_POOL_TOKENS = 1024
+
+
+def _kv_8b(_tiny_model_path, log_dir) -> Cluster:
+    """``test_kv_realistic.py``'s cluster on the KV-realistic model (``KV_8B_MODEL``: Llama-3-8B's
+    32 layers x 8 KV heads x head dim 128): PDD prefill, relay and main as the page-1 cluster's
+    (no second main), and its own greedy reference, a plain server of the patched venv (no
+    ``--pdd-role``), every one forked with a pool of ``KV_8B_POOL_TOKENS``."""
+    model_path = ensure_tiny_model(KV_8B_MODEL)
+    pool = dict(max_total_tokens=KV_8B_POOL_TOKENS)
+    cluster = _pdd_cluster(1, model_path, log_dir, second_main=False, **pool)
+    cluster.servers["plain"] = SGLangServer("plain", model_path, log_dir, fork_children=True,
+                                            **pool)
+    return cluster
+
+
+# The agentic model's servers and the router's over them: SGLang's Qwen parsers (the model's
+# tool-call markup and thinking tags), and the tiny model's KV bytes per token for the router, so
+# ROUTER_WAN_GBPS puts the P->MD / P->RLD->MD boundary at 100 uncached tokens here too.
+AGENTIC_PARSERS = ("--tool-call-parser", "qwen25", "--reasoning-parser", "qwen3")
+AGENTIC_ROUTER_ARGS = (*AGENTIC_PARSERS, "--kv-bytes-per-token", "512")
+
+
+def _agentic(model_path, log_dir) -> Cluster:
+    """``test_router_agentic.py``'s servers: PDD prefill, relay and main (page size 1, as
+    ``pdd_sglang.dev.testing.mixed_tp`` starts them) and a plain reference, all on the agentic
+    test model (a byte-level BPE that spells JSON and Qwen's tool-call markup; not the tiny
+    model of ``model_path``) with SGLang's Qwen parsers."""
+    from dataclasses import replace
+
+    from pdd_sglang.dev.testing.agentic_model import ensure_agentic_model
+
+    agentic = ensure_agentic_model()
+    bootstrap_port = free_port()
+    servers = [replace(server, extra_args=(*server.extra_args, *AGENTIC_PARSERS))
+               for server in pdd_servers(TpSizes(1, 1, 1), agentic, log_dir, bootstrap_port)]
+    plain = SGLangServer("plain", agentic, log_dir, extra_args=AGENTIC_PARSERS,
+                         fork_children=True)
+    cluster = Cluster([*servers, plain])
+    cluster.bootstrap_port, cluster.log_dir, cluster.router = bootstrap_port, log_dir, None
+    cluster.model_path = agentic
     return cluster
 
 
 # name -> how to build it: servers a single test owns, started early by ``start_beside``
-BESIDE = {"no_role": _no_role_pair, "tp": _tp, "agentic_grammar": _agentic_grammar}
+BESIDE = {"no_role": _no_role_pair, "tp": _tp, "kv_8b": _kv_8b, "agentic": _agentic,
+          "agentic_grammar": _agentic_grammar}
 
 
 class SharedClusters:
@@ -327,9 +373,13 @@ def tp_cluster(shared_clusters):
     """``test_tp.py``'s TP cluster (``_tp``), started beside the page-16 tests, with P, RLD and
     MD behind the PDD router; stopped when the module ends (its last test stops its PDD servers
     itself, checking their shutdown)."""
-    cluster = shared_clusters.take_beside("tp")
+    yield from _behind_router(shared_clusters.take_beside("tp"))
+
+
+def _behind_router(cluster: Cluster, router_args: tuple = ()):
+    """``cluster`` with the PDD router over it, until the fixture ends; then both stopped."""
     try:
-        start_router(cluster)
+        start_router(cluster, router_args)
         yield cluster
     finally:
         try:
@@ -337,6 +387,24 @@ def tp_cluster(shared_clusters):
                 cluster.router.stop()
         finally:
             cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def kv_8b_cluster(shared_clusters):
+    """``test_kv_realistic.py``'s cluster (``_kv_8b``), started beside the TP tests; stopped
+    when the module ends."""
+    cluster = shared_clusters.take_beside("kv_8b")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def agentic_cluster(shared_clusters):
+    """``_agentic``'s servers behind the PDD router (with the same parsers), for one module;
+    stopped when it ends."""
+    yield from _behind_router(shared_clusters.take_beside("agentic"), AGENTIC_ROUTER_ARGS)
 
 
 @pytest.fixture
@@ -367,8 +435,10 @@ def router_cluster(shared_clusters):
 # - ``test_tp.py``'s TP cluster (four servers of a launcher, one or two schedulers and a
 #   detokenizer each) starts beside the shutdown test, which stops the page-16 servers; the TP
 #   tests run after it, before the tail.
-# - ``test_agentic_grammar.py``'s four servers (the agentic test model) start beside the TP tests
-#   and serve after them.
+# - ``test_kv_realistic.py``'s cluster on the KV-realistic model (four servers with pools of 256
+#   MiB) starts beside the TP tests, and its test runs after them.
+# - ``test_agentic_grammar.py``'s four servers (the agentic test model) start beside the router's
+#   agentic test and serve after it.
 # - The foreground reaches the quick demo's result minutes before the demo ends (the demo's pace
 #   is its line and its CPU quotas), so the Ctrl-C run (four servers cut short in start-up) and
 #   the fault suite's start sit there at no cost to the session.
@@ -380,8 +450,12 @@ DEMO_TESTS = ("test_demo.py",)
 FAULT_SUITE = ("test_fault_suite.py",)
 NO_ROLE = ("test_no_role.py",)
 TP_TESTS = ("test_tp.py",)  # after the shutdown test, beside which its TP cluster starts
-GRAMMAR_TESTS = ("test_agentic_grammar.py",)  # after the TP tests, beside which its servers start
-GRAMMAR_ORDER = (5, 2)
+TP_ORDER = (5, 1)
+KV_8B_TESTS = ("test_kv_realistic.py",)  # after the TP tests, beside which its cluster starts
+AGENTIC_TESTS = ("test_router_agentic.py",)  # after the KV-realistic test, beside which its cluster starts
+KV_8B_ORDER = (5, 2)
+GRAMMAR_TESTS = ("test_agentic_grammar.py",)  # after the router's agentic test, beside it
+GRAMMAR_ORDER = (5, 4)
 LAST = ("test_shutdown.py",)  # stops the live cluster's servers
 LAST_ORDER = (5,)
 FAULT_SUITE_STARTS_AT = (1,)  # the quick demo's result
@@ -407,7 +481,11 @@ def _order(item) -> tuple:
     if name in NO_ROLE:
         return (4, 16, 1)
     if name in TP_TESTS:
-        return (5, 1)
+        return TP_ORDER
+    if name in KV_8B_TESTS:
+        return KV_8B_ORDER
+    if name in AGENTIC_TESTS:
+        return (5, 3)
     if name in GRAMMAR_TESTS:
         return GRAMMAR_ORDER
     if name in LAST:
@@ -442,7 +520,12 @@ def _background_and_ahead(request, start_background, still_running):
     if order == LAST_ORDER and _collected(request.session, TP_TESTS):
         # The TP cluster's four servers (six ranks) fit once the page-16 cluster's servers stop.
         request.getfixturevalue("shared_clusters").start_beside("tp")
-    if order == (5, 1) and _collected(request.session, GRAMMAR_TESTS):
+    if order == TP_ORDER and _collected(request.session, KV_8B_TESTS):
+        request.getfixturevalue("shared_clusters").start_beside("kv_8b")
+    if order == KV_8B_ORDER and _collected(request.session, AGENTIC_TESTS):
+        # The KV-realistic test mostly waits on its handoffs; the agentic servers start beside it.
+        request.getfixturevalue("shared_clusters").start_beside("agentic")
+    if order == (5, 3) and _collected(request.session, GRAMMAR_TESTS):
         request.getfixturevalue("shared_clusters").start_beside("agentic_grammar")
     if order == PAGE16_TESTS:
         clusters = request.getfixturevalue("shared_clusters")

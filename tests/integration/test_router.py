@@ -269,6 +269,65 @@ def test_openai_endpoints_match_plain_server(router_cluster, pipeline, length):
     assert_idle(router_cluster)
 
 
+AGENT_TOOLS = [{"type": "function", "function": {
+    "name": "lookup", "description": "look a word up",
+    "parameters": {"type": "object", "properties": {"word": {"type": "string"}},
+                   "required": ["word"]}}}]
+
+
+def _agentic_chats(length: int) -> list[dict]:
+    """Chats with tools, an assistant tool call and its result, response_format and
+    chat_template_kwargs (the tiny model's template renders the messages; SGLang's translation
+    still turns the rest into sampling parameters)."""
+    content = text_of(words(40 + length, length))
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "lookup", "arguments": '{"word": "w5"}'}}
+    history = [{"role": "user", "content": content},
+               {"role": "assistant", "content": "", "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "w6 w7"},
+               {"role": "user", "content": "w8 w9"}]
+    base = {"messages": history, "max_tokens": 6, "temperature": 0}
+    return [{**base, "tools": AGENT_TOOLS},
+            {**base, "tools": AGENT_TOOLS, "tool_choice": "none", "logit_bias": {"7": -1.0}},
+            {**base, "response_format": {"type": "json_object"}},
+            {**base, "chat_template_kwargs": {"enable_thinking": False}, "top_k": 3}]
+
+
+@pytest.mark.parametrize("pipeline,length", [("prefill_main", 20),
+                                             ("prefill_relay_main", 3 * ROUTER_RELAY_ABOVE_TOKENS)])
+def test_agentic_chats_get_sglangs_prompt_and_answer(router_cluster, pipeline, length):
+    """The prefill's translation (what the router sends) has the prompt ids a plain SGLang
+    server reports for the same chat, and the router's greedy answer is the plain server's."""
+    router, plain = router_cluster.router.url, router_cluster["plain"].url
+    prefill = router_cluster["prefill"].url
+    for body in _agentic_chats(length):
+        status, translated = post(prefill, "/pdd/chat_request", body)
+        assert status == 200, translated
+        _, reference = post(plain, "/v1/chat/completions", {**body, "max_tokens": 1,
+                                                             "return_prompt_token_ids": True})
+        assert translated["prompt"]["input_ids"] == reference["choices"][0]["prompt_token_ids"]
+        assert translated["sampling_params"]["max_new_tokens"] == 6
+        if "logit_bias" in body:
+            assert translated["sampling_params"]["logit_bias"] == body["logit_bias"]
+        if "response_format" in body:
+            assert translated["sampling_params"]["json_schema"] is not None
+        if "top_k" in body:
+            assert translated["sampling_params"]["top_k"] == 3
+        if "response_format" in body:
+            continue  # constrained decoding on the CPU engine: the grammar helper's part
+        _, want = post(plain, "/v1/chat/completions", body)
+        status, got = post(router, "/v1/chat/completions", body)
+        assert status == 200, got
+        assert got["metadata"]["pdd"]["pipeline"] == pipeline
+        assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
+        assert got["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"]
+    # SGLang's own refusal, passed on unchanged.
+    bad = {"messages": [{"role": "user", "content": "w1"}], "tools": AGENT_TOOLS,
+           "tool_choice": {"type": "function", "function": {"name": "missing"}}}
+    assert post(router, "/v1/chat/completions", bad) == post(plain, "/v1/chat/completions", bad)
+    assert_idle(router_cluster)
+
+
 def test_models_health_metrics(router_cluster):
     router = router_cluster.router.url
     with urllib.request.urlopen(router + "/v1/models") as resp:

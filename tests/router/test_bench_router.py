@@ -33,6 +33,9 @@ def test_quick_bench_writes_one_row_per_router_mode_and_concurrency(tmp_path):
     for router, mode in (("pdd", "p_rld_md"), ("sglang-router", "pd")):
         assert {(router, mode, "load", 1), (router, mode, "load", 4),
                 (router, mode, "saturation", 4), (router, mode, "long", 1)} <= keys
+    # Agentic chats (tools, a tool call and its result) through the PDD router only.
+    assert ("pdd", "p_rld_md", "chat", 4) in keys
+    assert not any(kind == "chat" for router, _, kind, _ in keys if router != "pdd")
     for row in runs:
         assert ROW_FIELDS <= set(row), row
         assert row["errors"] == 0, row["error_samples"]

@@ -11,7 +11,8 @@ from pdd_sglang.router.model import ModelInfo, kv_bytes_per_token_from_config
 from pdd_sglang.router.placement import Placer
 from pdd_sglang.router.prefix_mirror import PrefixMirror
 from pdd_sglang.router.prompt import Prompt, TokenEstimate
-from pdd_sglang.router.request_parsing import parse_chat, parse_completion, parse_generate
+from pdd_sglang.router.chat_translation import job_of, parse_chat
+from pdd_sglang.router.request_parsing import parse_completion, parse_generate
 from pdd_sglang.router.servers import NoHealthyServer, ServerPool
 
 KV = 512.0
@@ -122,9 +123,6 @@ class WordTokenizer:
     def decode(self, ids, skip_special_tokens=True):
         return " ".join(f"w{i - 4}" for i in ids)
 
-    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
-        return " ".join(m["content"] for m in messages)
-
 
 MODEL = ModelInfo("/m/tiny", "/m/tiny", 100, WordTokenizer(), KV)
 
@@ -163,13 +161,23 @@ def test_openai_parsing():
     assert rejected(parse_completion, {"prompt": "w1", "max_tokens": 0}).kind == "validation"
     err = rejected(parse_completion, {"prompt": "w1", "model": "other"})
     assert err.status == 404 and err.kind == "not_found"
-    job, _ = parse_chat({"messages": [{"role": "user", "content": "w1"}],
+    intake = parse_chat({"messages": [{"role": "user", "content": "w1"}],
                          "max_completion_tokens": 4, "model": "/m/tiny"}, MODEL)
-    # The tokenizer adds no special token to a text: the rendered chat goes as text.
-    assert job.prompt.text == "w1" and job.max_new_tokens == 4
-    assert rejected(parse_chat, {"messages": []}).message == "Messages cannot be empty."
-    assert rejected(parse_chat, {"messages": [{"role": "user", "content": "w1"}],
-                                 "n": 2}).cause == "unsupported_option"
+    assert intake.model_name == "/m/tiny" and not intake.stream
+    # SGLang's translation (a prefill's /pdd/chat_request) becomes the job: its exact ids, its
+    # sampling parameters (Nones too, as SGLang sends them), its other /generate fields.
+    translated = {"prompt": {"input_ids": [3, 5, 3]},
+                  "sampling_params": {"max_new_tokens": 4, "stop": None, "temperature": 1.0},
+                  "generate": {"require_reasoning": True}, "answer": {}}
+    job = job_of(translated, intake, MODEL)
+    assert job.prompt.ids == (3, 5, 3) and job.max_new_tokens == 4
+    assert job.sampling_params == translated["sampling_params"]
+    assert job.extra == {"require_reasoning": True}
+    translated["prompt"]["input_ids"] = [5] * 97
+    assert rejected(lambda body, model: job_of(body, intake, model),
+                    translated).cause == "max_tokens_too_large"
+    err = rejected(parse_chat, {"messages": [{"role": "user", "content": "w1"}], "n": 2})
+    assert err.cause == "unsupported_n" and err.message.startswith("n is not supported")
 
 
 def test_a_relay_that_failed_the_request_is_avoided_when_it_is_placed_again():
@@ -270,9 +278,10 @@ def test_a_request_budget_is_parsed_for_every_api_and_not_forwarded():
     assert job.ttft_slo_s == 0.8 and "ttft_slo_ms" not in job.extra
     job, _ = parse_completion({"prompt": "w1", "ttft_slo_ms": 250}, MODEL)
     assert job.ttft_slo_s == 0.25
-    job, _ = parse_chat({"messages": [{"role": "user", "content": "w1"}], "ttft_slo_ms": 1500},
+    intake = parse_chat({"messages": [{"role": "user", "content": "w1"}], "ttft_slo_ms": 1500},
                         MODEL)
-    assert job.ttft_slo_s == 1.5
+    translated = {"prompt": {"input_ids": [5]}, "sampling_params": {}, "generate": {}}
+    assert job_of(translated, intake, MODEL).ttft_slo_s == 1.5
     assert parse_generate({"text": "w1"}, MODEL).ttft_slo_s is None
 
 

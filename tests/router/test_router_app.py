@@ -18,6 +18,7 @@ from pdd_sglang.router.app import build_app
 from pdd_sglang.router.config import LinkParams, PrefillEndpoint, RouterConfig
 from pdd_sglang.router.service import RouterService
 from pdd_sglang.dev.testing.cluster import free_port
+from pdd_sglang.dev.testing.fake_chat import fake_chat_translation
 from pdd_sglang.dev.testing.tiny_model import ensure_tiny_model
 
 
@@ -58,6 +59,11 @@ class FakeServer:
         app.router.add_get("/model_info", model_info)
         app.router.add_post("/generate", self.generate)
         app.router.add_post("/abort_request", self.abort)
+        if self.role == "prefill":
+            async def chat_request(request):
+                return web.json_response(fake_chat_translation(await request.json()))
+
+            app.router.add_post("/pdd/chat_request", chat_request)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
         await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
@@ -375,6 +381,26 @@ def test_bad_requests_never_reach_a_server(body, status):
     async def test(session, url, prefill, relay, main):
         async with session.post(url + "/generate", data=body) as resp:
             assert resp.status == status
+        assert not prefill.bodies and not relay.bodies and not main.bodies
+
+    asyncio.run(with_router([RELAY_SCRIPT, MAIN_SCRIPT], test))
+
+
+def test_responses_api_is_refused_naming_chat_completions_and_images_by_their_part():
+    async def test(session, url, prefill, relay, main):
+        async with session.post(url + "/v1/responses", json={"input": "w1"}) as resp:
+            assert resp.status == 501
+            error = (await resp.json())["error"]
+        assert "/v1/chat/completions" in error["message"] and error["code"] == 501
+        async with session.get(url + "/v1/responses/resp_1") as resp:
+            assert resp.status == 501
+        image = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]
+        async with session.post(url + "/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": image}]}) as resp:
+            assert resp.status == 400
+            error = await resp.json()
+        assert error["message"].startswith("messages[0].content[0] of type 'image_url'")
+        assert error["type"] == "BadRequestError"
         assert not prefill.bodies and not relay.bodies and not main.bodies
 
     asyncio.run(with_router([RELAY_SCRIPT, MAIN_SCRIPT], test))

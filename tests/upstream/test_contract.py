@@ -104,6 +104,19 @@ HOOKED_SYMBOLS = [
     ("entrypoints/http_server.py", "app"),
     ("entrypoints/http_server.py", "launch_server"),
     ("entrypoints/http_server.py", "_setup_and_run_http_server"),
+    # The prefill's /pdd/chat_request (prefill/chat_request.py) and the router's answer parsing
+    # (router/chat_answer.py) call SGLang's chat serving.
+    ("entrypoints/http_server.py", "validate_json_request"),
+    *[("entrypoints/openai/serving_chat.py", f"OpenAIServingChat.{name}") for name in (
+        "_validate_request", "_convert_to_internal_request", "_effective_tools",
+        "_tool_call_parsing_active", "_get_reasoning_from_request",
+        "_get_history_tool_calls_cnt", "_encoding_output", "_process_tool_calls",
+        "_process_tool_call_stream", "_check_for_unstreamed_tool_args",
+        "_process_reasoning_stream", "_answer_started")],
+    ("entrypoints/openai/serving_chat.py", "_incomplete_tool_call_indices"),
+    ("entrypoints/openai/serving_base.py", "OpenAIServingBase.create_error_response"),
+    ("entrypoints/openai/protocol.py", "ChatCompletionRequest"),
+    ("parser/response_template.py", "grammar_holds_calls"),
     # 0019: head-sliced KV (prefill and decode at different TP sizes) through PDD's engine choice
     ("disaggregation/mooncake/conn.py", "MooncakeKVManager.send_kvcache_slice"),
     ("disaggregation/mooncake/conn.py", "MooncakeKVManager._await_transfer_futures"),

@@ -9,8 +9,10 @@ Life cycle of a bench run:
 2. per concurrency: the backend directly (the fake main, no router), then each router, with the
    same closed-loop load (router_bench/load.py); the router's CPU time is its group's
    ``cpuacct.usage`` over the run;
-3. long answers through P->RLD->MD (a handoff, then thousands of tokens from main), and a
-   saturation run per router (short answers at the highest concurrency);
+3. long answers through P->RLD->MD (a handoff, then thousands of tokens from main), a
+   saturation run per router (short answers at the highest concurrency), and agentic chat
+   completions (``chat``: tools, a tool call and its result in the history; router_bench/load.py)
+   through each PDD router at the load point, against the direct /generate run;
 4. rows into ``router_bench.json`` (``runs``: one row per router, mode, concurrency and answer
    length), a table on stdout; every process and group is removed on every exit path.
 
@@ -98,6 +100,7 @@ class Settings:
     log_dir: Path = Path("router_bench_logs")
     cgroup: bool = True
     profile: bool = False  # py-spy on the PDD routers (router_bench/profiling.py)
+    publish: bool = False  # also the current result in docs/results/ (dev/results.py)
 
 
 def _python() -> str:
@@ -274,9 +277,10 @@ def _direct_row(kind: str, concurrency: int, answer: int, res: LoadResult) -> di
 
 
 def _measure(router: Router | None, url: str, concurrency: int, duration_s: float,
-             answer: int, s: Settings) -> tuple[LoadResult, float]:
+             answer: int, s: Settings, chat: bool = False) -> tuple[LoadResult, float]:
     before = _cpu_of(router) if router is not None else 0.0
-    res = asyncio.run(run_load(url, concurrency, duration_s, answer, s.prompt_tokens))
+    res = asyncio.run(run_load(url, concurrency, duration_s, answer, s.prompt_tokens,
+                               chat=chat))
     cpu = (_cpu_of(router) - before) if router is not None else 0.0
     return res, cpu
 
@@ -302,6 +306,8 @@ def _plan(s: Settings) -> list:
     plan = [("load", c, s.answer_tokens, s.repeats if c == 256 else 1) for c in s.concurrency]
     plan.append(("saturation", max(s.concurrency), s.sat_answer_tokens, s.repeats))
     plan.append(("long", s.long_concurrency, s.long_answer_tokens, 1))
+    level = 256 if 256 in s.concurrency else max(s.concurrency)
+    plan.append(("chat", level, s.answer_tokens, s.repeats if level == 256 else 1))
     return plan
 
 
@@ -315,7 +321,7 @@ def _run_router(s: Settings, router: Router, kind: str, conc: int, answer: int,
             f"profile-{router.mode}-{router.build}-{kind}-c{conc}.txt"), s.duration_s, {
             "router": router.name, "mode": router.mode, "build": router.build,
             "kind": kind, "concurrency": conc, "answer_tokens": answer}).start()
-    res, cpu = _measure(router, router.url, conc, s.duration_s, answer, s)
+    res, cpu = _measure(router, router.url, conc, s.duration_s, answer, s, kind == "chat")
     row = _row(router, kind, conc, answer, res, direct, cpu)
     if sampler is not None:
         row["profiled"] = True
@@ -380,6 +386,8 @@ def run_bench(s: Settings) -> dict:
                 for router in routers:
                     if kind == "long" and router.mode == "p_md":
                         continue  # long answers are about the handoff's splice
+                    if kind == "chat" and router.name != "pdd":
+                        continue  # the fake servers answer the PDD prefill's chat route only
                     row = _run_router(s, router, kind, conc, answer, direct,
                                       profiles if repeat == 0 else None)
                     rows[router.key].append(row)

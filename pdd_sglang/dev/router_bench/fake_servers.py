@@ -8,8 +8,10 @@ the model, is what the bench measures. What each answers:
 - ``/server_info``: SGLang's shape with PDD's block: ``pdd_role``; the relay's handoff control
   address; main's Mooncake session; the prefill's ``wan_line``, ``fanout`` and a transfer ledger
   of ``--ledger-rows`` rows (a busy prefill's keeps 8,192), so its size is what a router pays.
-- the prefill's ``/pdd/line`` (its compact line report, an idle line by class) and
-  ``/pdd/cache_only`` (202), as a PDD prefill of this build serves them.
+- the prefill's ``/pdd/line`` (its compact line report, an idle line by class),
+  ``/pdd/cache_only`` (202) and ``/pdd/chat_request`` (a chat's ids and sampling parameters, of
+  the route's shape: pdd_sglang.dev.testing.fake_chat), as a PDD prefill of this build serves
+  them.
 - ``/generate`` on the prefill: SGLang's PD prefill answer (one token, non-streamed, or one chunk
   and ``[DONE]`` when asked to stream), after ``--prefill-ms``.
 - ``/generate`` on a decoder (stream): token k of a request leaves at
@@ -39,6 +41,7 @@ import time
 import orjson
 from aiohttp import web
 
+from pdd_sglang.dev.testing.fake_chat import fake_chat_translation
 from pdd_sglang.protocol.messages import FINISHED_AT_RELAY
 
 DONE = b"data: [DONE]\n\n"
@@ -129,6 +132,10 @@ def build_app(role: str, args, shared: Shared, port: int) -> web.Application:
         await request.read()
         return web.Response(status=202)
 
+    async def chat_request(request):
+        translation = fake_chat_translation(orjson.loads(await request.read()))
+        return web.Response(body=orjson.dumps(translation), content_type="application/json")
+
     async def generate(request):
         body = orjson.loads(await request.read())
         received = time.monotonic()
@@ -216,6 +223,7 @@ def build_app(role: str, args, shared: Shared, port: int) -> web.Application:
     if role == "prefill":
         app.router.add_get("/pdd/line", get_line)
         app.router.add_post("/pdd/cache_only", cache_only)
+        app.router.add_post("/pdd/chat_request", chat_request)
     return app
 
 

@@ -3,6 +3,9 @@
 Each of ``concurrency`` workers sends a streamed /generate, reads its SSE events (only the last
 chunk is parsed, for an error), and sends the next one as soon as it ends, until ``duration_s``
 has passed. TTFT is request-to-first-chunk; ITL the gaps between chunks (one token a chunk).
+With ``chat``, each request is an agentic chat completion instead (:func:`chat_body`: tools, an
+assistant tool call and its tool result before the user's next turn), and only the chunks that
+carry answer text count (a chat stream also has a role chunk and a finish chunk).
 """
 
 from __future__ import annotations
@@ -41,13 +44,39 @@ def prompt_text(tokens: int, salt: int) -> str:
     return " ".join(f"w{(salt * 31 + i * 7) % 1000}" for i in range(tokens))
 
 
-async def _one(session, url: str, body: bytes, result: LoadResult) -> None:
+TOOLS = [{"type": "function", "function": {
+    "name": "w17", "description": "w18 w19 w20",
+    "parameters": {"type": "object", "properties": {"w21": {"type": "string"}},
+                   "required": ["w21"]}}}]
+
+
+def chat_body(prompt: str, answer_tokens: int) -> bytes:
+    """A turn of an agent: the tools, the conversation so far with a tool call and its result."""
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "w17", "arguments": '{"w21": "w22"}'}}
+    messages = [{"role": "user", "content": prompt},
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "w23 w24"},
+                {"role": "user", "content": "w25 w26"}]
+    return orjson.dumps({"messages": messages, "tools": TOOLS, "max_tokens": answer_tokens,
+                         "temperature": 0, "ignore_eos": True, "stream": True})
+
+
+def _is_token_chunk(line: bytes) -> bool:
+    """A chat chunk carrying answer text (not the role chunk's empty content, nor the finish)."""
+    at = line.find(b'"content":"')
+    return at >= 0 and line[at + 11:at + 12] != b'"'
+
+
+async def _one(session, url: str, body: bytes, result: LoadResult, path: str = "/generate"
+               ) -> None:
+    chat = path != "/generate"
     sent = time.perf_counter()
     last_at = None
     chunks = 0
     last_line = b""
     try:
-        async with session.post(url + "/generate", data=body,
+        async with session.post(url + path, data=body,
                                 headers={"Content-Type": "application/json"}) as resp:
             if resp.status != 200:
                 raise RuntimeError(f"HTTP {resp.status}: {(await resp.read())[:200]!r}")
@@ -62,6 +91,8 @@ async def _one(session, url: str, body: bytes, result: LoadResult) -> None:
                     await resp.content.read()  # to the body's end: the connection is reused
                     break
                 last_line = line
+                if chat and not _is_token_chunk(line):
+                    continue
                 chunks += 1
                 if last_at is None:
                     result.ttft_s.append(now - sent)
@@ -71,7 +102,8 @@ async def _one(session, url: str, body: bytes, result: LoadResult) -> None:
         out = orjson.loads(last_line[5:]) if last_line else {"error": "no chunk"}
         if "error" in out:
             raise RuntimeError(str(out["error"])[:200])
-        _estimate_error(out.get("meta_info") or {}, result)
+        if not chat:
+            _estimate_error(out.get("meta_info") or {}, result)
         result.completed += 1
         result.tokens += chunks
     except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, ValueError) as err:
@@ -88,7 +120,8 @@ def _estimate_error(meta: dict, result: LoadResult) -> None:
 
 
 async def run_load(url: str, concurrency: int, duration_s: float, answer_tokens: int,
-                   prompt_tokens: int, max_requests: int | None = None) -> LoadResult:
+                   prompt_tokens: int, max_requests: int | None = None,
+                   chat: bool = False) -> LoadResult:
     result = LoadResult()
     prompts = [prompt_text(prompt_tokens, salt) for salt in range(8)]
     deadline = time.perf_counter() + duration_s
@@ -98,7 +131,12 @@ async def run_load(url: str, concurrency: int, duration_s: float, answer_tokens:
         nonlocal sent
         while time.perf_counter() < deadline and (max_requests is None or sent < max_requests):
             sent += 1
-            body = orjson.dumps({"text": prompts[(index + sent) % len(prompts)],
+            prompt = prompts[(index + sent) % len(prompts)]
+            if chat:
+                await _one(session, url, chat_body(prompt, answer_tokens), result,
+                           "/v1/chat/completions")
+                continue
+            body = orjson.dumps({"text": prompt,
                                  "sampling_params": {"max_new_tokens": answer_tokens,
                                                      "temperature": 0, "ignore_eos": True},
                                  "stream": True})

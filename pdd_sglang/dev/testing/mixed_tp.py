@@ -117,13 +117,15 @@ def mixed_tp_cluster(sizes: TpSizes, model_path, log_dir: Path, extra: tuple = (
     return cluster
 
 
-def start_router(cluster: Cluster) -> RouterProcess:
+def start_router(cluster: Cluster, extra_args: tuple = ()) -> RouterProcess:
     """The PDD router over ``cluster``'s prefill, relay and main (any test cluster with a
-    ``bootstrap_port`` and ``log_dir``), as ``cluster.router``."""
+    ``bootstrap_port`` and ``log_dir``), as ``cluster.router``; ``extra_args``: more router
+    flags."""
     router = RouterProcess(cluster.log_dir / "router.log", [
         "--prefill", cluster["prefill"].url, str(cluster.bootstrap_port),
         "--relay", cluster["relay"].url, "--main", cluster["main"].url,
-        "--wan-gbps", repr(ROUTER_WAN_GBPS), "--wan-rtt-ms", "0", "--health-interval-s", "1"])
+        "--wan-gbps", repr(ROUTER_WAN_GBPS), "--wan-rtt-ms", "0", "--health-interval-s", "1",
+        *extra_args])
     try:
         router.start()
     except BaseException:

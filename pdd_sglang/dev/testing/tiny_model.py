@@ -13,6 +13,7 @@ import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Optional
 
 from pdd_sglang.dev.testing.model_cache import build_once
 
@@ -34,9 +35,15 @@ class TinyModelSpec:
     num_key_value_heads: int = 2
     max_position_embeddings: int = 4096
     seed: int = 1234
+    # A head dim apart from hidden_size // num_attention_heads (written as the config's
+    # ``head_dim``, which SGLang's Llama reads): a real model's KV geometry beside a small hidden
+    # size. None keeps the computed one, and the cache key of every model made without it.
+    head_dim_override: Optional[int] = None
 
     @property
     def head_dim(self) -> int:
+        if self.head_dim_override is not None:
+            return self.head_dim_override
         return self.hidden_size // self.num_attention_heads
 
     @property
@@ -45,7 +52,10 @@ class TinyModelSpec:
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * 4
 
     def digest(self) -> str:
-        blob = json.dumps(asdict(self), sort_keys=True) + f"|v{VOCAB_WORDS}|{CHAT_TEMPLATE}"
+        fields = asdict(self)
+        if fields["head_dim_override"] is None:  # the key of the models made before the field
+            del fields["head_dim_override"]
+        blob = json.dumps(fields, sort_keys=True) + f"|v{VOCAB_WORDS}|{CHAT_TEMPLATE}"
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -55,6 +65,18 @@ class TinyModelSpec:
 WAN_DEMO_MODEL = TinyModelSpec(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                                num_attention_heads=8, num_key_value_heads=8,
                                max_position_embeddings=8192)
+
+# KV-realistic models for the checks at a real model's size: Llama-3-8B's KV geometry (32 layers x
+# 8 KV heads x head dim 128; 256 KiB of KV a token in float32, 128 KiB in bf16) and Llama-3-70B's
+# depth (80 layers; 640 KiB a token in float32), with hidden and MLP sizes kept small so a prefill
+# stays cheap on a few CPU cores. Size a server's KV pool for them (--max-total-tokens): 4,096
+# tokens at 32 layers is 1 GiB.
+KV_8B_MODEL = TinyModelSpec(hidden_size=256, intermediate_size=512, num_hidden_layers=32,
+                            num_attention_heads=8, num_key_value_heads=8,
+                            max_position_embeddings=8192, head_dim_override=128)
+KV_80_LAYER_MODEL = TinyModelSpec(hidden_size=256, intermediate_size=512, num_hidden_layers=80,
+                                  num_attention_heads=8, num_key_value_heads=8,
+                                  max_position_embeddings=8192, head_dim_override=128)
 
 
 def default_cache_root() -> Path:
@@ -98,6 +120,7 @@ def _build_weights(spec: TinyModelSpec, path: Path) -> None:
         num_attention_heads=spec.num_attention_heads,
         num_key_value_heads=spec.num_key_value_heads,
         max_position_embeddings=spec.max_position_embeddings,
+        head_dim=spec.head_dim,
         bos_token_id=SPECIAL_TOKENS.index("<s>"),
         eos_token_id=SPECIAL_TOKENS.index("</s>"),
         pad_token_id=SPECIAL_TOKENS.index("<pad>"),
