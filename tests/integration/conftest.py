@@ -171,6 +171,9 @@ def _agentic_grammar(_tiny_model_path, log_dir) -> Cluster:
                      extra_args=("--constrained-json-disable-any-whitespace",), **forked),
     ])
     cluster.bootstrap_port = bootstrap_port
+    return cluster
+
+
 # The KV-realistic cluster's pools: 1,024 tokens of 256 KiB (KV_8B_MODEL in float32) each.
 KV_8B_POOL_TOKENS = 1024
 
