@@ -19,6 +19,9 @@ Life cycle of a P->RLD->MD request on a main:
    tokens are the extend part. The forward fills their KV, and on the last chunk samples the
    next token from the last position. A Catch-Up chunk that is not the last samples nothing
    (it runs as a middle chunk of a chunked prefill) and is acknowledged with ``HandoffAck``.
+   Before the extend, a constrained request's grammar is advanced over the tokens it absorbs
+   (:mod:`pdd_sglang.decode.handoff_grammar`), so the next token is masked from the state the
+   relay left; a token the grammar refuses is refused like a bad chunk (``grammar_refused``).
 5. After the last chunk the request joins the running decode batch (as SGLang merges a finished
    prefill batch) and main acknowledges that chunk too: until then the relay keeps the request
    (out of its batch), and resumes it if main refuses. Its stream starts after the handed

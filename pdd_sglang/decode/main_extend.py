@@ -5,10 +5,14 @@ an EXTEND batch and merge it into the running decode batch (life cycle steps 4-5
 from __future__ import annotations
 
 import enum
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from pdd_sglang.decode.handoff_grammar import advance_over_output
 from pdd_sglang.protocol.messages import HandoffAck, HandoffRefused
+
+logger = logging.getLogger(__name__)
 
 
 def ended_by_abort(req: Any) -> bool:
@@ -43,6 +47,7 @@ class _Parked:
     digest: Any = None  # kv_digest.PendingHashes while DIGESTING
     digest_start: int = 0
     chunks_absorbed: int = 0  # extends run; after the first, main cannot decode alone
+    grammar_at: int = 0  # output positions its grammar has accepted (held before any: see hold)
     is_last: bool = False
     chunk_seq: int = -1
 
@@ -79,6 +84,7 @@ class ExtendSteps:
         room_for = min(scheduler.req_to_token_pool.size, scheduler.max_running_requests)
         room_for -= running_batch.batch_size()
         ready = self._fit_memory(extend_candidates(ready, room_for))
+        ready = [parked for parked in ready if self._advance_grammar(parked)]
         if not ready:
             return None
         from sglang.srt.managers.schedule_batch import ScheduleBatch
@@ -94,6 +100,22 @@ class ExtendSteps:
         self._running = _RunningExtend(batch, ready)
         self.stats.event("extend_batches")
         return batch
+
+    def _advance_grammar(self, parked: _Parked) -> bool:
+        """Advance a constrained request's grammar over the tokens this extend absorbs
+        (:mod:`pdd_sglang.decode.handoff_grammar`); one it refuses is not extended: main drops
+        its copy with the reason and tells the relay, which answers the request itself."""
+        req = parked.req
+        before = parked.grammar_at
+        parked.grammar_at, refusal = advance_over_output(req, before)
+        if req.grammar is not None:
+            self.stats.event("grammar_tokens_accepted", parked.grammar_at - before)
+        if refusal is None:
+            return True
+        self.stats.refuse("grammar_refused")
+        logger.warning("PDD main: refused the handoff of room %s: %s", req.bootstrap_room, refusal)
+        self._abort(parked, f"PDD handoff refused: {refusal}", notify_relay="grammar_refused")
+        return False
 
     def _fit_memory(self, ready: list) -> list:
         """Those that fit in free (or evictable) KV now; the others wait a step."""

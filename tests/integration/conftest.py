@@ -43,6 +43,7 @@ from pdd_sglang.dev.testing.cluster import RELAY_CPU_ARGS, Cluster, SGLangServer
 from pdd_sglang.dev.testing.mixed_tp import (TpSizes, mixed_tp_cluster, pdd_servers,
                                              start_router, tp_args, tp_env)
 from pdd_sglang.dev.testing.pristine import pristine_env, pristine_sglang
+from pdd_sglang.dev.testing.agentic_model import ensure_agentic_model
 from pdd_sglang.dev.testing.tiny_model import KV_8B_MODEL, TinyModelSpec, ensure_tiny_model
 
 KV_CODEC_BY_PAGE_SIZE = {1: "auto", 16: "lossless"}
@@ -140,6 +141,39 @@ def _tp(model_path, log_dir) -> Cluster:
     return mixed_tp_cluster(MAKE_TEST_TP, model_path, log_dir, extra=(plain,))
 
 
+# The grammar cluster's relay hands a Catch-Up off in chunks this long, so a JSON answer of a few
+# dozen tokens crosses in several.
+GRAMMAR_CATCH_UP_CHUNK = 8
+
+
+def _agentic_grammar(_tiny_model_path, log_dir) -> Cluster:
+    """``test_agentic_grammar.py``'s servers, of the agentic test model (``agentic_model``):
+    PDD prefill, relay (the handoff hold) and main, and a plain server of the patched venv
+    without a role (SGLang's own behaviour there: ``test_no_role.py``); compact JSON
+    (``--constrained-json-disable-any-whitespace``), so the random model's constrained answers
+    end; small KV pools."""
+    model_path = ensure_agentic_model()
+    bootstrap_port = free_port()
+    common = ("--disaggregation-transfer-backend", "mooncake_tcp",
+              "--constrained-json-disable-any-whitespace")
+    forked = dict(fork_children=True, max_total_tokens=4000)
+    cluster = Cluster([
+        SGLangServer("prefill", model_path, log_dir, extra_args=(
+            "--pdd-role", "prefill", "--disaggregation-bootstrap-port", str(bootstrap_port),
+            *common), **forked),
+        SGLangServer("relay", model_path, log_dir, extra_args=(
+            "--pdd-role", "relay", "--pdd-control-port", "0", "--pdd-debug-handoff-hold",
+            "--pdd-catch-up-chunk", str(GRAMMAR_CATCH_UP_CHUNK), *common, *RELAY_CPU_ARGS),
+            **forked),
+        SGLangServer("main", model_path, log_dir, extra_args=("--pdd-role", "main", *common),
+                     **forked),
+        SGLangServer("plain", model_path, log_dir,
+                     extra_args=("--constrained-json-disable-any-whitespace",), **forked),
+    ])
+    cluster.bootstrap_port = bootstrap_port
+    return cluster
+
+
 # The KV-realistic cluster's pools: 1,024 tokens of 256 KiB (KV_8B_MODEL in float32) each.
 KV_8B_POOL_TOKENS = 1024
 
@@ -186,7 +220,8 @@ def _agentic(model_path, log_dir) -> Cluster:
 
 
 # name -> how to build it: servers a single test owns, started early by ``start_beside``
-BESIDE = {"no_role": _no_role_pair, "tp": _tp, "kv_8b": _kv_8b, "agentic": _agentic}
+BESIDE = {"no_role": _no_role_pair, "tp": _tp, "kv_8b": _kv_8b, "agentic": _agentic,
+          "agentic_grammar": _agentic_grammar}
 
 
 class SharedClusters:
@@ -405,6 +440,8 @@ def router_cluster(shared_clusters):
 #   tests run after it, before the tail.
 # - ``test_kv_realistic.py``'s cluster on the KV-realistic model (four servers with pools of 256
 #   MiB) starts beside the TP tests, and its test runs after them.
+# - ``test_agentic_grammar.py``'s four servers (the agentic test model) start beside the router's
+#   agentic test and serve after it.
 # - The foreground reaches the quick demo's result minutes before the demo ends (the demo's pace
 #   is its line and its CPU quotas), so the Ctrl-C run (four servers cut short in start-up) and
 #   the fault suite's start sit there at no cost to the session.
@@ -420,6 +457,8 @@ TP_ORDER = (5, 1)
 KV_8B_TESTS = ("test_kv_realistic.py",)  # after the TP tests, beside which its cluster starts
 AGENTIC_TESTS = ("test_router_agentic.py",)  # after the KV-realistic test, beside which its cluster starts
 KV_8B_ORDER = (5, 2)
+GRAMMAR_TESTS = ("test_agentic_grammar.py",)  # after the router's agentic test, beside it
+GRAMMAR_ORDER = (5, 4)
 LAST = ("test_shutdown.py",)  # stops the live cluster's servers
 LAST_ORDER = (5,)
 FAULT_SUITE_STARTS_AT = (1,)  # the quick demo's result
@@ -450,6 +489,8 @@ def _order(item) -> tuple:
         return KV_8B_ORDER
     if name in AGENTIC_TESTS:
         return (5, 3)
+    if name in GRAMMAR_TESTS:
+        return GRAMMAR_ORDER
     if name in LAST:
         return LAST_ORDER
     if folder == "integration":
@@ -487,6 +528,8 @@ def _background_and_ahead(request, start_background, still_running):
     if order == KV_8B_ORDER and _collected(request.session, AGENTIC_TESTS):
         # The KV-realistic test mostly waits on its handoffs; the agentic servers start beside it.
         request.getfixturevalue("shared_clusters").start_beside("agentic")
+    if order == (5, 3) and _collected(request.session, GRAMMAR_TESTS):
+        request.getfixturevalue("shared_clusters").start_beside("agentic_grammar")
     if order == PAGE16_TESTS:
         clusters = request.getfixturevalue("shared_clusters")
         if clusters.page_size == 16:  # from the second page-16 test on: its servers are up

@@ -8,6 +8,8 @@ test-only delay, so main is ready late.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import pytest
 
 from pdd_sglang.protocol.messages import HandoffTokens, encode, pack_tokens
@@ -38,12 +40,18 @@ def assert_back_to_baseline(cluster, baselines: dict) -> None:
             assert state.get("active", 0) == 0 and state.get("out_of_batch", 0) == 0, state
 
 
+@contextmanager
+def back_to_baseline(cluster):
+    """Each PDD role's pool and handoff tables as they were before, once the block is done."""
+    before = {n: cluster[n].wait_idle() for n in ("prefill", "relay", "main")}
+    yield before
+    assert_back_to_baseline(cluster, before)
+
+
 @pytest.fixture
 def baselines(three_roles):
-    names = ("prefill", "relay", "main")
-    before = {n: three_roles[n].wait_idle() for n in names}
-    yield before
-    assert_back_to_baseline(three_roles, before)
+    with back_to_baseline(three_roles) as before:
+        yield before
 
 
 def run(cluster, body, **route):

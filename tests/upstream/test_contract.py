@@ -80,6 +80,18 @@ HOOKED_SYMBOLS = [
      "SchedulerBatchResultProcessor.process_batch_result_prefill"),
     ("mem_cache/common.py", "release_kv_cache"),
     ("mem_cache/allocation.py", "alloc_for_extend"),
+    # pdd_sglang.decode.handoff_grammar: main advances a held request's grammar itself
+    ("constrained/base_grammar_backend.py", "BaseGrammarObject.accept_token"),
+    ("constrained/base_grammar_backend.py", "BaseGrammarBackend.dispatch_regex"),
+    ("constrained/xgrammar_backend.py", "XGrammarGrammar.accept_token"),
+    ("constrained/xgrammar_backend.py", "XGrammarGrammar.allocate_vocab_mask"),
+    ("constrained/xgrammar_backend.py", "XGrammarGrammar.fill_vocab_mask"),
+    ("constrained/xgrammar_backend.py", "XGrammarGrammar.apply_vocab_mask"),
+    ("constrained/xgrammar_backend.py", "XGrammarGrammarBackend"),
+    ("disaggregation/decode_schedule_batch_mixin.py",
+     "ScheduleBatchDisaggregationDecodeMixin.process_prebuilt"),
+    ("managers/scheduler_components/batch_result_processor.py",
+     "SchedulerBatchResultProcessor._apply_prefill_grammar"),
     # 0010: the scheduler process's exit path; 0011: the not-fully-idle branch of on_idle
     ("managers/scheduler.py", "run_scheduler_process"),
     ("managers/scheduler.py", "Scheduler.on_idle"),
@@ -207,7 +219,7 @@ REQ_ATTRIBUTES = [
     "output_ids", "origin_input_ids", "full_untruncated_fill_ids", "extend_end", "prefix_len",
     "already_computed", "cached_tokens", "cached_tokens_device", "_cache_breakdown_computed",
     "send_token_offset", "inflight_middle_chunks", "finished_reason", "bootstrap_room",
-    "kv_hints", "sampling_params", "return_logprob", "time_stats",
+    "kv_hints", "sampling_params", "return_logprob", "time_stats", "grammar",
 ]
 
 
@@ -475,3 +487,25 @@ def test_sglang_aborts_every_request_whose_rid_starts_with_the_one_it_is_told():
     abort = next(node for node in ast.walk(tree)
                  if isinstance(node, ast.FunctionDef) and node.name == "abort_request")
     assert "rid.startswith(recv_req.rid)" in ast.get_source_segment(source, abort)
+
+
+def _function_source(rel: str, name: str) -> str:
+    source = (SRT / rel).read_text()
+    node = next(node for node in ast.walk(ast.parse(source))
+                if isinstance(node, ast.FunctionDef) and node.name == name)
+    return ast.get_source_segment(source, node)
+
+
+def test_only_sglangs_prebuilt_step_and_sampled_tokens_advance_a_decode_requests_grammar():
+    """Why main advances a held request's grammar itself (``pdd_sglang.decode.handoff_grammar``):
+    SGLang's PD decode accepts the prefill's first token in ``process_prebuilt``, which a held
+    request skips, and an extend's result accepts only the token it sampled; a token outside
+    the grammar raises ValueError, which main turns into a refusal."""
+    prebuilt = _function_source("disaggregation/decode_schedule_batch_mixin.py", "process_prebuilt")
+    assert "req.grammar.accept_token(req.output_ids[-1])" in prebuilt
+    extend = _function_source("managers/scheduler_components/batch_result_processor.py",
+                              "_apply_prefill_grammar")
+    assert "req.grammar.accept_token(next_token_id)" in extend
+    assert "except ValueError" in extend
+    assert "raise ValueError" in _function_source("constrained/xgrammar_backend.py",
+                                                  "accept_token")

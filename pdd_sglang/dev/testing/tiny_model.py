@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
+from pdd_sglang.dev.testing.model_cache import build_once
+
 VOCAB_WORDS = 1000
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]
 # A minimal chat template, so OpenAI chat endpoints work on the tiny model.
@@ -138,21 +140,13 @@ def ensure_tiny_model(spec: TinyModelSpec | None = None, cache_root: Path | None
     """Return the directory of the tiny model, building it on first use."""
     spec = spec or TinyModelSpec()
     root = cache_root or default_cache_root()
-    path = root / "models" / f"tiny-llama-{spec.digest()}"
-    if (path / "config.json").exists() and (path / "tokenizer.json").exists():
-        return path
-    staging = path.with_name(path.name + f".tmp{os.getpid()}")
-    staging.mkdir(parents=True, exist_ok=True)
-    _build_weights(spec, staging)
-    _build_tokenizer(staging)
-    (staging / "pdd_tiny_model.json").write_text(json.dumps(asdict(spec), indent=2))
-    # A rename makes the model appear whole or not at all, even with concurrent builders.
-    try:
-        staging.rename(path)
-    except OSError:
-        if not (path / "config.json").exists():
-            raise
-    return path
+
+    def build(staging: Path) -> None:
+        _build_weights(spec, staging)
+        _build_tokenizer(staging)
+        (staging / "pdd_tiny_model.json").write_text(json.dumps(asdict(spec), indent=2))
+
+    return build_once(root / "models" / f"tiny-llama-{spec.digest()}", build)
 
 
 def main(argv: list[str] | None = None) -> None:
