@@ -46,10 +46,11 @@ def post(url: str, path: str, body, timeout_s: float = 300.0,
             return err.code, json.loads(err.read())
 
 
-def post_stream(url: str, path: str, body: dict, timeout_s: float = 300.0) -> list[dict]:
+def post_stream(url: str, path: str, body: dict, timeout_s: float = 300.0,
+                key: dict = ROUTER_KEY) -> list[dict]:
     """Every SSE data payload but [DONE], which must end the stream."""
     request = urllib.request.Request(url + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json", **ROUTER_KEY})
+                                     headers={"Content-Type": "application/json", **key})
     events = []
     with urllib.request.urlopen(request, timeout=timeout_s) as resp:
         assert resp.status == 200
@@ -306,10 +307,11 @@ def test_agentic_chats_get_sglangs_prompt_and_answer(router_cluster, pipeline, l
     router, plain = router_cluster.router.url, router_cluster["plain"].url
     prefill = router_cluster["prefill"].url
     for body in _agentic_chats(length):
-        status, translated = post(prefill, "/pdd/chat_request", body)
+        status, translated = post(prefill, "/pdd/chat_request", body, key=SERVER_KEY)
         assert status == 200, translated
         _, reference = post(plain, "/v1/chat/completions", {**body, "max_tokens": 1,
-                                                             "return_prompt_token_ids": True})
+                                                             "return_prompt_token_ids": True},
+                            key=SERVER_KEY)
         assert translated["prompt"]["input_ids"] == reference["choices"][0]["prompt_token_ids"]
         assert translated["sampling_params"]["max_new_tokens"] == 6
         if "logit_bias" in body:
@@ -320,7 +322,7 @@ def test_agentic_chats_get_sglangs_prompt_and_answer(router_cluster, pipeline, l
             assert translated["sampling_params"]["top_k"] == 3
         if "response_format" in body:
             continue  # constrained decoding on the CPU engine: the grammar helper's part
-        _, want = post(plain, "/v1/chat/completions", body)
+        _, want = post(plain, "/v1/chat/completions", body, key=SERVER_KEY)
         status, got = post(router, "/v1/chat/completions", body)
         assert status == 200, got
         assert got["metadata"]["pdd"]["pipeline"] == pipeline
@@ -329,7 +331,8 @@ def test_agentic_chats_get_sglangs_prompt_and_answer(router_cluster, pipeline, l
     # SGLang's own refusal, passed on unchanged.
     bad = {"messages": [{"role": "user", "content": "w1"}], "tools": AGENT_TOOLS,
            "tool_choice": {"type": "function", "function": {"name": "missing"}}}
-    assert post(router, "/v1/chat/completions", bad) == post(plain, "/v1/chat/completions", bad)
+    assert post(router, "/v1/chat/completions", bad) == post(plain, "/v1/chat/completions", bad,
+                                                              key=SERVER_KEY)
     assert_idle(router_cluster)
 
 

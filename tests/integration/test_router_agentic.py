@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from conftest import AGENTIC_PARSERS
-from test_router import assert_idle, post, post_stream
+from test_router import SERVER_KEY, assert_idle, post, post_stream
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "the weather of a city",
@@ -69,7 +69,7 @@ def test_the_prompt_and_sampling_the_router_sends_are_sglangs_own(agentic_cluste
     prefill, plain = agentic_cluster["prefill"].url, agentic_cluster["plain"].url
     for body, want in zip(bodies, reference):
         assert "error" not in want, (body, want)
-        status, got = post(prefill, "/pdd/chat_request", body)
+        status, got = post(prefill, "/pdd/chat_request", body, key=SERVER_KEY)
         assert status == 200, got
         assert got["prompt"]["input_ids"] == want["input_ids"], body
         assert got["sampling_params"] == want["sampling_params"], body
@@ -77,7 +77,8 @@ def test_the_prompt_and_sampling_the_router_sends_are_sglangs_own(agentic_cluste
             continue  # constrained decoding on the CPU engine is not this test's
         # The plain server reports the same prompt for the same chat.
         _, answer = post(plain, "/v1/chat/completions",
-                         {**body, "max_tokens": 1, "return_prompt_token_ids": True})
+                         {**body, "max_tokens": 1, "return_prompt_token_ids": True},
+                         key=SERVER_KEY)
         assert answer["choices"][0]["prompt_token_ids"] == want["input_ids"]
     # Tools reach the template, tool calls and results too: the chats differ in their prompts.
     assert len({tuple(r["input_ids"]) for r in reference}) >= 3
@@ -122,7 +123,7 @@ def test_greedy_answers_through_the_router_are_the_plain_servers(agentic_cluster
                                                                  body, outcome):
     router, plain = agentic_cluster.router.url, agentic_cluster["plain"].url
     body = {**body, **GREEDY}
-    _, want = post(plain, "/v1/chat/completions", body)
+    _, want = post(plain, "/v1/chat/completions", body, key=SERVER_KEY)
     status, got = post(router, "/v1/chat/completions", body)
     assert status == 200, got
     assert got["metadata"]["pdd"]["pipeline"] == pipeline
@@ -130,5 +131,5 @@ def test_greedy_answers_through_the_router_are_the_plain_servers(agentic_cluster
     assert _message(got) == _message(want)
     streamed = {**body, "stream": True}
     assert _streamed(post_stream(router, "/v1/chat/completions", streamed)) == \
-        _streamed(post_stream(plain, "/v1/chat/completions", streamed))
+        _streamed(post_stream(plain, "/v1/chat/completions", streamed, key=SERVER_KEY))
     assert_idle(agentic_cluster)

@@ -76,7 +76,8 @@ def test_the_bench_runs_the_pdd_router_with_keys_and_tls_on_every_leg(tmp_path):
     report = json.loads(out.read_text())
     assert report["settings"]["keys_tls"] is True
     assert {(r["mode"], r["kind"]) for r in report["runs"]} == {
-        ("p_rld_md", "load"), ("p_rld_md", "saturation"), ("p_rld_md", "long")}
+        ("p_rld_md", "load"), ("p_rld_md", "chat"), ("p_rld_md", "saturation"),
+        ("p_rld_md", "long")}
     for row in report["runs"]:
         assert row["errors"] == 0 and row["rps"] > 0, row
     log = (tmp_path / "logs" / "pdd-p_rld_md-after.log").read_text()

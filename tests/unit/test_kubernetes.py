@@ -3,7 +3,9 @@ file names with flags that exist, on the README's ports (HTTP, bootstrap, contro
 container declares them; probes ask /ready (readiness) and /health (liveness), routes both the
 router and SGLang leave open without a key; the router's arguments parse with its own parser,
 point at the Services of its cluster, and its keys come from a Secret under the names the router
-reads; every Secret, key and CURVE file a pod names exists."""
+reads; every Secret, key and CURVE file a pod names exists; every document validates, strictly
+(no field the API does not know), against the Kubernetes API's own schemas, offline
+(kubernetes-validate carries them)."""
 
 from __future__ import annotations
 
@@ -64,6 +66,27 @@ def test_two_clusters_prefill_and_relay_and_the_router_in_one_main_in_the_other(
     roles = {c.name: {d["metadata"]["labels"]["role"]
                       for d in of_kind(documents(c), "Deployment").values()} for c in CLUSTERS}
     assert sorted(roles.values(), key=len) == [{"main"}, {"prefill", "relay", "router"}]
+
+
+# The oldest Kubernetes release the manifests are written for (apps/v1, the probes' fields).
+KUBERNETES_VERSION = "1.29"
+
+
+def test_every_document_validates_against_the_kubernetes_schemas_offline(cluster):
+    import kubernetes_validate
+
+    for doc in cluster:
+        # Raises kubernetes_validate.ValidationError naming the field and the document.
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+def test_the_schema_check_refuses_a_field_kubernetes_does_not_know(cluster):
+    import kubernetes_validate
+
+    deployment = next(iter(of_kind(cluster, "Deployment").values()))
+    bad = {**deployment, "spec": {**deployment["spec"], "replicaz": 1}}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, KUBERNETES_VERSION, strict=True)
 
 
 def test_every_document_names_its_kind_and_name(cluster):

@@ -167,7 +167,7 @@ class Soak:
         self.sample_counters()
         self.load = MultiTurnLoad(cluster.router.host, cluster.router.port, PROFILE, seed=self.seed,
                                   answer_timeout_s=self.answer_timeout_s,
-                                  thread_setup=cluster.client())
+                                  thread_setup=cluster.client(), headers=cluster.router.headers)
         self.started = time.monotonic()
         self.deadline = self.started + self.minutes * 60
         deck: list = []
