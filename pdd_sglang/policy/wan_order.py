@@ -37,9 +37,8 @@ and finishes the request alone if it must.
 
 **A background copy yields sooner.** A needed-now copy that takes the line from the copy on it
 shares the line with what that copy has in flight: the sender yields between slices, hands the
-line over at once and lands its window beside the new copy (until 2026-12-05 the new copy
-started only once that window had landed and been acknowledged, 0.14-0.23 s of a P->MD copy's
-wait in the demo's idle-line setup). A copy no request waits on for a token, a *background*
+line over at once and lands its window beside the new copy, so the new copy never waits for
+that window to land and be acknowledged. A copy no request waits on for a token, a *background*
 copy, keeps at most :data:`BACKGROUND_IN_FLIGHT_S` of the declared line in flight, its slice
 included: a cache-only copy (the relay answered alone), and a relay-covered one (a handoff's: a
 relay answers the request while its copy flies, until that relay fails). Every other copy keeps
@@ -81,8 +80,8 @@ BACKGROUND_IN_FLIGHT_S = 0.1
 # would land within it is worth its bytes. A dropped copy is not saved: the next turn's copy
 # carries its prefix again, larger, and is likelier to be dropped in its turn. At 10 s the
 # demo's PDD setups queued 46-89 MB of main-bound copies where a run of the same 24 requests
-# that dropped nothing queued 33.5 MB, and its relays finished alone more (docs/measurements.md,
-# the seventh session's line samples).
+# that dropped nothing queued 33.5 MB, and its relays finished alone more (the demo's line
+# samples, dev/testing/line_backlog.py).
 CACHE_ONLY_BACKLOG_S = 30.0
 
 

@@ -26,8 +26,8 @@ What the sender does, and how it is modelled here:
    sender's window, ``in_flight_bytes``: ``prefill.wan_engine.window_for_line`` of the line the
    prefill is told, not the profile's per-flow window, which the validation calibrates as a
    copy's measured rate times the RTT): bytes ``ceil((sent + window) / slice) x slice``, at
-   most its size (the sender's ``WanLines.hand_over``; until 2026-12-05 the new copy started
-   only once that window had landed). The yielded copy then goes back to its line with its
+   most its size (the sender's ``WanLines.hand_over``: the new copy does not wait for that
+   window to land). The yielded copy then goes back to its line with its
    progress and keeps its deadline. A background holder (cache-only,
    or relay-covered: a P->RLD->MD request's copy, as the prefill marks one whose room has a
    relay) keeps the sender's smaller window and slices (``prefill.wan_engine.background_window``:

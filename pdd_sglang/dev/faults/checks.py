@@ -38,8 +38,8 @@ REFERENCE_CLIENTS = 16
 # A greedy near-tie, in log-probability (nats): float32 sums run in an order that depends on the
 # batch and on where a prompt's prefill was split (chunk boundaries, prefix-cache hits), and PDD's
 # prefill chunks and its relay batches differ from the reference's, so where the reference's best
-# two tokens lie closer than this either is a correct server's greedy token. Measured (2026-12-04,
-# soak pdd-b9fe221cf5c3-88, output 71, docs/measurements.md): the pristine wheel alone, over 80
+# two tokens lie closer than this either is a correct server's greedy token. Measured on a soak
+# answer's output 71 (a 2,248-token prompt): the pristine wheel alone, over 80
 # batch compositions and prefill splits of that prompt, put the gap between -1.9e-6 and +6.2e-6
 # (the other token won 11 times); the next smallest gap of that answer was 1.6e-4, the smallest of
 # 40 other 512-token answers 4.0e-5. SGLang's --enable-deterministic-inference refuses the CPU
